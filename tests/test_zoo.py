@@ -1,0 +1,291 @@
+"""Tests for planc.zoo: shapes, parameter counts, training signal and the GPT weight tie."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from planc import zoo
+
+TINY_BUILDERS = [zoo.seed_transformer_tiny, zoo.gpt_tiny, zoo.moe_transformer_tiny]
+
+
+# --- expected parameter counts, derived from the configs --------------------------------------
+
+
+def _linear(n_in: int, n_out: int, bias: bool = True) -> int:
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def _seed_params(c: zoo.SeedConfig) -> int:
+    d, f = c.dim, c.ffn_mult * c.dim
+    layer_norms = 2 * (2 * d)
+    attention = 4 * d * d + 4 * d  # packed in_proj (3d x d + 3d) plus out_proj (d x d + d)
+    mlp = _linear(d, f) + _linear(f, d)
+    block = layer_norms + attention + mlp
+    return c.vocab_size * d + c.n_layers * block + 2 * d + _linear(d, c.vocab_size, bias=False)
+
+
+def _gpt_params(c: zoo.GPTConfig) -> int:
+    d, f = c.dim, c.ffn_mult * c.dim
+    block = 2 * (2 * d) + _linear(d, 3 * d) + _linear(d, d) + _linear(d, f) + _linear(f, d)
+    # lm_head shares wte's weight, so it adds nothing.
+    return c.vocab_size * d + c.context_length * d + c.n_layers * block + 2 * d
+
+
+def _moe_params(c: zoo.MoEConfig) -> int:
+    d, e, h = c.dim, c.num_experts, c.hidden_dim
+    attention = _linear(d, 3 * d, bias=False) + _linear(d, d, bias=False)
+    block = 2 * d + attention + _linear(d, e, bias=False) + 3 * e * d * h
+    return c.vocab_size * d + c.n_layers * block + d + _linear(d, c.vocab_size, bias=False)
+
+
+def _num_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "builder, config, expected",
+    [
+        (zoo.seed_transformer, zoo.SeedConfig(), _seed_params),
+        (zoo.gpt, zoo.GPTConfig(), _gpt_params),
+        (zoo.moe_transformer, zoo.MoEConfig(), _moe_params),
+        (zoo.seed_transformer_tiny, zoo.SEED_TINY_CONFIG, _seed_params),
+        (zoo.gpt_tiny, zoo.GPT_TINY_CONFIG, _gpt_params),
+        (zoo.moe_transformer_tiny, zoo.MOE_TINY_CONFIG, _moe_params),
+    ],
+)
+def test_builds_on_meta_with_expected_parameter_count(builder, config, expected):
+    with torch.device("meta"):
+        model = builder()
+    assert model.config == config
+    assert all(p.is_meta for p in model.parameters())
+    assert list(model.buffers()) == []
+    assert _num_params(model) == expected(config)
+
+
+def test_seed_transformer_is_about_1_41b_and_builds_fast_on_meta():
+    # The first normal_ on meta in a process pays for torch's lazy imports; keep it out of
+    # the measurement.
+    with torch.device("meta"):
+        zoo.seed_transformer_tiny()
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = zoo.seed_transformer()
+    elapsed = time.perf_counter() - start
+    assert 1.40e9 <= _num_params(model) <= 1.42e9
+    assert elapsed < 0.5
+
+
+def test_seed_transformer_module_tree():
+    model = zoo.seed_transformer_tiny()
+    c = model.config
+    assert isinstance(model.embedding, torch.nn.Embedding)
+    assert isinstance(model.norm, torch.nn.LayerNorm)
+    assert model.output.weight.shape == (c.vocab_size, c.dim) and model.output.bias is None
+    assert len(model.transformer_layers) == c.n_layers
+    block = model.transformer_layers[0]
+    assert isinstance(block, zoo.Block)
+    assert isinstance(block.attention, torch.nn.MultiheadAttention)
+    assert block.attention.num_heads == c.n_heads and block.attention.batch_first
+    assert isinstance(block.mlp, zoo.MLP)
+    assert block.mlp.w_in.weight.shape == (c.ffn_mult * c.dim, c.dim)
+
+
+def test_full_seed_transformer_has_32_heads_and_4x_mlp():
+    with torch.device("meta"):
+        model = zoo.seed_transformer()
+    block = model.transformer_layers[0]
+    assert (model.config.vocab_size, model.config.dim, len(model.transformer_layers)) == (
+        50000,
+        2048,
+        24,
+    )
+    assert block.attention.num_heads == 32
+    assert block.mlp.w_out.weight.shape == (2048, 4 * 2048)
+
+
+@pytest.mark.parametrize("builder", TINY_BUILDERS)
+def test_tiny_forward_backward_gives_finite_loss_and_gradients_everywhere(builder):
+    torch.manual_seed(0)
+    model = builder()
+    tokens = zoo.example_input(model, batch=2, seq=16)
+    logits = model(tokens)
+    assert logits.shape == (2, 16, model.config.vocab_size)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    assert torch.isfinite(loss)
+    loss.backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        assert torch.isfinite(param.grad).all(), name
+        assert param.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("builder", TINY_BUILDERS)
+def test_models_are_causal(builder):
+    torch.manual_seed(0)
+    model = builder()
+    tokens = zoo.example_input(model, batch=1, seq=8)
+    changed = tokens.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % model.config.vocab_size
+    with torch.no_grad():
+        before, after = model(tokens), model(changed)
+    torch.testing.assert_close(before[:, :-1], after[:, :-1])
+    assert not torch.allclose(before[:, -1], after[:, -1])
+
+
+@pytest.mark.parametrize("builder", TINY_BUILDERS)
+def test_tiny_forward_runs_on_meta(builder):
+    with torch.device("meta"):
+        model = builder()
+        tokens = torch.zeros(2, 16, dtype=torch.long)
+        logits = model(tokens)
+    assert logits.is_meta and logits.shape == (2, 16, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("builder", TINY_BUILDERS)
+def test_tiny_parameter_dims_shard_evenly_over_2_and_4_ranks(builder):
+    for name, param in builder().named_parameters():
+        assert all(size % 4 == 0 for size in param.shape), (name, tuple(param.shape))
+
+
+def test_gpt_ties_output_to_input_embedding():
+    model = zoo.gpt_tiny()
+    assert model.lm_head.weight is model.wte.weight
+    names = [name for name, _ in model.named_parameters()]
+    assert "wte.weight" in names and "lm_head.weight" not in names
+
+
+def test_gpt_tie_survives_to_empty_and_assign_load():
+    with torch.device("meta"):
+        model = zoo.gpt_tiny()
+    model.to_empty(device="cpu")
+    assert not model.wte.weight.is_meta
+    assert model.lm_head.weight is model.wte.weight
+
+    model.load_state_dict(zoo.gpt_tiny().state_dict(), assign=True)
+    assert model.lm_head.weight is model.wte.weight
+
+
+def test_gpt_rejects_sequences_longer_than_context():
+    model = zoo.gpt_tiny()
+    too_long = model.config.context_length + 1
+    with pytest.raises(ValueError, match="context_length"):
+        zoo.example_input(model, seq=too_long)
+    with pytest.raises(ValueError, match="context_length"):
+        model(torch.zeros(1, too_long, dtype=torch.long))
+
+
+def test_full_gpt_is_gpt2_small():
+    with torch.device("meta"):
+        model = zoo.gpt()
+    c = model.config
+    assert (c.vocab_size, c.dim, c.n_layers, c.n_heads, c.context_length) == (
+        50257,
+        768,
+        12,
+        12,
+        1024,
+    )
+    assert model.lm_head.weight is model.wte.weight
+
+
+def test_moe_expert_weights_have_leading_expert_dimension():
+    with torch.device("meta"):
+        model = zoo.moe_transformer()
+    c = model.config
+    assert (c.dim, c.n_layers, c.num_experts, c.hidden_dim, c.vocab_size, c.n_heads) == (
+        1024,
+        8,
+        8,
+        2816,
+        32000,
+        16,
+    )
+    for layer in model.layers:
+        experts = layer.moe.experts
+        assert isinstance(experts, zoo.GroupedExperts)
+        assert experts.w1.shape == (c.num_experts, c.dim, c.hidden_dim)
+        assert experts.w2.shape == (c.num_experts, c.hidden_dim, c.dim)
+        assert experts.w3.shape == (c.num_experts, c.dim, c.hidden_dim)
+        assert layer.moe.router.weight.shape == (c.num_experts, c.dim)
+        assert isinstance(layer.attention, zoo.CausalSelfAttention)
+
+
+def test_moe_matches_per_token_top_k_reference():
+    torch.manual_seed(0)
+    c = zoo.MOE_TINY_CONFIG
+    moe = zoo.MoE(c.dim, c.num_experts, c.hidden_dim, c.top_k)
+    x = torch.randn(2, 3, c.dim)
+    experts = moe.experts
+
+    expected = torch.zeros_like(x)
+    for index in torch.cartesian_prod(torch.arange(2), torch.arange(3)):
+        b, s = index.tolist()
+        token = x[b, s]
+        probs = moe.router(token).softmax(-1)
+        weights, chosen = probs.topk(c.top_k)
+        weights = weights / weights.sum()
+        for weight, e in zip(weights, chosen.tolist()):
+            hidden = F.silu(token @ experts.w1[e]) * (token @ experts.w3[e])
+            expected[b, s] += weight * (hidden @ experts.w2[e])
+
+    torch.testing.assert_close(moe(x), expected)
+
+
+def test_grouped_experts_reset_parameters_is_deterministic():
+    experts = zoo.GroupedExperts(4, 8, 16)
+    torch.manual_seed(123)
+    experts.reset_parameters()
+    first = [p.clone() for p in experts.parameters()]
+    torch.manual_seed(123)
+    experts.reset_parameters()
+    for before, after in zip(first, experts.parameters()):
+        torch.testing.assert_close(before, after, rtol=0, atol=0)
+    assert experts.w2.abs().max() <= 1 / 16**0.5  # fan_in of w2 is hidden_dim
+
+
+def test_example_input_shape_dtype_range_and_generator():
+    model = zoo.moe_transformer_tiny()
+    tokens = zoo.example_input(model, batch=3, seq=5)
+    assert tokens.shape == (3, 5) and tokens.dtype == torch.long
+    assert 0 <= tokens.min() and tokens.max() < model.config.vocab_size
+
+    draw = lambda: zoo.example_input(model, generator=torch.Generator().manual_seed(7))  # noqa: E731
+    assert torch.equal(draw(), draw())
+
+
+def test_example_input_is_real_even_for_meta_models():
+    with torch.device("meta"):
+        model = zoo.seed_transformer()
+        tokens = zoo.example_input(model)
+    assert tokens.device.type == "cpu" and tokens.shape == (2, 16)
+    assert tokens.max() < 50000
+
+
+def test_zoo_registry_and_frozen_configs():
+    assert set(zoo.ZOO) == {
+        "seed_transformer",
+        "seed_transformer_tiny",
+        "gpt",
+        "gpt_tiny",
+        "moe_transformer",
+        "moe_transformer_tiny",
+    }
+    with torch.device("meta"):
+        for name, builder in zoo.ZOO.items():
+            model = builder()
+            assert dataclasses.is_dataclass(model.config), name
+            with pytest.raises(dataclasses.FrozenInstanceError):
+                model.config.dim = 1
+
+
+def test_configs_reject_inconsistent_shapes():
+    with pytest.raises(ValueError, match="n_heads"):
+        zoo.SeedConfig(dim=30, n_heads=4)
+    with pytest.raises(ValueError, match="top_k"):
+        zoo.MoEConfig(num_experts=2, top_k=3)
