@@ -255,8 +255,10 @@ def test_example_input_shape_dtype_range_and_generator():
     assert tokens.shape == (3, 5) and tokens.dtype == torch.long
     assert 0 <= tokens.min() and tokens.max() < model.config.vocab_size
 
-    draw = lambda: zoo.example_input(model, generator=torch.Generator().manual_seed(7))  # noqa: E731
-    assert torch.equal(draw(), draw())
+    first, second = (
+        zoo.example_input(model, generator=torch.Generator().manual_seed(7)) for _ in range(2)
+    )
+    assert torch.equal(first, second)
 
 
 def test_example_input_is_real_even_for_meta_models():
