@@ -1,0 +1,147 @@
+"""The compile pipeline: parse -> graph -> resolve -> validate, as one lazy `CompiledPlan`.
+
+Each phase is a cached property (the vyper `phases.py` pattern), so `planc check` pays only
+for what it asks and `planc explain` reuses the same object for the memory model.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+
+from torch import nn
+
+from planc import syntax as st
+from planc.diagnostics import Diagnostic, PlanError
+from planc.graph import ModelGraph
+from planc.ir import Mesh, Resolution, Unit
+from planc.parse import load
+from planc.resolve import resolve
+from planc.validate import Context, check_expects, check_mesh, validate
+
+
+class CompiledPlan:
+    """A plan resolved and validated against one model (and optionally a world size).
+
+    Attributes:
+        plan: the parsed plan (syntax tree).
+        graph: the model graph, or None when compiled without a model.
+        world_size: the number of ranks the plan was checked for, if known.
+    """
+
+    def __init__(self, plan: st.Plan, graph: ModelGraph | None, world_size: int | None = None):
+        self.plan = plan
+        self.graph = graph
+        self.world_size = world_size
+
+    # ----------------------------------------------------------------- phases
+    @cached_property
+    def _resolved(self) -> tuple[Resolution, list[Diagnostic]]:
+        return resolve(self.plan, self.graph)
+
+    @property
+    def resolution(self) -> Resolution:
+        return self._resolved[0]
+
+    @cached_property
+    def diagnostics(self) -> list[Diagnostic]:
+        """Every finding of resolution and validation, errors and warnings alike."""
+        res, diags = self._resolved
+        diags = list(diags)
+        if self.graph is None:
+            ctx = Context(self.plan, None, res, self.world_size)  # type: ignore[arg-type]
+            diags += list(check_mesh(ctx))
+            diags += [d for d in check_expects_without_model(ctx)]
+            return sort_diagnostics(diags)
+        ctx = Context(self.plan, self.graph, res, self.world_size, metrics=self._metric)
+        return sort_diagnostics(diags + validate(ctx))
+
+    def _metric(self, name: str, world: int | None) -> float | None:
+        from planc.memory import metric  # the memory model is only built when a plan asks
+        return metric(self, name, world)
+
+    @cached_property
+    def memory(self):
+        """The analytic per-rank memory estimate (see `planc.memory`)."""
+        from planc.memory import estimate
+        return estimate(self)
+
+    # ----------------------------------------------------------------- results
+    @property
+    def units(self) -> list[Unit]:
+        """Units in application order: bottom-up, the root last."""
+        return self.resolution.units
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.resolution.mesh
+
+    @property
+    def errors(self) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if d.is_error]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    @property
+    def sources(self) -> dict[str, str]:
+        return dict(self.plan.sources)
+
+    def raise_for_errors(self) -> "CompiledPlan":
+        """Raise `PlanError` with every diagnostic if any is an error; else return self."""
+        if self.errors:
+            raise PlanError(list(self.diagnostics), self.sources)
+        return self
+
+    def unit(self, name: str) -> Unit:
+        return self.resolution.unit(name)
+
+    def __repr__(self) -> str:
+        return f"<CompiledPlan {self.plan.file}: {len(self.units)} units, {len(self.errors)} errors>"
+
+
+def sort_diagnostics(diags: list[Diagnostic]) -> list[Diagnostic]:
+    """Source order (file, line, column), as a reader goes through the plan; stable."""
+    return sorted(diags, key=lambda d: (d.span.file, d.span.line, d.span.column) if d.span else ("", 0, 0))
+
+
+def check_expects_without_model(ctx: Context):
+    """Metric names in `expect` lines can be checked without a model."""
+    from planc.validate import METRICS, _err
+    from planc.diagnostics import suggestion
+    for s in ctx.plan.statements:
+        if isinstance(s, st.ExpectMetric) and s.metric not in METRICS:
+            yield _err("P102", f"unknown metric `{s.metric}`", s.metric_span, "not a metric",
+                       suggestion(s.metric, METRICS) or ("metrics are " + ", ".join(f"`{m}`" for m in METRICS),))
+
+
+def as_plan(plan: st.Plan | str | os.PathLike) -> st.Plan:
+    """A parsed plan from a `Plan` or a path (raises `PlanError` on syntax errors)."""
+    if isinstance(plan, st.Plan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        return load(plan)
+    raise TypeError(f"expected a Plan or a path, got {type(plan).__name__}")
+
+
+def compile(plan: st.Plan | str | os.PathLike, model: nn.Module | ModelGraph | None,
+            world_size: int | None = None, *, strict: bool = True) -> CompiledPlan:
+    """Resolve and validate `plan` against `model`.
+
+    Args:
+        plan: a parsed `Plan` (from `planc.load`/`planc.loads`) or a path to a .plan file.
+        model: the model (any device, meta included), its `ModelGraph`, or None to run only
+            the checks that need no model.
+        world_size: number of ranks; enables mesh, reshard and placement size checks.
+        strict: raise `PlanError` (carrying every diagnostic) if there is any error.
+
+    Returns:
+        The `CompiledPlan`, with `.units` in application order and `.diagnostics`.
+    """
+    parsed = as_plan(plan)
+    graph = model if isinstance(model, ModelGraph) or model is None else ModelGraph.from_module(model)
+    compiled = CompiledPlan(parsed, graph, world_size)
+    if strict:
+        compiled.raise_for_errors()
+    return compiled

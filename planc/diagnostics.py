@@ -1,0 +1,174 @@
+"""Diagnostics: spans, the registry of codes, and `PlanError`.
+
+Every problem planc reports is a `Diagnostic` with a code from `CODES`, a severity, a terse
+message in the user's words, a primary span, and `help:` lines saying how to fix it. Stages
+collect diagnostics in lists; `PlanError` is raised only at the API boundary, carrying all
+of them. Rendering lives in `planc/render.py`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Iterable, Literal
+
+Severity = Literal["error", "warning", "note"]
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """A region of a source file; lines and columns start at 1, `end_column` is exclusive."""
+
+    file: str
+    line: int
+    column: int
+    end_line: int
+    end_column: int
+
+    @classmethod
+    def point(cls, file: str, line: int = 1, column: int = 1) -> "Span":
+        return cls(file, line, column, line, column + 1)
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Diagnostic:
+    """One finding: `code` from `CODES`, a message, where, and how to fix it."""
+
+    code: str
+    severity: Severity
+    message: str
+    span: Span | None = None
+    label: str = ""
+    help: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    related: tuple[tuple[Span, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.code not in CODES:
+            raise KeyError(f"unregistered diagnostic code {self.code}")
+
+    @property
+    def is_error(self) -> bool:
+        return self.severity == "error"
+
+
+@dataclass(frozen=True, slots=True)
+class Code:
+    """A registry entry: a one-line title and an explanation with an example."""
+
+    title: str
+    explanation: str
+    severity: Severity = "error"
+
+
+# NOTE: codes are stable identifiers users put in CI logs and docs; never renumber them.
+CODES: dict[str, Code] = {
+    # --- reading and parsing (P0xx)
+    "P001": Code("syntax error", "The text is not a valid plan: an unexpected token or character. "
+                 "The message names what planc expected at that point.\n\n    unit [norm, output\n    # error: expected `,` or `]`"),
+    "P002": Code("cannot read plan", "The plan file is missing, unreadable, not UTF-8 text, or too large "
+                 "(plans are limited to 1 MiB)."),
+    "P003": Code("include not found", "An `include` names a file that does not exist. Paths are relative "
+                 "to the including plan.\n\n    include \"base.plan\""),
+    "P004": Code("include cycle", "Plans include each other in a loop. Break the cycle: a base plan should "
+                 "not include the plans built on it."),
+    "P005": Code("nesting too deep", "The plan nests brackets deeper than planc accepts."),
+    # --- names and values (P1xx)
+    "P101": Code("unknown option", "A block names an option planc does not know. Options are `precision`, "
+                 "`reshard`, `offload`, `prefetch`, `checkpoint`, `compile`, and the FSDP1 spellings "
+                 "`strategy`, `mixed_precision`, `cpu_offload`.\n\n    unit layers.* { precison param = bf16 }  # did you mean `precision`?"),
+    "P102": Code("unknown value", "An option, mesh or statement has a value planc does not know: a dtype, an "
+                 "enum word, a placement.\n\n    precision param = bfloat61  # did you mean `bfloat16`?"),
+    "P103": Code("bad argument", "An option argument is missing, repeated, of the wrong type, or names a "
+                 "key the option does not take.\n\n    reshard after_forward = maybe"),
+    "P104": Code("not allowed here", "A construct is valid in general but not where it was written, e.g. "
+                 "`checkpoint` on the root, or `strategy HYBRID_SHARD` inside a unit."),
+    "P105": Code("invalid regular expression", "A `re\"...\"` selector does not compile as a Python regular "
+                 "expression."),
+    "P106": Code("model not loadable", "The model the plan names (or `--model`) could not be imported or "
+                 "built on the meta device."),
+    # --- selectors (P2xx)
+    "P201": Code("selector matches nothing", "A selector matches no module of the model. Check the path "
+                 "with `planc tree`; mark the rule `optional` if matching nothing is fine.\n\n"
+                 "    unit layer.*   # did you mean `layers`?"),
+    "P202": Code("unknown class", "A `: Class` guard names a class that no module of the model has; it "
+                 "would silently wrap nothing (the most common failure of FSDP1 wrap policies).\n\n"
+                 "    unit **: LLaMADecoderLayer  # did you mean `LlamaDecoderLayer`?"),
+    "P203": Code("module in two units", "Two unit rules put one module into different units (e.g. alone "
+                 "and in a group). A module belongs to exactly one FSDP unit."),
+    "P204": Code("unit on a container", "`nn.ModuleList` and `nn.ModuleDict` have no `forward`, so FSDP2 "
+                 "refuses them. Make each child a unit instead: `unit layers.*`."),
+    "P205": Code("group unit as root", "A group (list) unit cannot be the root of FSDP: with `root none`, "
+                 "a group that no other unit encloses would act as one. Keep the root a unit."),
+    "P206": Code("parameter selector matches nothing", "An `ignore` or `place` selector matches no "
+                 "parameter of the model."),
+    "P207": Code("rule has no effect", "Every unit and option this rule sets is set again by later rules, "
+                 "so removing it changes nothing.", "warning"),
+    "P208": Code("bad selector", "A selector is malformed for the model: an index out of range, an "
+                 "unknown predicate, a slice on a module without children."),
+    # --- structure (P3xx)
+    "P301": Code("tied parameters split across units", "One parameter is held by modules in two units "
+                 "(tied input/output embeddings). FSDP2 fails at the first forward: `Parameter ... is "
+                 "shared with a parameter already managed by another FSDP group`. Put both modules in one "
+                 "group unit, or make neither a unit of its own."),
+    "P302": Code("parameters under no unit", "With `root none`, these parameters belong to no unit: they "
+                 "stay replicated and their gradients are never synchronised, so ranks silently diverge."),
+    "P303": Code("scalar parameter in a unit", "FSDP2 cannot shard 0-dim parameters (`ValueError`). "
+                 "`ignore` them or keep them out of the unit."),
+    "P304": Code("precision mismatch between units", "A unit computes in another dtype than the unit "
+                 "around it, and nothing converts between them: FSDP2 crashes at runtime with `mat1 and "
+                 "mat2 must have the same dtype`. Set `precision output = <outer dtype>, cast_inputs = true` "
+                 "on the inner unit, or give both units the same param dtype."),
+    "P305": Code("prefetch target is not a unit", "Explicit prefetch lists must name FSDP units."),
+    # --- mesh (P4xx)
+    "P401": Code("mesh does not fit the world size", "The mesh dimensions do not multiply to the number "
+                 "of ranks."),
+    "P402": Code("reshard size does not divide the shard size", "`reshard after_forward = N` reshards to "
+                 "groups of N ranks; N must divide the shard dimension of the mesh (1 <= N <= shard)."),
+    "P403": Code("placement on a missing dim", "`Shard(d)` names a dimension the parameter does not have."),
+    "P404": Code("placement dim not divisible", "`Shard(d)` with d != 0 needs that dimension divisible by "
+                 "the shard size (FSDP2 pads only dim 0)."),
+    "P405": Code("mesh needs a world size", "Only one mesh dimension can be `*`."),
+    # --- expectations (P5xx)
+    "P501": Code("expectation failed", "An `expect` statement does not hold for the resolved plan."),
+    "P502": Code("memory expectation failed", "An `expect memory...` bound does not hold under planc's "
+                 "analytic per-rank memory model."),
+    # --- notes (P9xx)
+    "P901": Code("FSDP1 spelling", "An FSDP1 word was accepted and mapped to its FSDP2 meaning; the note "
+                 "says what it became.", "note"),
+}
+
+
+def did_you_mean(word: str, candidates: Iterable[str], n: int = 1) -> list[str]:
+    """Close matches for `word` among `candidates`, best first (difflib, as ruff does)."""
+    pool = sorted(set(candidates))
+    exact_case = [c for c in pool if c.lower() == word.lower() and c != word]
+    return (exact_case + difflib.get_close_matches(word, pool, n=n, cutoff=0.6))[:n]
+
+
+def suggestion(word: str, candidates: Iterable[str]) -> tuple[str, ...]:
+    """A `help:` line naming the closest candidate, or nothing."""
+    best = did_you_mean(word, candidates)
+    return (f"did you mean `{best[0]}`?",) if best else ()
+
+
+@dataclass
+class PlanError(Exception):
+    """A plan failed to load, compile or apply; carries every diagnostic, not only the first."""
+
+    diagnostics: list[Diagnostic] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        from planc.render import render_text
+
+        errors = [d for d in self.diagnostics if d.is_error]
+        head = f"plan has {len(errors)} error(s)"
+        return head + "\n" + render_text(self.diagnostics, self.sources, color=False)
+
+    @property
+    def errors(self) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if d.is_error]

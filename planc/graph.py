@@ -1,0 +1,201 @@
+"""The model graph: an `nn.Module` tree as a networkx graph of modules and parameters.
+
+Module nodes are keyed by their dotted path (`""` is the root) and parameter nodes by
+`("param", canonical_name)`. Edges run parent -> child module and module -> parameter, each
+labelled with the local attribute name. A tied parameter is one node with two owners, so
+`owners(name)` shows both modules. Works on meta-device models: only shapes and dtypes are
+read, never values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Iterable, Iterator
+
+import networkx as nx
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class ParamInfo:
+    """What planc needs to know about one parameter (shape and dtype, never the values)."""
+
+    name: str  # canonical fully qualified name: the first path under which it was found
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    contiguous: bool
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def _has_forward(module: nn.Module) -> bool:
+    """False for containers such as ModuleList/ModuleDict, whose forward is unimplemented."""
+    return type(module).forward is not nn.Module.forward
+
+
+class ModelGraph:
+    """A read-only view of a module tree, built once from a model (see `from_module`)."""
+
+    def __init__(self, graph: nx.DiGraph, params: dict[str, ParamInfo], aliases: dict[str, str],
+                 model: nn.Module | None = None):
+        self.g = graph
+        self.params = params          # canonical name -> info
+        self.aliases = aliases        # every name (canonical or tied alias) -> canonical
+        self.model = model
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def from_module(cls, model: nn.Module) -> "ModelGraph":
+        g = nx.DiGraph()
+        params: dict[str, ParamInfo] = {}
+        aliases: dict[str, str] = {}
+        seen: dict[int, str] = {}
+        order = 0
+        # NOTE: named_modules() is pre-order in registration order; positions below depend on it.
+        for path, module in model.named_modules(remove_duplicate=True):
+            g.add_node(path, kind="module", cls=type(module).__name__,
+                       qualname=f"{type(module).__module__}.{type(module).__qualname__}",
+                       has_forward=_has_forward(module), pre=order, module=module)
+            order += 1
+            if path:
+                parent, _, local = path.rpartition(".")
+                g.add_edge(parent, path, name=local)
+            for local, p in module._parameters.items():
+                if p is None:
+                    continue
+                full = f"{path}.{local}" if path else local
+                canon = seen.setdefault(id(p), full)
+                if canon == full:
+                    params[canon] = ParamInfo(canon, tuple(p.shape), p.dtype, p.requires_grad,
+                                              p.is_contiguous())
+                    g.add_node(("param", canon), kind="param")
+                aliases[full] = canon
+                g.add_edge(path, ("param", canon), name=local)
+        graph = cls(g, params, aliases, model)
+        graph._number_post_order()
+        return graph
+
+    def _number_post_order(self) -> None:
+        for i, path in enumerate(nx.dfs_postorder_nodes(self._tree, "")):
+            self.g.nodes[path]["post"] = i
+
+    @cached_property
+    def _tree(self) -> nx.DiGraph:
+        """The module-only subgraph (children in registration order)."""
+        return self.g.subgraph(n for n, d in self.g.nodes(data=True) if d["kind"] == "module")
+
+    # ----------------------------------------------------------------- modules
+    @cached_property
+    def modules(self) -> tuple[str, ...]:
+        """Every module path in pre-order (registration order); the root is `""`."""
+        return tuple(sorted(self._tree.nodes, key=lambda p: self.g.nodes[p]["pre"]))
+
+    def children(self, path: str) -> list[str]:
+        """Child module paths in registration order."""
+        return [c for c in self.g.successors(path) if self.g.nodes[c]["kind"] == "module"]
+
+    def child_names(self, path: str) -> list[str]:
+        return [self.g.edges[path, c]["name"] for c in self.children(path)]
+
+    def own_params(self, path: str) -> list[tuple[str, str]]:
+        """(local name, canonical name) of parameters registered directly on the module."""
+        return [(self.g.edges[path, n]["name"], n[1]) for n in self.g.successors(path)
+                if self.g.nodes[n]["kind"] == "param"]
+
+    def cls(self, path: str) -> str:
+        return self.g.nodes[path]["cls"]
+
+    def qualname(self, path: str) -> str:
+        return self.g.nodes[path]["qualname"]
+
+    def has_forward(self, path: str) -> bool:
+        return self.g.nodes[path]["has_forward"]
+
+    def pre(self, path: str) -> int:
+        return self.g.nodes[path]["pre"]
+
+    def post(self, path: str) -> int:
+        return self.g.nodes[path]["post"]
+
+    def module(self, path: str) -> nn.Module:
+        return self.g.nodes[path]["module"]
+
+    def subtree(self, path: str) -> Iterator[str]:
+        """`path` and every module below it, pre-order."""
+        return nx.dfs_preorder_nodes(self._tree, path)
+
+    def ancestors(self, path: str) -> Iterator[str]:
+        """Strict ancestors of `path`, nearest first, ending with the root `""`."""
+        while path:
+            path = path.rpartition(".")[0]
+            yield path
+
+    @cached_property
+    def class_names(self) -> frozenset[str]:
+        return frozenset(self.cls(p) for p in self.modules)
+
+    # ----------------------------------------------------------------- parameters
+    def owners(self, canonical: str) -> list[str]:
+        """Every module that registers this parameter (two or more for tied weights)."""
+        return sorted(self.g.predecessors(("param", canonical)), key=self.pre)
+
+    @cached_property
+    def tied(self) -> dict[str, list[str]]:
+        """Canonical name -> owner modules, for parameters held by more than one module."""
+        return {n: self.owners(n) for n in self.params if self.g.in_degree(("param", n)) > 1}
+
+    def subtree_params(self, path: str) -> set[str]:
+        """Canonical names of all parameters in the subtree of `path`."""
+        out: set[str] = set()
+        for m in self.subtree(path):
+            out.update(c for _, c in self.own_params(m))
+        return out
+
+    @cached_property
+    def subtree_numel(self) -> dict[str, int]:
+        """Parameter count of each module's subtree (tied parameters counted once)."""
+        counts: dict[str, int] = {}
+        for path in nx.dfs_postorder_nodes(self._tree, ""):
+            own = {c for _, c in self.own_params(path)}
+            counts[path] = sum(self.params[c].numel for c in own)
+        # Sum bottom-up; tied params counted once per subtree via set union where they meet.
+        result: dict[str, int] = {}
+        for path in nx.dfs_postorder_nodes(self._tree, ""):
+            result[path] = counts[path] + sum(result[c] for c in self.children(path))
+        for canon, owners in self.tied.items():  # undo double counts above the meeting point
+            numel = self.params[canon].numel
+            seen_paths: dict[str, int] = {}
+            for owner in owners:
+                for anc in [owner, *self.ancestors(owner)]:
+                    seen_paths[anc] = seen_paths.get(anc, 0) + 1
+            for anc, n in seen_paths.items():
+                if n > 1:
+                    result[anc] -= numel * (n - 1)
+        return result
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params.values())
+
+    def param_children(self, path: str) -> Iterable[tuple[str, str]]:
+        """(local name, canonical name) pairs for selector matching on parameters."""
+        return self.own_params(path)
+
+    def __len__(self) -> int:
+        return len(self.modules)

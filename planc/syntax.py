@@ -1,0 +1,384 @@
+"""The syntax tree: what a .plan file says, as frozen dataclasses with source spans.
+
+This is what was written, not what it means: selectors are not matched, option names are
+not checked. `planc/resolve.py` turns it into the IR (`planc/ir.py`). Nodes hold tuples,
+never lists, and no parent pointers; every node carries the `Span` it came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from planc.diagnostics import Span
+
+_node = dataclass(frozen=True, slots=True, kw_only=True)
+
+
+# ===================================================================== selectors
+
+
+@_node
+class Segment:
+    """One dotted part of a path selector.
+
+    `pattern` is a name, a number, a glob with `*`, `*` (one segment of any name) or `**`
+    (any number of segments). `alternatives` holds `{a,b}`; `index`/`start`/`stop` an
+    index or a Python slice over the children of the module the segment names.
+    """
+
+    span: Span
+    pattern: str = ""
+    alternatives: tuple[str, ...] = ()
+    index: int | None = None
+    start: int | None = None
+    stop: int | None = None
+    is_slice: bool = False
+
+    @property
+    def is_deep(self) -> bool:
+        return self.pattern == "**"
+
+    def __str__(self) -> str:
+        if self.alternatives:
+            return "{" + ",".join(self.alternatives) + "}"
+        if self.is_slice:
+            lo = "" if self.start is None else str(self.start)
+            hi = "" if self.stop is None else str(self.stop)
+            return f"{self.pattern}[{lo}:{hi}]"
+        if self.index is not None:
+            return f"{self.pattern}[{self.index}]"
+        return self.pattern
+
+
+@_node
+class Path:
+    """A dotted path pattern such as `transformer_layers[-2:]` or `**.mlp`."""
+
+    span: Span
+    segments: tuple[Segment, ...]
+
+    def __str__(self) -> str:
+        return ".".join(str(s) for s in self.segments)
+
+
+@_node
+class Regex:
+    """An explicit regular expression, `re"..."`, matched against the whole dotted path."""
+
+    span: Span
+    pattern: str
+
+    def __str__(self) -> str:
+        return 're"' + self.pattern + '"'
+
+
+@_node
+class Guard:
+    """`: ClassA | ClassB`: limit matches to modules of these classes."""
+
+    span: Span
+    classes: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return ": " + " | ".join(self.classes)
+
+
+@_node
+class Where:
+    """`where size >= 100M`: a predicate on the module (FSDP1's size-based wrapping)."""
+
+    span: Span
+    field: str
+    op: str
+    value: "Number"
+
+    def __str__(self) -> str:
+        return f"where {self.field} {self.op} {self.value}"
+
+
+@_node
+class Exclusion:
+    """`except PATH [: Class]`: drop these matches."""
+
+    span: Span
+    base: Union[Path, Regex]
+    guard: Guard | None = None
+
+    def __str__(self) -> str:
+        return f"except {self.base}" + (f" {self.guard}" if self.guard else "")
+
+
+@_node
+class Selector:
+    """A module (or parameter) selector with its guard, predicate and exclusions."""
+
+    span: Span
+    base: Union[Path, Regex]
+    guard: Guard | None = None
+    where: Where | None = None
+    exclusions: tuple[Exclusion, ...] = ()
+
+    def __str__(self) -> str:
+        parts = [str(self.base)]
+        if self.guard:
+            parts.append(str(self.guard))
+        if self.where:
+            parts.append(str(self.where))
+        parts.extend(str(e) for e in self.exclusions)
+        return " ".join(parts)
+
+
+@_node
+class Group:
+    """`[a, b]`: every module matched by any of the selectors becomes one unit."""
+
+    span: Span
+    selectors: tuple[Selector, ...]
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(str(s) for s in self.selectors) + "]"
+
+
+# ===================================================================== values and options
+
+
+@_node
+class Name:
+    span: Span
+    value: str
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@_node
+class Number:
+    """An int, a float, or a quantity with a unit (`100M`, `70GiB`); `value` is in units."""
+
+    span: Span
+    value: float
+    text: str
+    is_bytes: bool = False
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@_node
+class String:
+    span: Span
+    value: str
+
+    def __str__(self) -> str:
+        return '"' + self.value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+@_node
+class Star:
+    span: Span
+
+    def __str__(self) -> str:
+        return "*"
+
+
+@_node
+class Call:
+    """`Shard(1)`: a name applied to arguments."""
+
+    span: Span
+    name: str
+    args: tuple["Value", ...]
+
+    def __str__(self) -> str:
+        return f"{self.name}(" + ", ".join(str(a) for a in self.args) + ")"
+
+
+@_node
+class SelectorList:
+    """`[a.b, c[1:3]]`: module selectors as an option value (explicit prefetch targets)."""
+
+    span: Span
+    items: tuple[Selector, ...]
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(str(s) for s in self.items) + "]"
+
+
+Value = Union[Name, Number, String, Star, Call, SelectorList]
+
+
+@_node
+class Arg:
+    """One option argument, positional (`key` is None) or `key = value`."""
+
+    span: Span
+    key: str | None
+    key_span: Span | None
+    value: Value
+
+    def __str__(self) -> str:
+        return f"{self.key} = {self.value}" if self.key else str(self.value)
+
+
+@_node
+class Option:
+    """`precision param = bf16, reduce = fp32` inside a block."""
+
+    span: Span
+    name: str
+    name_span: Span
+    args: tuple[Arg, ...]
+
+    def __str__(self) -> str:
+        return self.name + ("" if not self.args else " " + ", ".join(str(a) for a in self.args))
+
+
+@_node
+class Block:
+    span: Span
+    options: tuple[Option, ...]
+
+
+# ===================================================================== statements
+
+
+@_node
+class ModelStmt:
+    """`model package.module:callable` or `model "hf:configs/llama.json"`."""
+
+    span: Span
+    ref: str
+
+
+@_node
+class IncludeStmt:
+    span: Span
+    path: str
+
+
+@_node
+class MeshDim:
+    span: Span
+    name: str
+    size: int | None  # None for `*`: filled from the world size
+
+
+@_node
+class MeshStmt:
+    """`mesh (replicate = 2, shard = *)`; `strategy` holds an FSDP1 word if one was used."""
+
+    span: Span
+    dims: tuple[MeshDim, ...]
+    strategy: str | None = None
+    strategy_span: Span | None = None
+
+
+@_node
+class DefaultsStmt:
+    span: Span
+    block: Block
+
+
+@_node
+class UnitStmt:
+    span: Span
+    target: Union[Selector, Group]
+    block: Block | None
+    optional: bool = False
+
+
+@_node
+class RootStmt:
+    """`root { ... }` sets the root unit's options; `root none` makes the root no unit."""
+
+    span: Span
+    block: Block | None
+    disabled: bool = False
+
+
+@_node
+class CheckpointStmt:
+    span: Span
+    selector: Selector
+    mode: Name | None
+    optional: bool = False
+
+
+@_node
+class CompileStmt:
+    span: Span
+    selector: Selector
+    optional: bool = False
+
+
+@_node
+class IgnoreStmt:
+    span: Span
+    selector: Selector
+    optional: bool = False
+
+
+@_node
+class PlaceStmt:
+    span: Span
+    selector: Selector
+    placement: Call
+    optional: bool = False
+
+
+@_node
+class ExpectUnit:
+    """`expect unit SEL` / `expect not unit SEL`."""
+
+    span: Span
+    target: Union[Selector, Group]
+    negated: bool = False
+
+
+@_node
+class ExpectMetric:
+    """`expect units == 27`, `expect memory.peak <= 70GiB at world = 64`."""
+
+    span: Span
+    metric: str
+    metric_span: Span
+    op: str
+    value: Number
+    world: int | None = None
+
+
+Statement = Union[
+    ModelStmt, IncludeStmt, MeshStmt, DefaultsStmt, UnitStmt, RootStmt, CheckpointStmt,
+    CompileStmt, IgnoreStmt, PlaceStmt, ExpectUnit, ExpectMetric,
+]
+
+
+@_node
+class Comment:
+    span: Span
+    text: str
+
+
+@_node
+class Plan:
+    """A parsed plan with its includes spliced in place.
+
+    `statements` holds every statement in effect order: an included file's statements stand
+    where its `include` line stood, so the including plan overrides its base. `sources`
+    maps each file name to its text, for rendering diagnostics; `comments` are those of the
+    top file only (the formatter keeps them).
+    """
+
+    file: str
+    statements: tuple[Statement, ...]
+    sources: tuple[tuple[str, str], ...]
+    comments: tuple[Comment, ...] = ()
+
+    @property
+    def model_ref(self) -> str | None:
+        refs = [s.ref for s in self.statements if isinstance(s, ModelStmt)]
+        return refs[-1] if refs else None
+
+    def source(self, file: str) -> str | None:
+        return dict(self.sources).get(file)

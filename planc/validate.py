@@ -1,0 +1,296 @@
+"""Validation: checks over a resolved plan, each a plain function returning diagnostics.
+
+`CHECKS` lists them once, in the order their findings are reported (the sqlglot
+`RULES` pattern). Each check reads a `Context` and never mutates it, so each can be tested
+alone. Checks that need the world size skip themselves when it is unknown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from planc import syntax as st
+from planc.diagnostics import Diagnostic, suggestion
+from planc.graph import ModelGraph
+from planc.ir import Resolution, Unit
+from planc.options import DTYPE_NAMES
+from planc.selectors import match_modules
+
+
+@dataclass(frozen=True)
+class Context:
+    plan: st.Plan
+    graph: ModelGraph
+    res: Resolution
+    world_size: int | None
+    metrics: Callable[[str, int | None], float | None] | None = None  # memory metrics, if any
+
+    @property
+    def mesh_sizes(self) -> tuple[int, int] | None:
+        return self.res.mesh.sizes(self.world_size)
+
+    def inner_units(self) -> Iterator[Unit]:
+        return (u for u in self.res.units if not u.is_root)
+
+
+def _err(code, message, span, label="", help_=(), related=(), severity="error") -> Diagnostic:
+    return Diagnostic(code=code, severity=severity, message=message, span=span, label=label,
+                      help=tuple(help_), related=tuple(related))
+
+
+# ===================================================================== checks
+
+
+def check_containers(ctx: Context) -> Iterator[Diagnostic]:
+    """P204: ModuleList/ModuleDict have no forward; FSDP2 refuses them."""
+    for u in ctx.inner_units():
+        for m in u.modules:
+            if not ctx.graph.has_forward(m):
+                yield _err("P204", f"unit `{m}` is a `{ctx.graph.cls(m)}`, which has no `forward`", u.span,
+                           "FSDP2 cannot shard a container",
+                           (f"make each child a unit: `unit {m}.*`",))
+
+
+def check_group_root(ctx: Context) -> Iterator[Diagnostic]:
+    """P205: with `root none`, an outermost group unit would act as an FSDP root."""
+    if not ctx.res.root_disabled:
+        return
+    for u in ctx.inner_units():
+        if u.is_group and not any(ctx.res.enclosing(a, ctx.graph) for m in u.modules
+                                  for a in ctx.graph.ancestors(m)):
+            yield _err("P205", f"group unit `{u.name}` would be an FSDP root", u.span,
+                       "a list of modules cannot be the root",
+                       ("keep the root a unit (remove `root none`), or split the group",))
+
+
+def check_tied(ctx: Context) -> Iterator[Diagnostic]:
+    """P301: one parameter held by modules in two different units."""
+    g, res = ctx.graph, ctx.res
+    for name, owners in g.tied.items():
+        if name in res.ignored:
+            continue
+        units = {}
+        for o in owners:
+            u = res.enclosing(o, g)
+            units.setdefault(u.name if u else None, (o, u))
+        if len(units) < 2:
+            continue
+        (m1, u1), (m2, u2) = list(units.values())[:2]
+        span = (u2.span if u2 and u2.span else u1.span if u1 else None)
+        related = [(u.span, f"`{m}` is in unit `{u.name}`") for m, u in ((m1, u1), (m2, u2)) if u and u.span]
+        yield _err("P301", f"tied parameter `{name}` is split across units `{u1.name if u1 else 'none'}` "
+                   f"and `{u2.name if u2 else 'none'}`", span,
+                   f"`{m1}` and `{m2}` share one weight", (
+                       f"put both in one unit: `unit [{m1}, {m2}]`",
+                       f"or leave both to an enclosing unit (drop the rule that makes `{m1}` or `{m2}` a unit)"),
+                   related[:1] if span is not None else related)
+
+
+def check_unowned(ctx: Context) -> Iterator[Diagnostic]:
+    """P302: with `root none`, parameters no unit manages stay replicated and unsynchronised."""
+    if not ctx.res.root_disabled:
+        return
+    owned = set(ctx.res.ignored).union(*(u.params for u in ctx.res.units))
+    left = [n for n in ctx.graph.params if n not in owned]
+    if left:
+        stmt = next(s for s in ctx.plan.statements if isinstance(s, st.RootStmt) and s.disabled)
+        shown = ", ".join(f"`{n}`" for n in left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        yield _err("P302", f"{len(left)} parameter(s) belong to no unit: {shown}", stmt.span,
+                   "the root is not a unit", (
+                       "remove `root none` so the root unit manages them",
+                       "or `ignore` them if something else synchronises their gradients"))
+
+
+def check_scalar(ctx: Context) -> Iterator[Diagnostic]:
+    """P303: FSDP2 cannot shard 0-dim parameters."""
+    for u in ctx.res.units:
+        for name in u.params:
+            if not ctx.graph.params[name].shape:
+                yield _err("P303", f"scalar parameter `{name}` in unit `{u.name}`", u.span,
+                           "FSDP2 raises ValueError on 0-dim parameters", (f"add `ignore {name}`",))
+
+
+def _dtype(u: Unit, model_dtype: torch.dtype) -> torch.dtype:
+    return u["param_dtype"] or model_dtype
+
+
+def check_precision(ctx: Context) -> Iterator[Diagnostic]:
+    """P304: an inner unit computing in another dtype than the unit around it, unbridged."""
+    g, res = ctx.graph, ctx.res
+    model_dtype = next(iter(g.params.values())).dtype if g.params else torch.float32
+    for u in ctx.inner_units():
+        outer = next((res.enclosing(a, g) for a in g.ancestors(u.modules[0]) if res.enclosing(a, g)), None)
+        if outer is None:
+            continue
+        du, do = _dtype(u, model_dtype), _dtype(outer, model_dtype)
+        if du == do:
+            continue
+        gaps = []
+        if not (u["cast_inputs"] and u["param_dtype"] is not None):
+            gaps.append(f"its inputs arrive in {DTYPE_NAMES[do]} but it computes in {DTYPE_NAMES[du]}")
+        if u["output_dtype"] != do:
+            gaps.append(f"its outputs return in {DTYPE_NAMES[u['output_dtype'] or du]} to `{outer.name}`, "
+                        f"which computes in {DTYPE_NAMES[do]}")
+        if gaps:
+            setting = u.settings["param_dtype"]
+            yield _err("P304", f"unit `{u.name}` runs in {DTYPE_NAMES[du]} inside `{outer.name}` ({DTYPE_NAMES[do]})",
+                       setting.span or u.span, "; ".join(gaps), (
+                           f"on `{u.name}` set `precision param = {DTYPE_NAMES[du]}, output = {DTYPE_NAMES[do]}, "
+                           "cast_inputs = true`",
+                           "or give both units the same param dtype"))
+
+
+def check_mesh(ctx: Context) -> Iterator[Diagnostic]:
+    """P401: the mesh must multiply to the world size."""
+    mesh, world = ctx.res.mesh, ctx.world_size
+    if world is None or mesh.span is None:
+        return
+    r, s = mesh.replicate, mesh.shard
+    if r is not None and s is not None and r * s != world:
+        yield _err("P401", f"mesh {mesh} has {r * s} ranks, but the world size is {world}", mesh.span,
+                   f"{r} x {s} != {world}", ("use `*` for one dimension to fill the world",))
+    elif (r is None and s and world % s) or (s is None and r and world % r):
+        fixed = s if r is None else r
+        yield _err("P401", f"mesh {mesh} cannot fill a world of {world} ranks", mesh.span,
+                   f"{world} is not a multiple of {fixed}", (f"pick a size that divides {world}",))
+
+
+def check_reshard_size(ctx: Context) -> Iterator[Diagnostic]:
+    """P402: `reshard after_forward = N` needs N to divide the shard size."""
+    sizes = ctx.mesh_sizes
+    for u in ctx.res.units:
+        value = u["reshard_after_forward"]
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        setting = u.settings["reshard_after_forward"]
+        if sizes is None:
+            continue
+        shard = sizes[1]
+        if value > shard or shard % value:
+            divisors = [d for d in range(1, shard + 1) if shard % d == 0]
+            yield _err("P402", f"unit `{u.name}` reshards to groups of {value}, which does not divide the "
+                       f"shard size {shard}", setting.span or u.span, f"{value} does not divide {shard}",
+                       ("choose one of " + ", ".join(map(str, divisors[:12])),))
+
+
+def check_placements(ctx: Context) -> Iterator[Diagnostic]:
+    """P403/P404: `Shard(d)` must name an existing dim, divisible by the shard size when d != 0."""
+    sizes = ctx.mesh_sizes
+    for name, (dim, span) in ctx.res.placements.items():
+        shape = ctx.graph.params[name].shape
+        if dim >= len(shape):
+            yield _err("P403", f"`Shard({dim})` on `{name}`, which has only {len(shape)} dim(s) {list(shape)}",
+                       span, "no such dimension", (f"use a dim below {len(shape)}",))
+        elif dim and sizes is not None and shape[dim] % sizes[1]:
+            yield _err("P404", f"`Shard({dim})` on `{name}`: dim {dim} has size {shape[dim]}, not divisible by "
+                       f"the shard size {sizes[1]}", span, f"{shape[dim]} % {sizes[1]} != 0",
+                       ("use `Shard(0)` (padded automatically) or a shard size that divides it",))
+
+
+def check_shadowed(ctx: Context) -> Iterator[Diagnostic]:
+    """P207 (warning): a rule whose every unit and option is set again later."""
+    for i, s in enumerate(ctx.plan.statements):
+        if isinstance(s, (st.UnitStmt, st.CheckpointStmt, st.CompileStmt)) and not ctx.res.rule_effects.get(i) \
+                and i not in ctx.res.conflicted:
+            matched = _matches_anything(ctx, s)
+            if matched:
+                yield _err("P207", "this rule has no effect: later rules set everything it sets", s.span,
+                           "overridden", ("remove it, or move it after the rules that override it",),
+                           severity="warning")
+
+
+def _matches_anything(ctx: Context, s) -> bool:
+    sels = ([s.target] if isinstance(s, st.UnitStmt) and isinstance(s.target, st.Selector) else
+            list(s.target.selectors) if isinstance(s, st.UnitStmt) else [s.selector])
+    return any(match_modules(ctx.graph, sel, optional=True).paths for sel in sels)
+
+
+METRICS = ("units", "memory.peak", "memory.sharded", "memory.unsharded_peak", "memory.activations")
+_OPS = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<=": lambda a, b: a <= b,
+        ">=": lambda a, b: a >= b, "<": lambda a, b: a < b, ">": lambda a, b: a > b}
+
+
+def check_expects(ctx: Context) -> Iterator[Diagnostic]:
+    """P501/P502: `expect` statements must hold."""
+    unit_names = {u.name for u in ctx.res.units}
+    for s in ctx.plan.statements:
+        if isinstance(s, st.ExpectUnit):
+            yield from _expect_unit(ctx, s, unit_names)
+        elif isinstance(s, st.ExpectMetric):
+            yield from _expect_metric(ctx, s)
+
+
+def _expect_unit(ctx: Context, s: st.ExpectUnit, unit_names: set[str]) -> Iterator[Diagnostic]:
+    g = ctx.graph
+    if isinstance(s.target, st.Group):
+        members = []
+        for sel in s.target.selectors:
+            members += match_modules(g, sel, optional=True).paths
+        wanted = ["[" + ", ".join(sorted(members, key=g.pre)) + "]"]
+    else:
+        m = match_modules(g, s.target, optional=s.negated)
+        if not m.ok:
+            yield from m.diagnostics
+            return
+        wanted = m.paths
+    if s.negated:
+        bad = [w for w in wanted if w in unit_names]
+        if bad:
+            yield _err("P501", f"expected `{bad[0]}` not to be a unit, but it is", s.span,
+                       f"{len(bad)} unexpected unit(s)")
+        return
+    missing = [w for w in wanted if w not in unit_names]
+    if missing:
+        where = ctx.res.enclosing(missing[0].strip("[]").split(",")[0], g) if not missing[0].startswith("[") else None
+        help_ = (f"`{missing[0]}` is managed by unit `{where.name}`",) if where else ()
+        yield _err("P501", f"expected `{missing[0]}` to be a unit, but it is not", s.span,
+                   f"{len(missing)} of {len(wanted)} not unit(s)", help_)
+
+
+def _expect_metric(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
+    if s.metric not in METRICS:
+        yield _err("P102", f"unknown metric `{s.metric}`", s.metric_span, "not a metric",
+                   suggestion(s.metric, METRICS) or ("metrics are " + ", ".join(f"`{m}`" for m in METRICS),))
+        return
+    if s.metric == "units":
+        actual = float(len(ctx.res.units))
+        if not _OPS[s.op](actual, s.value.value):
+            yield _err("P501", f"expected units {s.op} {s.value}, but the plan has {int(actual)}", s.span,
+                       f"{int(actual)} units", ("run `planc explain` to list them",))
+        return
+    world = s.world or ctx.world_size
+    if ctx.metrics is None:
+        return
+    actual = ctx.metrics(s.metric, world)
+    if actual is None:
+        return
+    if not _OPS[s.op](actual, s.value.value):
+        yield _err("P502", f"expected {s.metric} {s.op} {s.value} at world = {world}, but the estimate is "
+                   f"{actual / 2**30:.2f} GiB", s.span, "bound does not hold",
+                   ("run `planc explain --world-size {} ...` for the breakdown".format(world),))
+
+
+CHECKS: tuple[Callable[[Context], Iterator[Diagnostic]], ...] = (
+    check_containers,
+    check_group_root,
+    check_tied,
+    check_unowned,
+    check_scalar,
+    check_precision,
+    check_mesh,
+    check_reshard_size,
+    check_placements,
+    check_shadowed,
+    check_expects,
+)
+
+
+def validate(ctx: Context) -> list[Diagnostic]:
+    """Run every check in order and collect all findings."""
+    out: list[Diagnostic] = []
+    for check in CHECKS:
+        out.extend(check(ctx))
+    return out
