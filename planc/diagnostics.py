@@ -136,6 +136,20 @@ CODES: dict[str, Code] = {
     "P501": Code("expectation failed", "An `expect` statement does not hold for the resolved plan."),
     "P502": Code("memory expectation failed", "An `expect memory...` bound does not hold under planc's "
                  "analytic per-rank memory model."),
+    # --- applying to a live model (P6xx)
+    "P601": Code("model already sharded", "`planc.apply` found FSDP (an `FSDPModule`), DTensor parameters "
+                 "or activation checkpointing already applied to the model. FSDP2 cannot shard a module "
+                 "twice; apply a plan once, to a freshly built model.\n\n"
+                 "    model = build(); planc.apply(model, plan); planc.apply(model, plan)  # refused"),
+    "P602": Code("mesh does not fit the plan", "The `mesh` passed to `planc.apply` has another number of "
+                 "dimensions or other sizes than the plan's `mesh` statement: a 1-D mesh for a plain plan, a "
+                 "2-D (replicate, shard) mesh for an HSDP plan.\n\n"
+                 "    mesh (replicate = 2, shard = *)   # needs init_device_mesh(dev, (2, N // 2), ...)"),
+    "P603": Code("no process group", "`planc.apply` without a `mesh` builds one from the default process "
+                 "group, so `torch.distributed.init_process_group` (or `torchrun`) must run first."),
+    "P604": Code("non-contiguous parameter in a unit", "FSDP2 cannot shard non-contiguous parameters "
+                 "(`NotImplementedError`). Make the parameter contiguous when building the model, or "
+                 "`ignore` it."),
     # --- notes (P9xx)
     "P901": Code("FSDP1 spelling", "An FSDP1 word was accepted and mapped to its FSDP2 meaning; the note "
                  "says what it became.", "note"),
