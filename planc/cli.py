@@ -35,15 +35,17 @@ class ModelCache:
     """Builds each referenced model once per run (on meta) and remembers failures."""
 
     def __init__(self):
-        self._graphs: dict[str, ModelGraph | ModelLoadError] = {}
+        self._graphs: dict[tuple[str, str | None], ModelGraph | ModelLoadError] = {}
 
-    def graph(self, ref: str) -> ModelGraph:
-        if ref not in self._graphs:
+    def graph(self, ref: str, base: str | None = None) -> ModelGraph:
+        """`base`: the plan's folder, where a relative `hf:` config path starts."""
+        key = (ref, base)
+        if key not in self._graphs:
             try:
-                self._graphs[ref] = ModelGraph.from_module(build_model(ref))
+                self._graphs[key] = ModelGraph.from_module(build_model(ref, base=base))
             except ModelLoadError as err:
-                self._graphs[ref] = err
-        result = self._graphs[ref]
+                self._graphs[key] = err
+        result = self._graphs[key]
         if isinstance(result, ModelLoadError):
             raise result
         return result
@@ -66,7 +68,7 @@ def compile_for_cli(path: str, model_ref: str | None, world_sizes: Sequence[int 
     graph = None
     if ref is not None:
         try:
-            graph = cache.graph(ref)
+            graph = cache.graph(ref, None if model_ref else os.path.dirname(os.path.abspath(path)))
         except ModelLoadError as err:
             if model_ref is not None:
                 raise UsageError(f"--model {model_ref}: {err}") from err
@@ -135,7 +137,8 @@ def cmd_tree(args) -> int:
     if ref is None:
         raise UsageError("tree needs --model MODULE:CALLABLE (or --plan with a `model` line)")
     try:
-        graph = ModelGraph.from_module(build_model(ref))
+        base = None if args.model else os.path.dirname(os.path.abspath(args.plan))
+        graph = ModelGraph.from_module(build_model(ref, base=base))
     except ModelLoadError as err:
         raise UsageError(str(err)) from err
     print(format_tree(graph, args.depth))

@@ -2,7 +2,8 @@
 
 References are `package.module:callable` (called with no arguments under
 `torch.device("meta")`) or `hf:path/to/config.json` (a Hugging Face transformers model built
-from its config, no weights, no network; needs the `hf` extra).
+from its config, no weights, no network; needs the `hf` extra; a relative path starts from the
+plan's folder, and a bare name such as `hf:llama-tiny` is a config shipped in `planc/configs/`).
 """
 
 from __future__ import annotations
@@ -43,11 +44,15 @@ def _import_callable(ref: str) -> Callable[[], nn.Module]:
     return obj
 
 
-def build_model(ref: str, *, device: str | torch.device = "meta") -> nn.Module:
-    """Build the model `ref` names, on `device` (meta by default: no memory, no init cost)."""
+def build_model(ref: str, *, device: str | torch.device = "meta", base: str | os.PathLike | None = None) -> nn.Module:
+    """Build the model `ref` names, on `device` (meta by default: no memory, no init cost).
+
+    `base` is the folder a relative `hf:path/config.json` starts from: pass the plan file's
+    folder for a ref read from a plan's `model` line (default: the working directory).
+    """
     if ref.startswith("hf:"):
         from planc.hf import build_hf_model  # optional extra: only imported when asked for
-        return build_hf_model(ref[3:], device=device)
+        return build_hf_model(ref[3:], device=device, base=base)
     builder = _import_callable(ref)
     try:
         with torch.device(device):
