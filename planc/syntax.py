@@ -70,7 +70,8 @@ class Regex:
     pattern: str
 
     def __str__(self) -> str:
-        return 're"' + self.pattern + '"'
+        # parse unescapes `\"`; escape it again so the text parses back to this pattern
+        return 're"' + self.pattern.replace('"', '\\"') + '"'
 
 
 @_node
