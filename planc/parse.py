@@ -307,7 +307,8 @@ def _describe_expected(expected) -> str:
     return ", ".join(names)
 
 
-def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, file: str, text: str) -> Diagnostic:
+def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, file: str, text: str, work: str) -> Diagnostic:
+    """One P001 for a lark error; `text` is the file as written, `work` what was parsed."""
     if isinstance(err, lark.exceptions.UnexpectedToken) and err.token.type == "$END":
         lines = text.splitlines() or [""]
         line, col = len(lines), len(lines[-1]) + 1
@@ -324,7 +325,7 @@ def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, file: str, text: st
         expected = err.expected
         message = f"unexpected {shown}"
     else:  # UnexpectedCharacters
-        char = text[err.pos_in_stream] if err.pos_in_stream < len(text) else "?"
+        char = work[err.pos_in_stream] if err.pos_in_stream < len(work) else "?"
         span = Span(file, line, col, line, col + 1)
         expected = err.allowed or set()
         message = f"unexpected character `{char}`" if char.isprintable() else \
@@ -333,30 +334,121 @@ def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, file: str, text: st
     return Diagnostic(code="P001", severity="error", message=message, span=span, label="here", help=help_)
 
 
-def _unclosed_brace(text: str, line: int) -> int | None:
-    """The line of a `{` opened before `line` and not closed by then, if any."""
-    stack: list[int] = []
-    for n, row in enumerate(text.split("\n")[: line - 1], start=1):
-        row = row.split("#", 1)[0]
-        for ch in row:
-            if ch == "{":
-                stack.append(n)
-            elif ch == "}" and stack:
+_CLOSERS = {"{": "}", "[": "]", "(": ")"}
+_STATEMENT_WORDS = {"model", "include", "mesh", "defaults", "unit", "root", "checkpoint", "compile",
+                    "ignore", "place", "expect", "optional"}
+
+
+def _open_brackets(text: str, line: int, column: int | None = None) -> list[tuple[str, int, int]]:
+    """Brackets still open just before (`line`, `column`): (bracket, line, column), innermost last.
+
+    Skips comments and quoted strings; a stray closer is ignored (the parser reports it).
+    """
+    stack: list[tuple[str, int, int]] = []
+    for n, row in enumerate(text.split("\n")[:line], start=1):
+        limit = len(row) if n < line or column is None else column - 1
+        i = 0
+        while i < limit:
+            ch = row[i]
+            if ch == "#":
+                break
+            if ch == '"':
+                i += 1
+                while i < len(row) and row[i] != '"':
+                    i += 2 if row[i] == "\\" else 1
+            elif ch in _CLOSERS:
+                stack.append((ch, n, i + 1))
+            elif stack and ch == _CLOSERS[stack[-1][0]]:
                 stack.pop()
-    return stack[-1] if stack else None
+            i += 1
+    return stack
 
 
-def _blank_line(text: str, line: int) -> str:
+def _blank_lines(text: str, first: int, last: int) -> str:
+    """Replace lines `first`..`last` with spaces, keeping every offset of the other lines."""
     lines = text.split("\n")
-    if 1 <= line <= len(lines):
-        lines[line - 1] = " " * len(lines[line - 1])
+    for n in range(max(first, 1), min(last, len(lines)) + 1):
+        lines[n - 1] = " " * len(lines[n - 1])
     return "\n".join(lines)
+
+
+def _close_block_before(text: str, line: int) -> str:
+    """Insert `}` at the end of the last code line before `line` (offsets after it unchanged)."""
+    lines = text.split("\n")
+    for n in range(line - 1, 0, -1):
+        code = lines[n - 1].split("#", 1)[0]
+        if code.strip():
+            lines[n - 1] = code.rstrip() + " }" + lines[n - 1][len(code.rstrip()):]
+            return "\n".join(lines)
+    return text
+
+
+def _closing_line(text: str, opener: tuple[str, int, int]) -> int | None:
+    """The line where the bracket opened at `opener` closes, or None if it never does."""
+    bracket, line, column = opener
+    depth = 0
+    for n, row in enumerate(text.split("\n")[line - 1:], start=line):
+        start = column - 1 if n == line else 0
+        for ch in row[start:].split("#", 1)[0]:
+            if ch == bracket:
+                depth += 1
+            elif ch == _CLOSERS[bracket]:
+                depth -= 1
+                if depth == 0:
+                    return n
+    return None
+
+
+def _recover(err, d: Diagnostic, file: str, work: str) -> tuple[Diagnostic, str | None]:
+    """Improve the diagnostic for unclosed brackets and say how to go on parsing.
+
+    Returns the diagnostic and the text to parse next (None: give up). The common causes of
+    a cascade get one diagnostic each: a statement continued on the next line (statements
+    are one line; only `{}` blocks span lines), and a `{` block that is never closed.
+    """
+    tok = getattr(err, "token", None)
+    line = d.span.line
+    is_eol = tok is not None and tok.type == "_NL"
+    opened = _open_brackets(work, line, None if is_eol or tok is None or tok.type == "$END" else d.span.column)
+    blocks = [o for o in opened if o[0] == "{"]
+    inner = [o for o in opened if o[0] != "{" and o[1] == line]
+    if is_eol and inner:
+        bracket, bline, bcol = inner[-1]
+        closer = _CLOSERS[bracket]
+        end = _closing_line(work, inner[-1])
+        d = dataclasses.replace(
+            d, message=f"unexpected end of line: `{bracket}` is not closed on this line",
+            label=f"expected `{closer}` before the end of the line",
+            related=((Span(file, bline, bcol, bline, bcol + 1), "opened here"),),
+            help=("statements end at the end of a line (only `{}` blocks span lines): write it on "
+                  "one line, or end the line with `\\` to continue it",))
+        return d, _blank_lines(work, line, end if end is not None else line)
+    if blocks and tok is not None and (
+            tok.type == "$END" or blocks[-1][1] < line and (str(tok) in _STATEMENT_WORDS and _first_on_line(work, tok))):
+        _, bline, bcol = blocks[-1]
+        where = "the end of the file" if tok.type == "$END" else f"`{tok}`"
+        d = dataclasses.replace(
+            d, message=f"unclosed `{{`: the block on line {bline} has no `}}` before {where}",
+            label="the block would end here" if tok.type == "$END" else "a new statement starts here",
+            related=((Span(file, bline, bcol, bline, bcol + 1), "this `{` is never closed"),),
+            help=(f"add `}}` to close the block that starts on line {bline}",))
+        if tok.type == "$END":
+            return d, None
+        return d, _close_block_before(work, line)
+    if d.message == "unexpected end of file":
+        return d, None
+    return d, _blank_lines(work, line, line)
+
+
+def _first_on_line(text: str, tok: lark.Token) -> bool:
+    row = text.split("\n")[tok.line - 1]
+    return not row[: tok.column - 1].strip()
 
 
 def parse_text(text: str, file: str) -> tuple[tuple, tuple[st.Comment, ...], list[Diagnostic]]:
     """Parse one file's text (no includes). Returns statements, comments and diagnostics."""
     diags: list[Diagnostic] = []
-    seen_lines: set[int] = set()
+    seen: set[str] = set()
     work = text
     while True:
         comments: list[lark.Token] = []
@@ -366,24 +458,20 @@ def parse_text(text: str, file: str) -> tuple[tuple, tuple[st.Comment, ...], lis
             statements = _ToSyntax(file).transform(tree)
             break
         except lark.exceptions.UnexpectedInput as err:
-            d = _syntax_diagnostic(err, file, text)
-            opened = _unclosed_brace(work, d.span.line)
-            if opened is not None and opened != d.span.line:
-                d = dataclasses.replace(d, help=d.help + (f"the `{{` on line {opened} is never closed",))
+            d, work_next = _recover(err, _syntax_diagnostic(err, file, text, work), file, work)
             diags.append(d)
-            line = d.span.line
-            if line in seen_lines or len(diags) >= MAX_SYNTAX_ERRORS or d.message == "unexpected end of file":
+            # NOTE: each recovery blanks a line or closes a block, so text only repeats if
+            # recovery made no progress; stop then rather than loop.
+            if work_next is None or work_next in seen or work_next == work or len(diags) >= MAX_SYNTAX_ERRORS:
                 return (), (), diags
-            seen_lines.add(line)
-            work = _blank_line(work, line)
+            seen.add(work_next)
+            work = work_next
         except RecursionError:
-            diags.append(Diagnostic(code="P005", severity="error", message="plan nests too deeply",
-                                    span=Span.point(file), help=("flatten the nested brackets",)))
+            diags.append(_too_deep(file, text))
             return (), (), diags
         except lark.exceptions.VisitError as err:  # an error inside a transformer method
             if isinstance(err.orig_exc, RecursionError):
-                diags.append(Diagnostic(code="P005", severity="error", message="plan nests too deeply",
-                                        span=Span.point(file), help=("flatten the nested brackets",)))
+                diags.append(_too_deep(file, text))
                 return (), (), diags
             raise
         finally:
@@ -393,6 +481,22 @@ def parse_text(text: str, file: str) -> tuple[tuple, tuple[st.Comment, ...], lis
     spans = tuple(st.Comment(span=Span(file, c.line, c.column, c.end_line, c.end_column), text=str(c))
                   for c in comments)
     return statements, spans, diags
+
+
+def _too_deep(file: str, text: str) -> Diagnostic:
+    """P005, pointing at the line that nests deepest."""
+    best, best_line, depth = 0, 1, 0
+    for n, row in enumerate(text.split("\n"), start=1):
+        for ch in row.split("#", 1)[0]:
+            if ch in "([{":
+                depth += 1
+                if depth > best:
+                    best, best_line = depth, n
+            elif ch in ")]}":
+                depth = max(0, depth - 1)
+    return Diagnostic(code="P005", severity="error", message=f"plan nests brackets {best} deep",
+                      span=Span.point(file, best_line), label="nesting starts here",
+                      help=("flatten the nested brackets; no plan construct needs more than a few levels",))
 
 
 # ===================================================================== files and includes
