@@ -119,6 +119,7 @@ class Resolution:
     unit_of_module: dict[str, int] = field(default_factory=dict)           # module -> index in units
     rule_effects: dict[int, int] = field(default_factory=dict)             # statement index -> effects
     conflicted: set[int] = field(default_factory=set)                      # rules dropped by P203
+    broken: set[int] = field(default_factory=set)                          # rules with a bad option
 
     def unit(self, name: str) -> Unit:
         for u in self.units:

@@ -83,7 +83,7 @@ def _word(v: st.Value, what: str) -> str:
         return v.value
     if isinstance(v, st.String):
         return v.value
-    raise _err("P103", f"expected {what}, found `{v}`", v.span, "this value")
+    raise _err("P103", f"expected {what}, found `{v}`", v.span, "this value", (f"write {what} here",))
 
 
 def dtype(v: st.Value) -> torch.dtype | None:
@@ -99,22 +99,24 @@ def boolean(v: st.Value) -> bool:
     if word.lower() in BOOLS:
         return BOOLS[word.lower()]
     raise _err("P102", f"expected `true` or `false`, found `{word}`", v.span, "not a boolean",
-               suggestion(word, ["true", "false"]))
+               suggestion(word, ["true", "false"]) or ("write `true` or `false`",))
 
 
 def reshard(v: st.Value) -> bool | int:
     if isinstance(v, st.Number) and not v.is_bytes and float(v.value).is_integer():
         n = int(v.value)
         if n < 1:
-            raise _err("P103", f"reshard group size must be at least 1, found {n}", v.span)
+            raise _err("P103", f"reshard group size must be at least 1, found {n}", v.span, "not a group size",
+                       ("write `true` to reshard across the whole shard group, or a group size such as `8`",))
         return n
     word = _word(v, "`true`, `false` or a group size")
     if word in FSDP1_RESHARD:
         return FSDP1_RESHARD[word]
     if word.lower() in BOOLS:
         return BOOLS[word.lower()]
-    raise _err("P102", f"expected `true`, `false` or a group size, found `{word}`", v.span, "",
-               suggestion(word, ["true", "false", *FSDP1_RESHARD]))
+    raise _err("P102", f"expected `true`, `false` or a group size, found `{word}`", v.span, "not a reshard value",
+               suggestion(word, ["true", "false", *FSDP1_RESHARD]) or
+               ("write `true` (free after forward), `false` (keep until backward) or a group size such as `8`",))
 
 
 def prefetch(v: st.Value) -> int | tuple[st.Selector, ...]:
@@ -124,7 +126,7 @@ def prefetch(v: st.Value) -> int | tuple[st.Selector, ...]:
         return int(v.value)
     if isinstance(v, st.Name) and v.value == "none":
         return 0
-    raise _err("P103", f"expected a prefetch depth or a list of units, found `{v}`", v.span, "",
+    raise _err("P103", f"expected a prefetch depth or a list of units, found `{v}`", v.span, "not a prefetch value",
                ("write a depth (`forward = 2`) or units (`forward = [layers.1, layers.2]`)",))
 
 
@@ -134,7 +136,7 @@ def enum(*words: str) -> Callable[[st.Value], str]:
         if word in words:
             return word
         raise _err("P102", f"unknown value `{word}`", v.span, "expected " + " or ".join(f"`{w}`" for w in words),
-                   suggestion(word, words))
+                   suggestion(word, words) or ("write " + " or ".join(f"`{w}`" for w in words),))
     return convert
 
 
@@ -302,7 +304,7 @@ def _bind(spec: OptionSpec, opt: st.Option) -> dict[str, Any]:
             if key in positional:
                 positional.remove(key)
         if key in values:
-            raise _err("P103", f"`{key}` given twice", span, "repeated")
+            raise _err("P103", f"`{key}` given twice", span, "repeated", (f"keep one `{key} = ...`",))
         values[key] = spec.param(key).convert(arg.value)
     return values
 

@@ -510,20 +510,24 @@ def _read(path: str, span: Span | None) -> tuple[str | None, Diagnostic | None]:
     try:
         size = os.path.getsize(path)
         if size > MAX_PLAN_BYTES:
-            return fail(f"`{path}` is {size} bytes; plans are limited to {MAX_PLAN_BYTES} bytes")
+            return fail(f"`{path}` is {size} bytes; plans are limited to {MAX_PLAN_BYTES} bytes",
+                        ("split the plan into smaller files joined with `include`",))
         raw = FsPath(path).read_bytes()
     except FileNotFoundError:
         return fail(f"no such plan file `{path}`", ("check the path; includes are relative to the including plan",))
     except IsADirectoryError:
-        return fail(f"`{path}` is a directory, not a plan file")
+        return fail(f"`{path}` is a directory, not a plan file", ("name a `.plan` file",))
     except OSError as err:
         return fail(f"cannot read `{path}`: {err.strerror or err}")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        return fail(f"`{path}` is not UTF-8 text (bad byte at offset {err.start})")
+        line = raw.count(b"\n", 0, err.start) + 1
+        column = err.start - (raw.rfind(b"\n", 0, err.start) + 1) + 1
+        return fail(f"`{path}` is not UTF-8 text (byte 0x{raw[err.start]:02x} at line {line}, column {column})",
+                    ("save the plan as UTF-8",))
     if "\x00" in text:
-        return fail(f"`{path}` is not a text file (it contains NUL bytes)")
+        return fail(f"`{path}` is not a text file (it contains NUL bytes)", ("is this a plan file?",))
     return text, None
 
 
@@ -561,11 +565,12 @@ def loads_with_diagnostics(text: str, filename: str = "<string>") -> tuple[st.Pl
     diags: list[Diagnostic] = []
     if len(text.encode("utf-8", "surrogatepass")) > MAX_PLAN_BYTES:
         diags.append(Diagnostic(code="P002", severity="error", span=Span.point(filename),
-                                message=f"plan is larger than {MAX_PLAN_BYTES} bytes"))
+                                message=f"plan is larger than {MAX_PLAN_BYTES} bytes",
+                                help=("split the plan into smaller files joined with `include`",)))
         return None, diags
     if "\x00" in text:
         diags.append(Diagnostic(code="P002", severity="error", span=Span.point(filename),
-                                message="plan is not text (it contains NUL bytes)"))
+                                message="plan is not text (it contains NUL bytes)", help=("is this a plan file?",)))
         return None, diags
     sources: dict[str, str] = {}
     root = (os.path.abspath(filename),) if not filename.startswith("<") else ()

@@ -73,10 +73,11 @@ def resolve_mesh(stmt: st.MeshStmt | None, diags: list[Diagnostic]) -> Mesh:
             continue
         if name in sizes:
             diags.append(Diagnostic(code="P103", severity="error", message=f"mesh dimension `{name}` given twice",
-                                    span=dim.span, label="repeated"))
+                                    span=dim.span, label="repeated", help=(f"keep one `{name} = ...`",)))
         if dim.size is not None and dim.size < 1:
             diags.append(Diagnostic(code="P103", severity="error", message=f"mesh dimension `{name}` must be at least 1",
-                                    span=dim.span, label=f"{dim.size} ranks"))
+                                    span=dim.span, label=f"{dim.size} ranks",
+                                    help=(f"write a rank count such as `{name} = 8`, or `{name} = *` to fill the world",)))
             continue
         sizes[name] = dim.size
     if stmt.strategy is not None:
@@ -138,7 +139,10 @@ class Resolver:
                 defaults.extend(_block(s.block, "defaults", self.diags))
             elif isinstance(s, (st.UnitStmt, st.RootStmt)):
                 ctx = "root" if isinstance(s, st.RootStmt) else "unit"
+                errors = sum(d.is_error for d in self.diags)
                 rules[i] = _Rule(i, rule_text(s), _block(s.block, ctx, self.diags))
+                if sum(d.is_error for d in self.diags) > errors:
+                    self.out.broken.add(i)
         if self.graph is None:
             self._check_without_model()
             return self.out, self.diags
@@ -349,7 +353,8 @@ def _placement_dim(stmt: st.PlaceStmt, diags: list[Diagnostic]) -> int | None:
     if len(call.args) != 1 or not isinstance(call.args[0], st.Number) or not float(call.args[0].value).is_integer() \
             or call.args[0].value < 0:
         diags.append(Diagnostic(code="P103", severity="error", message="`Shard` takes one dimension, a non-negative integer",
-                                span=call.span, label="e.g. `Shard(1)`"))
+                                span=call.span, label="not a dimension",
+                                help=("write `Shard(0)` (the default) or `Shard(1)` to shard the second dimension",)))
         return None
     return int(call.args[0].value)
 

@@ -244,10 +244,14 @@ def match_modules(graph: ModelGraph, sel: st.Selector, *, optional: bool = False
     if not paths and not optional and not any(d.code in ("P202", "P105") for d in out.diagnostics):
         why = ("of the " + str(matched) + " module(s) its path matches, none passes " +
                ("the class guard" if sel.guard else "the size predicate" if sel.where else "its exclusions"))
-        help_ = ()
         if sel.guard:
             classes = sorted({graph.cls(p) for p in _base_modules(graph, sel.base, sel)[0]})
             help_ = ("the path matches classes " + ", ".join(f"`{c}`" for c in classes[:6]),)
+        elif sel.where:
+            help_ = ("size counts only parameters no smaller match has claimed; lower the bound "
+                     "or mark the rule `optional`",)
+        else:
+            help_ = ("narrow the `except` so that it keeps some matches, or mark the rule `optional`",)
         out.diagnostics.append(Diagnostic(code="P201", severity="error", message=f"selector `{sel}` matches no module",
                                           span=sel.span, label=why, help=help_))
     out.paths = sorted(paths, key=graph.pre)
@@ -282,7 +286,9 @@ def match_params(graph: ModelGraph, sel: st.Selector, *, optional: bool = False)
         else:
             out.diagnostics.append(Diagnostic(code="P206", severity="error", span=sel.span,
                                               message=f"selector `{sel}` matches no parameter",
-                                              label="no parameter name matches"))
+                                              label="no parameter name matches",
+                                              help=("parameter names are dotted paths such as `layers.0.mlp.w_in.weight`; "
+                                                    "run `planc tree --model ...` to see them",)))
     out.paths = sorted(canon)
     return out
 

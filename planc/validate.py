@@ -104,13 +104,35 @@ def check_unowned(ctx: Context) -> Iterator[Diagnostic]:
                        "or `ignore` them if something else synchronises their gradients"))
 
 
+def _names(names: list[str], limit: int = 3) -> str:
+    """`a`, `a` and `b`, or `a`, `b`, `c` and 4 more: a list of names for one message."""
+    shown = [f"`{n}`" for n in names[:limit]]
+    if len(names) > limit:
+        return ", ".join(shown) + f" and {len(names) - limit} more"
+    return shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
+
+
+def _by_key(findings) -> dict:
+    """Group (key, item) pairs by key, keeping first-seen order: one diagnostic per rule, not
+    per parameter or unit a wildcard matched."""
+    groups: dict = {}
+    for key, item in findings:
+        groups.setdefault(key, []).append(item)
+    return groups
+
+
 def check_scalar(ctx: Context) -> Iterator[Diagnostic]:
     """P303: FSDP2 cannot shard 0-dim parameters."""
-    for u in ctx.res.units:
-        for name in u.params:
-            if not ctx.graph.params[name].shape:
-                yield _err("P303", f"scalar parameter `{name}` in unit `{u.name}`", u.span,
-                           "FSDP2 raises ValueError on 0-dim parameters", (f"add `ignore {name}`",))
+    found = [(u.span, (name, u.name)) for u in ctx.res.units for name in u.params
+             if not ctx.graph.params[name].shape]
+    for span, items in _by_key(found).items():
+        names = [n for n, _ in items]
+        units = list(dict.fromkeys(u for _, u in items))
+        locals_ = {n.rpartition(".")[2] for n in names}
+        fix = f"ignore **.{next(iter(locals_))}" if len(names) > 1 and len(locals_) == 1 else f"ignore {names[0]}"
+        yield _err("P303", f"scalar parameter{'s' * (len(names) > 1)} {_names(names)} in "
+                   f"unit{'s' * (len(units) > 1)} {_names(units)}", span,
+                   "FSDP2 raises ValueError on 0-dim parameters", (f"add `{fix}`",))
 
 
 def _dtype(u: Unit, model_dtype: torch.dtype) -> torch.dtype:
@@ -121,6 +143,7 @@ def check_precision(ctx: Context) -> Iterator[Diagnostic]:
     """P304: an inner unit computing in another dtype than the unit around it, unbridged."""
     g, res = ctx.graph, ctx.res
     model_dtype = next(iter(g.params.values())).dtype if g.params else torch.float32
+    found = []
     for u in ctx.inner_units():
         outer = next((res.enclosing(a, g) for a in g.ancestors(u.modules[0]) if res.enclosing(a, g)), None)
         if outer is None:
@@ -132,15 +155,21 @@ def check_precision(ctx: Context) -> Iterator[Diagnostic]:
         if not (u["cast_inputs"] and u["param_dtype"] is not None):
             gaps.append(f"its inputs arrive in {DTYPE_NAMES[do]} but it computes in {DTYPE_NAMES[du]}")
         if u["output_dtype"] != do:
-            gaps.append(f"its outputs return in {DTYPE_NAMES[u['output_dtype'] or du]} to `{outer.name}`, "
-                        f"which computes in {DTYPE_NAMES[do]}")
+            gaps.append(f"its outputs return in {DTYPE_NAMES[u['output_dtype'] or du]} to {{outer}} "
+                        f"({DTYPE_NAMES[do]})")
         if gaps:
             setting = u.settings["param_dtype"]
-            yield _err("P304", f"unit `{u.name}` runs in {DTYPE_NAMES[du]} inside `{outer.name}` ({DTYPE_NAMES[do]})",
-                       setting.span or u.span, "; ".join(gaps), (
-                           f"on `{u.name}` set `precision param = {DTYPE_NAMES[du]}, output = {DTYPE_NAMES[do]}, "
-                           "cast_inputs = true`",
-                           "or give both units the same param dtype"))
+            found.append(((setting.span or u.span, du, do, tuple(gaps)), (u.name, outer.name)))
+    for (span, du, do, gaps), pairs in _by_key(found).items():
+        inner, outer = [i for i, _ in pairs], list(dict.fromkeys(o for _, o in pairs))
+        where = f"`{outer[0]}`" if len(outer) == 1 else f"the unit{'s' * (len(inner) > 1)} around them"
+        gaps = tuple(g.format(outer=where) for g in gaps)
+        yield _err("P304", f"unit{'s' * (len(inner) > 1)} {_names(inner)} run{'s' * (len(inner) == 1)} in "
+                   f"{DTYPE_NAMES[du]} inside {where} ({DTYPE_NAMES[do]})",
+                   span, "; ".join(gaps), (
+                       f"on {_names(inner, 1) if len(inner) == 1 else 'these units'} set `precision param = "
+                       f"{DTYPE_NAMES[du]}, output = {DTYPE_NAMES[do]}, cast_inputs = true`",
+                       "or give both units the same param dtype"))
 
 
 def check_mesh(ctx: Context) -> Iterator[Diagnostic]:
@@ -161,40 +190,55 @@ def check_mesh(ctx: Context) -> Iterator[Diagnostic]:
 def check_reshard_size(ctx: Context) -> Iterator[Diagnostic]:
     """P402: `reshard after_forward = N` needs N to divide the shard size."""
     sizes = ctx.mesh_sizes
+    if sizes is None or sizes[1] is None:
+        return
+    shard = sizes[1]
+    found = []
     for u in ctx.res.units:
         value = u["reshard_after_forward"]
         if isinstance(value, bool) or not isinstance(value, int):
             continue
-        setting = u.settings["reshard_after_forward"]
-        if sizes is None:
-            continue
-        shard = sizes[1]
         if value > shard or shard % value:
-            divisors = [d for d in range(1, shard + 1) if shard % d == 0]
-            yield _err("P402", f"unit `{u.name}` reshards to groups of {value}, which does not divide the "
-                       f"shard size {shard}", setting.span or u.span, f"{value} does not divide {shard}",
-                       ("choose one of " + ", ".join(map(str, divisors[:12])),))
+            setting = u.settings["reshard_after_forward"]
+            found.append(((setting.span or u.span, value), u.name))
+    divisors = [d for d in range(1, shard + 1) if shard % d == 0]
+    for (span, value), units in _by_key(found).items():
+        yield _err("P402", f"unit{'s' * (len(units) > 1)} {_names(units)} reshard{'s' * (len(units) == 1)} to "
+                   f"groups of {value}, which does not divide the shard size {shard}", span,
+                   f"{value} does not divide {shard}", ("choose one of " + ", ".join(map(str, divisors[:12])),))
 
 
 def check_placements(ctx: Context) -> Iterator[Diagnostic]:
     """P403/P404: `Shard(d)` must name an existing dim, divisible by the shard size when d != 0."""
     sizes = ctx.mesh_sizes
+    missing, uneven = [], []
     for name, (dim, span) in ctx.res.placements.items():
         shape = ctx.graph.params[name].shape
         if dim >= len(shape):
-            yield _err("P403", f"`Shard({dim})` on `{name}`, which has only {len(shape)} dim(s) {list(shape)}",
-                       span, "no such dimension", (f"use a dim below {len(shape)}",))
-        elif dim and sizes is not None and shape[dim] % sizes[1]:
-            yield _err("P404", f"`Shard({dim})` on `{name}`: dim {dim} has size {shape[dim]}, not divisible by "
-                       f"the shard size {sizes[1]}", span, f"{shape[dim]} % {sizes[1]} != 0",
-                       ("use `Shard(0)` (padded automatically) or a shard size that divides it",))
+            missing.append(((span, dim, len(shape)), name))
+        elif dim and sizes is not None and sizes[1] and shape[dim] % sizes[1]:
+            uneven.append(((span, dim, shape[dim], sizes[1]), name))
+    for (span, dim, ndim), names in _by_key(missing).items():
+        yield _err("P403", f"`Shard({dim})` on {_names(names)}, which ha{'ve' if len(names) > 1 else 's'} "
+                   f"only {ndim} dim(s)", span, "no such dimension",
+                   (f"use a dim below {ndim}" if ndim else "a 0-dim parameter cannot be sharded; `ignore` it",))
+    for (span, dim, size, shard), names in _by_key(uneven).items():
+        yield _err("P404", f"`Shard({dim})` on {_names(names)}: dim {dim} has size {size}, not divisible by "
+                   f"the shard size {shard}", span, f"{size} % {shard} != 0",
+                   ("use `Shard(0)` (padded automatically) or a shard size that divides it",))
 
 
 def check_shadowed(ctx: Context) -> Iterator[Diagnostic]:
-    """P207 (warning): a rule whose every unit and option is set again later."""
+    """P207 (warning): a rule whose every unit and option is set again later.
+
+    Not for rules already reported (a bad option, a P203 conflict: the warning would only
+    echo the error), nor for rules of an included plan: overriding a base plan is what
+    `include` is for.
+    """
+    res = ctx.res
     for i, s in enumerate(ctx.plan.statements):
-        if isinstance(s, (st.UnitStmt, st.CheckpointStmt, st.CompileStmt)) and not ctx.res.rule_effects.get(i) \
-                and i not in ctx.res.conflicted:
+        if isinstance(s, (st.UnitStmt, st.CheckpointStmt, st.CompileStmt)) and not res.rule_effects.get(i) \
+                and i not in res.conflicted and i not in res.broken and s.span.file == ctx.plan.file:
             matched = _matches_anything(ctx, s)
             if matched:
                 yield _err("P207", "this rule has no effect: later rules set everything it sets", s.span,
@@ -239,8 +283,11 @@ def _expect_unit(ctx: Context, s: st.ExpectUnit, unit_names: set[str]) -> Iterat
     if s.negated:
         bad = [w for w in wanted if w in unit_names]
         if bad:
+            unit = ctx.res.unit(bad[0])
+            made = f" (made by `{unit.rule}` on line {unit.span.line})" if unit.span else ""
             yield _err("P501", f"expected `{bad[0]}` not to be a unit, but it is", s.span,
-                       f"{len(bad)} unexpected unit(s)")
+                       f"{len(bad)} unexpected unit(s)", (f"drop the rule that makes it a unit{made}, "
+                                                         "or this expectation",))
         return
     missing = [w for w in wanted if w not in unit_names]
     if missing:
