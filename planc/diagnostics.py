@@ -150,6 +150,25 @@ CODES: dict[str, Code] = {
     "P604": Code("non-contiguous parameter in a unit", "FSDP2 cannot shard non-contiguous parameters "
                  "(`NotImplementedError`). Make the parameter contiguous when building the model, or "
                  "`ignore` it."),
+    # --- importing accelerate FSDP configs (P7xx; `planc import`, planc/importer.py)
+    "P701": Code("not an accelerate FSDP config", "The file is not YAML, not a mapping, or has no "
+                 "`fsdp_config` section (accelerate writes one with `accelerate config` when "
+                 "`distributed_type: FSDP`)."),
+    "P702": Code("unknown config value", "An accelerate setting has a value planc does not know, such as a "
+                 "misspelled sharding strategy or wrap policy.\n\n    fsdp_sharding_strategy: FULL_SHRAD  "
+                 "# did you mean `FULL_SHARD`?"),
+    "P703": Code("wrap class not in the model", "`fsdp_transformer_layer_cls_to_wrap` names a class that no "
+                 "module of the model (`--model`) has. Older accelerate versions then wrap nothing and "
+                 "train the whole model as one unit, silently; newer ones fail at startup.\n\n"
+                 "    fsdp_transformer_layer_cls_to_wrap: LLaMADecoderLayer  # did you mean `LlamaDecoderLayer`?"),
+    "P704": Code("setting not translated", "An accelerate setting changes how FSDP runs but has no "
+                 "equivalent in a plan or in FSDP2 (e.g. `fsdp_backward_prefetch: BACKWARD_POST`); the "
+                 "written plan behaves as if it were left at its default.", "warning"),
+    "P705": Code("setting left to the training script", "An accelerate setting is about checkpoint "
+                 "formats, loading or the launcher, not about sharding, so it has no place in a plan "
+                 "(e.g. `fsdp_state_dict_type`); keep it where the script sets it.", "note"),
+    "P706": Code("unknown fsdp_config key", "A key under `fsdp_config` is not one accelerate reads; it is "
+                 "probably misspelled and accelerate ignores it.", "warning"),
     # --- notes (P9xx)
     "P901": Code("FSDP1 spelling", "An FSDP1 word was accepted and mapped to its FSDP2 meaning; the note "
                  "says what it became.", "note"),
