@@ -118,14 +118,22 @@ def global_batches(steps: int, world_size: int, vocab: int, *, seed: int = 1234)
 
 
 def train(model: nn.Module, data: list[torch.Tensor], *, lr: float = 1e-2,
-          optimizer: torch.optim.Optimizer | None = None) -> tuple[list[float], torch.optim.Optimizer]:
-    """Runs one AdamW step per batch (next-token cross entropy); returns the local losses."""
+          optimizer: torch.optim.Optimizer | None = None,
+          grads: list | None = None) -> tuple[list[float], torch.optim.Optimizer]:
+    """Runs one AdamW step per batch (next-token cross entropy); returns the local losses.
+
+    Args:
+        grads: if given, each step's full gradients (`{name: tensor}`) are appended to it.
+    """
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
     losses = []
     for tokens in data:
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
+        if grads is not None:
+            grads.append({name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                          for name, p in model.named_parameters()})
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
@@ -197,7 +205,7 @@ def hsdp_worker(rank: int, world_size: int, steps: int) -> dict:
     """HSDP (2 replicas x 2 shards) against unsharded training on the union of the batches.
 
     Returns per-parameter placements, mesh coordinates, local shard shapes and values, the
-    global (rank-mean) losses, the reference losses, and both sets of final parameters.
+    global (rank-mean) losses and each step's full gradients, and the same for the reference.
     """
     vocab = zoo.SEED_TINY_CONFIG.vocab_size
     torch.manual_seed(0)
@@ -211,19 +219,20 @@ def hsdp_worker(rank: int, world_size: int, steps: int) -> dict:
     shards = {}
     for name, p in model.named_parameters():
         shards[name] = {
-            "placements": tuple(str(pl) for pl in p.placements),
+            "placements": tuple(p.placements),
             "mesh": tuple(p.device_mesh.shape),
             "coordinate": tuple(p.device_mesh.get_coordinate()),
             "local_shape": tuple(p.to_local().shape),
             "full_shape": full_shapes[name],
         }
 
-    losses, _ = train(model, batches(steps, rank, world_size, vocab))
-    reference_losses, _ = train(reference, global_batches(steps, world_size, vocab))
+    grads, reference_grads = [], []
+    losses, _ = train(model, batches(steps, rank, world_size, vocab), grads=grads)
+    reference_losses, _ = train(reference, global_batches(steps, world_size, vocab), grads=reference_grads)
     for name, p in model.named_parameters():
         shards[name]["local"] = p.to_local().detach().clone()
     return {"shards": shards, "losses": mean_over_ranks(losses), "reference_losses": reference_losses,
-            "params": full_params(model), "reference_params": reference.state_dict()}
+            "grads": grads, "reference_grads": reference_grads}
 
 
 # Plan B differs from the torchtitan plan in units (attention and MLP apart, `output` alone),
