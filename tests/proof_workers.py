@@ -291,7 +291,7 @@ def checkpoint_save_load_worker(rank: int, world_size: int, path: str) -> dict:
     loaded = full_state(model_b, optim_b)
     return {"saved": saved, "loaded": loaded, "units_a": sorted(fsdp_units_names(model_a)),
             "units_b": sorted(fsdp_units_names(model_b)),
-            "placements_b": {n: tuple(str(x) for x in p.placements) for n, p in model_b.named_parameters()},
+            "placements_b": {n: tuple(p.placements) for n, p in model_b.named_parameters()},
             "applied": (type(applied_a).__name__, type(applied_b).__name__)}
 
 
