@@ -50,7 +50,13 @@ def _has_forward(module: nn.Module) -> bool:
 
 
 class ModelGraph:
-    """A read-only view of a module tree, built once from a model (see `from_module`)."""
+    """A read-only view of a module tree, built once from a model (see `from_module`).
+
+    Queries run on plain dicts and a pre-order list built with the graph (`g` stays the
+    networkx view for callers that want graph algorithms): a subtree is a contiguous slice of
+    the pre-order, so `subtree` and `subtree_params` cost the size of the answer, never a
+    traversal of the whole tree. This keeps compiling linear in the model size.
+    """
 
     def __init__(self, graph: nx.DiGraph, params: dict[str, ParamInfo], aliases: dict[str, str],
                  model: nn.Module | None = None):
@@ -58,6 +64,45 @@ class ModelGraph:
         self.params = params          # canonical name -> info
         self.aliases = aliases        # every name (canonical or tied alias) -> canonical
         self.model = model
+        self._index()
+
+    def _index(self) -> None:
+        """Children, own parameters, pre/post order and subtree extents, as dicts."""
+        g = self.g
+        mods = [n for n, d in g.nodes(data=True) if d["kind"] == "module"]
+        mods.sort(key=lambda p: g.nodes[p]["pre"])
+        self._children: dict[str, list[str]] = {m: [] for m in mods}
+        self._child_names: dict[str, list[str]] = {m: [] for m in mods}
+        self._own: dict[str, list[tuple[str, str]]] = {m: [] for m in mods}
+        for m in mods:
+            for n in g.successors(m):
+                local = g.edges[m, n]["name"]
+                if isinstance(n, tuple):
+                    self._own[m].append((local, n[1]))
+                else:
+                    self._children[m].append(n)
+                    self._child_names[m].append(local)
+        self._order = tuple(mods)
+        self._pre = {m: i for i, m in enumerate(mods)}
+        # subtree of m = _order[pre(m) : _end[m]]; post-order number from a reverse sweep
+        end: dict[str, int] = {}
+        post: dict[str, int] = {}
+        counter = 0
+        stack = [(mods[0], False)] if mods else []
+        while stack:
+            node, done = stack.pop()
+            if done:
+                post[node] = counter
+                counter += 1
+                kids = self._children[node]
+                end[node] = end[kids[-1]] if kids else self._pre[node] + 1
+                continue
+            stack.append((node, True))
+            stack.extend((c, False) for c in reversed(self._children[node]))
+        self._end = end
+        self._post = post
+        for m in mods:
+            g.nodes[m]["post"] = post[m]
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -87,36 +132,24 @@ class ModelGraph:
                     g.add_node(("param", canon), kind="param")
                 aliases[full] = canon
                 g.add_edge(path, ("param", canon), name=local)
-        graph = cls(g, params, aliases, model)
-        graph._number_post_order()
-        return graph
-
-    def _number_post_order(self) -> None:
-        for i, path in enumerate(nx.dfs_postorder_nodes(self._tree, "")):
-            self.g.nodes[path]["post"] = i
-
-    @cached_property
-    def _tree(self) -> nx.DiGraph:
-        """The module-only subgraph (children in registration order)."""
-        return self.g.subgraph(n for n, d in self.g.nodes(data=True) if d["kind"] == "module")
+        return cls(g, params, aliases, model)
 
     # ----------------------------------------------------------------- modules
-    @cached_property
+    @property
     def modules(self) -> tuple[str, ...]:
         """Every module path in pre-order (registration order); the root is `""`."""
-        return tuple(sorted(self._tree.nodes, key=lambda p: self.g.nodes[p]["pre"]))
+        return self._order
 
     def children(self, path: str) -> list[str]:
         """Child module paths in registration order."""
-        return [c for c in self.g.successors(path) if self.g.nodes[c]["kind"] == "module"]
+        return self._children[path]
 
     def child_names(self, path: str) -> list[str]:
-        return [self.g.edges[path, c]["name"] for c in self.children(path)]
+        return self._child_names[path]
 
     def own_params(self, path: str) -> list[tuple[str, str]]:
         """(local name, canonical name) of parameters registered directly on the module."""
-        return [(self.g.edges[path, n]["name"], n[1]) for n in self.g.successors(path)
-                if self.g.nodes[n]["kind"] == "param"]
+        return self._own[path]
 
     def cls(self, path: str) -> str:
         return self.g.nodes[path]["cls"]
@@ -128,17 +161,25 @@ class ModelGraph:
         return self.g.nodes[path]["has_forward"]
 
     def pre(self, path: str) -> int:
-        return self.g.nodes[path]["pre"]
+        return self._pre[path]
 
     def post(self, path: str) -> int:
-        return self.g.nodes[path]["post"]
+        return self._post[path]
 
     def module(self, path: str) -> nn.Module:
         return self.g.nodes[path]["module"]
 
     def subtree(self, path: str) -> Iterator[str]:
         """`path` and every module below it, pre-order."""
-        return nx.dfs_preorder_nodes(self._tree, path)
+        return iter(self._order[self._pre[path]:self._end[path]])
+
+    def subtree_size(self, path: str) -> int:
+        """How many modules `subtree(path)` yields."""
+        return self._end[path] - self._pre[path]
+
+    def is_within(self, path: str, ancestor: str) -> bool:
+        """True if `path` is `ancestor` or below it (O(1), by pre-order extents)."""
+        return self._pre[ancestor] <= self._pre[path] < self._end[ancestor]
 
     def ancestors(self, path: str) -> Iterator[str]:
         """Strict ancestors of `path`, nearest first, ending with the root `""`."""
@@ -160,24 +201,23 @@ class ModelGraph:
         """Canonical name -> owner modules, for parameters held by more than one module."""
         return {n: self.owners(n) for n in self.params if self.g.in_degree(("param", n)) > 1}
 
+    @cached_property
+    def param_order(self) -> dict[str, int]:
+        """Canonical name -> position in registration order (for sorting parameter lists)."""
+        return {name: k for k, name in enumerate(self.params)}
+
     def subtree_params(self, path: str) -> set[str]:
         """Canonical names of all parameters in the subtree of `path`."""
-        out: set[str] = set()
-        for m in self.subtree(path):
-            out.update(c for _, c in self.own_params(m))
-        return out
+        own = self._own
+        return {c for m in self.subtree(path) for _, c in own[m]}
 
     @cached_property
     def subtree_numel(self) -> dict[str, int]:
         """Parameter count of each module's subtree (tied parameters counted once)."""
-        counts: dict[str, int] = {}
-        for path in nx.dfs_postorder_nodes(self._tree, ""):
-            own = {c for _, c in self.own_params(path)}
-            counts[path] = sum(self.params[c].numel for c in own)
-        # Sum bottom-up; tied params counted once per subtree via set union where they meet.
         result: dict[str, int] = {}
-        for path in nx.dfs_postorder_nodes(self._tree, ""):
-            result[path] = counts[path] + sum(result[c] for c in self.children(path))
+        for path in sorted(self._order, key=self._post.__getitem__):
+            own = {c for _, c in self._own[path]}
+            result[path] = sum(self.params[c].numel for c in own) + sum(result[c] for c in self._children[path])
         for canon, owners in self.tied.items():  # undo double counts above the meeting point
             numel = self.params[canon].numel
             seen_paths: dict[str, int] = {}
@@ -198,4 +238,4 @@ class ModelGraph:
         return self.own_params(path)
 
     def __len__(self) -> int:
-        return len(self.modules)
+        return len(self._order)

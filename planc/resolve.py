@@ -339,8 +339,7 @@ def _selectors_of(stmt) -> list[st.Selector]:
 
 
 def _param_order(g: ModelGraph):
-    order = {name: k for k, name in enumerate(g.params)}
-    return lambda name: order[name]
+    return g.param_order.__getitem__
 
 
 def _placement_dim(stmt: st.PlaceStmt, diags: list[Diagnostic]) -> int | None:

@@ -257,6 +257,14 @@ _OPS = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<=": lambda a, b:
         ">=": lambda a, b: a >= b, "<": lambda a, b: a < b, ">": lambda a, b: a > b}
 
 
+def _show_bytes(n: float) -> str:
+    """`70.00 GiB`, `12.5 KiB`: the unit that keeps the number readable."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 def check_expects(ctx: Context) -> Iterator[Diagnostic]:
     """P501/P502: `expect` statements must hold."""
     unit_names = {u.name for u in ctx.res.units}
@@ -316,7 +324,7 @@ def _expect_metric(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
         return
     if not _OPS[s.op](actual, s.value.value):
         yield _err("P502", f"expected {s.metric} {s.op} {s.value} at world = {world}, but the estimate is "
-                   f"{actual / 2**30:.2f} GiB", s.span, "bound does not hold",
+                   f"{_show_bytes(actual)}", s.span, "bound does not hold",
                    ("run `planc explain --world-size {} ...` for the breakdown".format(world),))
 
 
