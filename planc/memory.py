@@ -1,0 +1,728 @@
+"""Per-rank memory model: what a plan costs on each rank, before anything runs.
+
+Two parts, both without torch.distributed and without a GPU:
+
+* **State bytes, exact.** For each unit, the bytes FSDP2 allocates per rank: sharded
+  parameters (dim 0 padded to a multiple of the shard size, `torch.chunk` semantics, in the
+  parameter's storage dtype), sharded gradients (same), optimizer state (AdamW: two states
+  the size of the sharded parameters plus one 4-byte step counter per parameter; SGD without
+  momentum: none), the all-gather output (padded, in `param_dtype`) and the reduce-scatter
+  input (padded, in `reduce_dtype`). Offloaded units keep their state on the host.
+* **A replay of one training step.** FSDP2's schedule is replayed unit by unit: all-gather
+  at pre-forward (and at pre-backward when resharded), the explicit or default backward
+  prefetch (the next unit in reverse post-forward order), reshard after forward (`true`
+  frees, `false` keeps, `N` keeps a 1/N slice), reduce-scatter and reshard at post-backward,
+  the all-gather result kept until the next copy-out in forward, one reduce-scatter input
+  kept alive until the next one, then the optimizer step (foreach AdamW needs one temporary
+  the size of the sharded parameters). When an input is given, the replay is driven by a
+  forward and backward of the model on the **meta device** (shapes only, no memory): a
+  dispatch mode records the live bytes of every tensor that is not a parameter
+  (activations, temporaries, unsharded gradients until their unit's reduce-scatter), with
+  each unit's precision and checkpointing applied; FSDP2's buffers are added around it.
+  Without an input, activations are left out and the replay walks the units in module order.
+
+Counted: tensor bytes only (no CUDA context, NCCL or allocator workspaces, fragmentation).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+OPTIMIZERS = ("adamw", "sgd", "none")
+CATEGORIES = ("sharded_params", "sharded_grads", "optimizer_state", "unsharded_params", "all_gather",
+              "reduce_scatter", "unsharded_grads", "activations", "optimizer_temp", "inputs")
+STEP_COUNTER_BYTES = 4  # AdamW keeps a float32 `step` tensor per parameter
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def shard_numel(shape: tuple[int, ...], shard: int, dim: int = 0) -> int:
+    """Elements each rank stores for one parameter: FSDP2 pads `dim` to a multiple of `shard`."""
+    if not shape:
+        return 1
+    rest = math.prod(shape) // shape[dim] if shape[dim] else 0
+    return -(-shape[dim] // shard) * rest
+
+
+# ===================================================================== per-unit bytes
+
+
+@dataclass(frozen=True)
+class UnitMemory:
+    """Bytes one unit costs on one rank (state on the device unless `offload`)."""
+
+    name: str
+    index: int
+    params: int                 # parameter count (elements, unsharded)
+    sharded: int                # sharded parameters, storage dtype, padded
+    unsharded: int              # all-gathered parameters in param_dtype, padded
+    grad_unsharded: int         # gradients before reduce-scatter, in param_dtype, unpadded
+    reduce_scatter: int         # reduce-scatter input in reduce_dtype, padded
+    grads: int                  # sharded gradients (storage dtype)
+    optimizer: int              # optimizer state
+    post_forward: int           # kept after forward: unsharded (false), a 1/N slice (int N), 0 (true)
+    offload: bool
+    reshard: bool | int
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    param_names: tuple[str, ...] = ()
+
+
+def unit_memory(compiled, world: int, optimizer: str = "adamw") -> list[UnitMemory]:
+    """Per-rank bytes of every unit of `compiled` at `world` ranks."""
+    graph, res = compiled.graph, compiled.resolution
+    replicate, shard = mesh_sizes(compiled, world)
+    out = []
+    for i, u in enumerate(compiled.units):
+        names = [p for p in u.params if p not in res.ignored]
+        infos = [graph.params[p] for p in names]
+        orig = infos[0].dtype if infos else torch.float32
+        pdt = u["param_dtype"] or orig
+        rdt = u["reduce_dtype"] or pdt
+        sharded = unsharded = grad_unsharded = rs = grads = opt = count = 0
+        for name, info in zip(names, infos):
+            dim = res.placements.get(name, (0, None))[0]
+            per_rank = shard_numel(info.shape, shard, dim)
+            sharded += per_rank * _itemsize(info.dtype)
+            unsharded += per_rank * shard * _itemsize(pdt)
+            count += info.numel
+            if info.requires_grad:
+                grad_unsharded += info.numel * _itemsize(pdt)
+                rs += per_rank * shard * _itemsize(rdt)
+                grads += per_rank * _itemsize(info.dtype)
+                if optimizer == "adamw":
+                    opt += 2 * per_rank * _itemsize(info.dtype) + STEP_COUNTER_BYTES
+        reshard = u.reshard_after_forward
+        if reshard is True or (not isinstance(reshard, bool) and reshard >= shard):
+            post = 0
+        elif reshard is False:
+            post = unsharded
+        else:
+            post = unsharded // int(reshard)
+        out.append(UnitMemory(u.name, i, count, sharded, unsharded, grad_unsharded, rs, grads, opt, post,
+                              bool(u["offload"]), reshard, pdt, rdt, tuple(names)))
+    return out
+
+
+def mesh_sizes(compiled, world: int) -> tuple[int, int]:
+    """(replicate, shard) for `world` ranks; a mesh that cannot fill it shards over everything."""
+    sizes = compiled.mesh.sizes(world)
+    if sizes is None or sizes[0] is None or sizes[1] is None:
+        return 1, world
+    return sizes
+
+
+def _replicated_params(compiled) -> list[str]:
+    """Parameters FSDP does not shard: ignored ones and, with `root none`, those of no unit."""
+    owned = set().union(*(u.params for u in compiled.units)) if compiled.units else set()
+    return [n for n in compiled.graph.params if n in compiled.resolution.ignored or n not in owned]
+
+
+# ===================================================================== the step's events
+
+
+@dataclass
+class Event:
+    """One moment of the step: `kind` is fwd_pre/fwd_post/bwd_pre/bwd_post (of `unit`),
+    `op` (live non-parameter bytes after an op), `end_backward` or `step`."""
+
+    kind: str
+    unit: int = -1
+    live: int = 0       # activations + temporaries (+ unsharded grads in `grads`) after the op
+    grads: int = 0      # unsharded gradient bytes among `live`
+    where: str = ""     # module the op ran in
+
+
+@dataclass
+class Trace:
+    """The events of one forward + backward, and what drove it."""
+
+    events: list[Event]
+    input_bytes: int = 0
+    source: str = "module order (no input: activations not counted)"
+
+
+def _unit_modules(compiled) -> dict[str, int]:
+    return {m: i for i, u in enumerate(compiled.units) if not u.is_root for m in u.modules}
+
+
+def _root_index(compiled) -> int | None:
+    return next((i for i, u in enumerate(compiled.units) if u.is_root), None)
+
+
+def synthetic_trace(compiled) -> Trace:
+    """Events in module order (pre-order forward, reverse backward), no activations."""
+    graph = compiled.graph
+    of = _unit_modules(compiled)
+    root = _root_index(compiled)
+    remaining = {i: len(u.modules) for i, u in enumerate(compiled.units) if not u.is_root}
+    fwd: list[Event] = []
+    post_order: list[int] = []
+    started: set[int] = set()
+
+    def visit(path: str) -> None:
+        i = of.get(path)
+        if i is not None and i not in started:
+            started.add(i)
+            fwd.append(Event("fwd_pre", i))
+        if i is not None:
+            fwd.append(Event("op", i, where=path))
+        for child in graph.children(path):
+            visit(child)
+        if i is not None:
+            remaining[i] -= 1
+            if remaining[i] == 0:
+                fwd.append(Event("fwd_post", i))
+                post_order.append(i)
+
+    for child in graph.children(""):
+        visit(child)
+    events = ([Event("fwd_pre", root)] if root is not None else []) + fwd
+    if root is not None:
+        events += [Event("op", root, where=""), Event("fwd_post", root), Event("bwd_pre", root)]
+    for i in reversed(post_order):
+        events += [Event("bwd_pre", i), Event("op", i, where=compiled.units[i].modules[0]), Event("bwd_post", i)]
+    events.append(Event("end_backward"))
+    return Trace(events)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of live tensors created by ops (parameters are never op outputs)."""
+
+    def __init__(self, on_op):
+        super().__init__()
+        self.live = 0
+        self.grad_storages: set[int] = set()
+        self.grads = 0
+        self._seen: dict[int, int] = {}
+        self._pinned: list = []
+        self._on_op = on_op
+
+    def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Tensors that exist before the step (parameters, inputs): their views cost nothing."""
+        for t in tensors:
+            st = t.untyped_storage()
+            self._pinned.append(st)  # keeps the id valid
+            self._seen[id(st)] = 0
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        if key in self.grad_storages:
+            self.grad_storages.discard(key)
+            self.grads -= nbytes
+        self._seen.pop(key, None)
+
+    def track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._seen:
+            return
+        nbytes = st.nbytes()
+        self._seen[key] = nbytes
+        self.live += nbytes
+        weakref.finalize(st, self._free, key, nbytes)
+
+    def mark_grad(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._seen and key not in self.grad_storages:
+            self.grad_storages.add(key)
+            self.grads += self._seen[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        self._on_op(func)
+        return out
+
+
+def _output_tensor(out: Any) -> torch.Tensor:
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t
+    raise TypeError("the model returned no floating-point tensor to take a loss of")
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss of one training step, as every planc measurement takes it: the output's sum."""
+    return _output_tensor(output).sum()
+
+
+def fake_model(compiled, fake_mode) -> nn.Module:
+    """A copy of the plan's model whose tensors are fake CPU tensors (shapes only, no memory),
+    each unit's parameters in its param_dtype.
+
+    Fake CPU rather than meta: operators then pick the kernels a real device would (a meta
+    `scaled_dot_product_attention` falls back to the math path and materialises the
+    attention matrix, which fused kernels never do).
+    """
+    graph = compiled.graph
+    if graph.model is None:
+        raise ValueError("the compiled plan has no model to run")
+    memo = {}
+    for t in list(graph.model.parameters()) + list(graph.model.buffers()):
+        memo[id(t)] = torch.empty_like(t, device="meta")  # deepcopy without copying storage
+    model = copy.deepcopy(graph.model, memo)
+    dtype_of = {}
+    for u in compiled.units:
+        for name in u.params:
+            if u["param_dtype"] is not None and name not in compiled.resolution.ignored:
+                dtype_of[name] = u["param_dtype"]
+    new: dict[str, nn.Parameter] = {}
+    with fake_mode:
+        for name, info in graph.params.items():
+            t = torch.empty(info.shape, dtype=dtype_of.get(name, info.dtype), device="cpu")
+            new[name] = nn.Parameter(t, requires_grad=info.requires_grad)
+        for mod in model.modules():
+            for local, b in list(mod._buffers.items()):
+                if b is not None:
+                    mod._buffers[local] = torch.empty(b.shape, dtype=b.dtype, device="cpu")
+    for alias, canon in graph.aliases.items():
+        owner, _, local = alias.rpartition(".")
+        model.get_submodule(owner)._parameters[local] = new[canon]
+    return model
+
+
+def _cast(tree: Any, dtype: torch.dtype) -> Any:
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+def meta_trace(compiled, inputs: tuple) -> Trace:
+    """Run one forward and backward on meta and record the events of the step.
+
+    Args:
+        compiled: the compiled plan (its graph must hold the model).
+        inputs: positional inputs of the model (any device; moved to meta).
+
+    Returns:
+        The trace: unit hooks and live non-parameter bytes after every op.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._composable.checkpoint_activation import checkpoint as checkpoint_module
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = fake_model(compiled, fake_mode)
+    res = compiled.resolution
+    for path, setting in res.checkpoint.items():
+        if setting.value:
+            checkpoint_module(model.get_submodule(path))
+    events: list[Event] = []
+    where: list[str] = [""]
+    mode = _LiveBytes(lambda func: events.append(Event("op", live=mode.live, grads=mode.grads, where=where[-1])))
+    units = compiled.units
+    root = _root_index(compiled)
+    post_done: set[int] = set()
+    params_of = {i: [model.get_parameter(p) for p in u.params if p not in res.ignored]
+                 for i, u in enumerate(units)}
+    fwd_pending: dict[int, int] = {}
+    bwd_started: set[int] = set()
+    bwd_left: dict[int, int] = {}
+
+    def post_backward(i: int) -> None:
+        if i in post_done:
+            return
+        post_done.add(i)
+        events.append(Event("bwd_post", i, live=mode.live, grads=mode.grads))
+        for p in params_of[i]:
+            p.grad = None  # FSDP2 frees unsharded gradients once they are reduce-scattered
+
+    handles = []
+    for i, u in enumerate(units):
+        if u.is_root:
+            continue
+        mods = [model.get_submodule(m) for m in u.modules]
+
+        def pre(mod, args, i=i, u=u):
+            if fwd_pending.get(i, 0) == 0:
+                events.append(Event("fwd_pre", i, live=mode.live))
+            fwd_pending[i] = fwd_pending.get(i, 0) + 1
+            where.append(u.name)
+            if u["cast_inputs"] and u["param_dtype"] is not None:
+                return _cast(args, u["param_dtype"])
+            return None
+
+        def post(mod, args, out, i=i, u=u):
+            where.pop()
+            if fwd_pending[i] == len(u.modules):
+                fwd_pending[i] = 0
+                events.append(Event("fwd_post", i, live=mode.live))
+            if u["output_dtype"] is not None:
+                return _cast(out, u["output_dtype"])
+            return None
+
+        def bw_pre(mod, grad_out, i=i, u=u):
+            if i not in bwd_started:  # a group unit starts its backward once
+                bwd_started.add(i)
+                events.append(Event("bwd_pre", i, live=mode.live))
+            where.append(u.name)
+
+        def bw_post(mod, grad_in, grad_out, i=i, u=u):
+            where.pop() if len(where) > 1 else None
+            bwd_left[i] = bwd_left.get(i, len(u.modules)) - 1
+            if bwd_left[i] == 0:
+                post_backward(i)
+
+        for m in mods:
+            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post),
+                        m.register_full_backward_pre_hook(bw_pre), m.register_full_backward_hook(bw_post)]
+    owner = {id(p): i for i, ps in params_of.items() for p in ps}
+
+    def grad_done(p: torch.Tensor) -> None:
+        if p.grad is not None:
+            mode.mark_grad(p.grad)
+            if owner.get(id(p)) in post_done:  # its unit already reduce-scattered
+                p.grad = None
+
+    for p in model.parameters():
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(grad_done))
+
+    with fake_mode:
+        meta_inputs = tuple(torch.empty(t.shape, dtype=t.dtype, device="cpu") if isinstance(t, torch.Tensor)
+                            else t for t in inputs)
+    input_bytes = sum(t.nbytes for t in meta_inputs if isinstance(t, torch.Tensor))
+    mode.ignore([*model.parameters(), *model.buffers(), *(t for t in meta_inputs if isinstance(t, torch.Tensor))])
+    root_unit = units[root] if root is not None else None
+    if root_unit is not None and root_unit["cast_inputs"] and root_unit["param_dtype"] is not None:
+        meta_inputs = _cast(meta_inputs, root_unit["param_dtype"])
+    try:
+        with fake_mode, mode:
+            if root is not None:
+                events.append(Event("fwd_pre", root))
+            # NOTE: one expression, as in a training loop: the output is not kept during backward
+            loss = loss_of(_cast(model(*meta_inputs), root_unit["output_dtype"])
+                           if root_unit is not None and root_unit["output_dtype"] is not None
+                           else model(*meta_inputs))
+            if root is not None:
+                events.append(Event("fwd_post", root, live=mode.live))
+                events.append(Event("bwd_pre", root, live=mode.live))
+            loss.backward()
+            del loss
+            for i in range(len(units)):
+                if i != root:
+                    post_backward(i)
+            if root is not None:
+                post_backward(root)
+            events.append(Event("end_backward", live=mode.live, grads=mode.grads))
+    finally:
+        for h in handles:
+            h.remove()
+    return Trace(events, input_bytes, "meta-device forward and backward (live tensor bytes per op)")
+
+
+# ===================================================================== the replay
+
+
+@dataclass
+class Moment:
+    """The memory at one point of the step, by category."""
+
+    label: str
+    phase: str                  # forward, backward, optimizer
+    unit: str
+    bytes: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+
+@dataclass
+class Estimate:
+    """The per-rank memory of one plan at one world size (see `estimate`)."""
+
+    world: int
+    replicate: int
+    shard: int
+    optimizer: str
+    units: list[UnitMemory]
+    replicated: int                       # bytes of parameters FSDP does not shard (per rank)
+    host: int                             # offloaded state, on the host
+    peak: Moment
+    timeline: list[Moment]
+    lower_bound: int
+    unsharded_peak_baseline: int          # the same model unsharded (DDP-like)
+    activations: int | None               # peak live activation/temporary bytes, if traced
+    source: str
+    input_shape: tuple[int, ...] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sharded_state(self) -> int:
+        """Parameters + gradients + optimizer state on the device, per rank."""
+        return (sum(u.sharded + u.grads + u.optimizer for u in self.units if not u.offload)
+                + self.replicated)
+
+    @property
+    def ratio_to_lower_bound(self) -> float:
+        return self.peak.total / self.lower_bound if self.lower_bound else float("inf")
+
+    def metric(self, name: str) -> float | None:
+        """The value of a memory metric (`planc.validate.METRICS`) in bytes."""
+        if name == "memory.peak":
+            return float(self.peak.total)
+        if name == "memory.sharded":
+            return float(self.sharded_state)
+        if name == "memory.unsharded_peak":
+            return float(max(m.bytes["unsharded_params"] + m.bytes["all_gather"] for m in self.timeline))
+        if name == "memory.activations":
+            return None if self.activations is None else float(self.activations)
+        raise KeyError(name)
+
+
+class _Replay:
+    """FSDP2's per-unit memory state machine, driven by a trace's events."""
+
+    def __init__(self, compiled, mem: list[UnitMemory], optimizer: str, replicated: int, trace: Trace,
+                 shard: int):
+        self.c, self.mem, self.optimizer, self.trace, self.shard = compiled, mem, optimizer, trace, shard
+        self.units = compiled.units
+        self.state = ["sharded"] * len(mem)     # sharded | unsharded | post_forward | prefetched
+        self.grads_done: set[int] = set()
+        self.ag_kept = 0                        # forward: previous all-gather result, freed at next copy-out
+        self.rs_kept = 0                        # last reduce-scatter input, freed at next reduce-scatter
+        self.post_forward_order: list[int] = []
+        self.replicated = replicated
+        self.timeline: list[Moment] = []
+        self.live = self.live_grads = 0
+        self.phase = "forward"
+        self.where = ""
+        self.transient: dict[str, int] = {}
+
+    # --------------------------------------------------------------- accounting
+    def snapshot(self, label: str) -> None:
+        dev = [m for m in self.mem if not m.offload]
+        b = dict.fromkeys(CATEGORIES, 0)
+        b["sharded_params"] = sum(m.sharded for m in dev) + self.replicated
+        b["optimizer_state"] = sum(m.optimizer for m in dev) + (
+            2 * self.replicated if self.optimizer == "adamw" else 0)
+        b["sharded_grads"] = sum(self.mem[i].grads for i in self.grads_done if not self.mem[i].offload)
+        if self.phase == "optimizer" or self.phase == "backward":
+            b["sharded_grads"] += self.replicated if self.phase == "optimizer" else 0
+        for i, s in enumerate(self.state):
+            if s == "unsharded":
+                b["unsharded_params"] += self.mem[i].unsharded
+            elif s == "post_forward":
+                b["unsharded_params"] += self.mem[i].post_forward
+            elif s == "prefetched":
+                b["all_gather"] += self.mem[i].unsharded
+        b["all_gather"] += self.ag_kept
+        b["reduce_scatter"] = self.rs_kept
+        b["unsharded_grads"] = self.live_grads
+        b["activations"] = self.live - self.live_grads
+        b["inputs"] = self.trace.input_bytes
+        for k, v in self.transient.items():
+            b[k] += v
+        self.timeline.append(Moment(label, self.phase, self.where, b))
+
+    # --------------------------------------------------------------- FSDP2 actions
+    def unshard(self, i: int, label: str) -> None:
+        """All-gather unit `i` and copy it out (its all-gather output briefly coexists)."""
+        s = self.state[i]
+        if s == "unsharded":
+            return
+        m = self.mem[i]
+        if s != "prefetched":
+            self.transient = {"all_gather": m.unsharded}
+            self.state[i] = "prefetched"
+        if self.phase == "forward":
+            self.ag_kept = 0  # the previous all-gather result is freed at this copy-out
+        self.state[i] = "unsharded"
+        self.snapshot(label)  # copy-out: all-gather output and unsharded parameters both alive
+        self.transient = {}
+        if self.phase == "forward" and self.shard > 1:
+            self.ag_kept = m.unsharded
+
+    def prefetch(self, i: int) -> None:
+        if self.state[i] in ("sharded", "post_forward"):
+            self.state[i] = "prefetched"
+
+    def reshard(self, i: int) -> None:
+        self.state[i] = "sharded"
+
+    def post_backward(self, i: int, grads_before: int) -> None:
+        m = self.mem[i]
+        self.rs_kept = 0  # the oldest reduce-scatter input is released first
+        self.reshard(i)   # NOTE: FSDP2 frees the unsharded parameters before reducing gradients
+        if m.reduce_scatter:
+            # copy-in: the unsharded gradients and the reduce-scatter input both alive
+            self.transient = {"reduce_scatter": m.reduce_scatter}
+            self.live_grads = max(grads_before, self.live_grads)
+            self.snapshot(f"reduce-scatter {m.name}")
+            self.transient = {}
+            self.rs_kept = m.reduce_scatter
+        self.grads_done.add(i)
+        self.reshard(i)
+
+    # --------------------------------------------------------------- driver
+    def run(self) -> list[Moment]:
+        units, names = self.units, [u.name for u in self.units]
+        res = self.c.resolution
+        ev_list = self.trace.events
+        for k, ev in enumerate(ev_list):
+            if ev.kind == "op":
+                self.live, self.live_grads = ev.live, ev.grads
+                if ev.where:
+                    self.where = ev.where
+                self.snapshot(f"{self.phase} of {self.where or '<root>'}")
+                continue
+            if ev.kind == "end_backward":
+                self.live, self.live_grads = 0, 0
+                for i in range(len(units)):
+                    if i not in self.grads_done:
+                        self.post_backward(i, 0)
+                    self.reshard(i)
+                self.rs_kept = 0
+                self.snapshot("end of backward")
+                continue
+            i, name = ev.unit, names[ev.unit]
+            if ev.kind in ("fwd_pre", "bwd_pre"):
+                self.where = name
+            if ev.kind == "fwd_pre":
+                self.phase = "forward"
+                self.unshard(i, f"all-gather {name} (forward)")
+                for j in res.prefetch_forward.get(name, ()):
+                    if j in names:
+                        self.prefetch(names.index(j))
+            elif ev.kind == "fwd_post":
+                self.post_forward_order.append(i)
+                if units[i].is_root:
+                    continue
+                if self.mem[i].post_forward == 0:
+                    self.reshard(i)
+                elif self.mem[i].post_forward < self.mem[i].unsharded:
+                    self.state[i] = "post_forward"
+            elif ev.kind == "bwd_pre":
+                if self.phase == "forward":
+                    self.ag_kept = 0  # the last forward all-gather result is released
+                self.phase = "backward"
+                self.unshard(i, f"all-gather {name} (backward)")
+                targets = res.prefetch_backward.get(name)
+                if targets is None:
+                    order = [j for j in reversed(self.post_forward_order) if not units[j].is_root]
+                    nxt = order[order.index(i) + 1:order.index(i) + 2] if i in order else order[:1]
+                    targets = tuple(names[j] for j in nxt)
+                for t in targets:
+                    if t in names:
+                        self.prefetch(names.index(t))
+            elif ev.kind == "bwd_post":
+                self.live, self.live_grads = ev.live, ev.grads
+                self.post_backward(i, ev.grads)
+                self.live_grads = 0
+        self.phase, self.where = "optimizer", "optimizer step"
+        self.live = self.live_grads = 0
+        temp = 0
+        if self.optimizer == "adamw":  # foreach AdamW: sqrt(exp_avg_sq) as one temporary
+            temp = sum(m.sharded for m in self.mem if not m.offload and m.grads) + self.replicated
+        self.transient = {"optimizer_temp": temp}
+        self.snapshot("optimizer step")
+        self.transient = {}
+        return self.timeline
+
+
+def default_input(model: nn.Module, input_shape: tuple[int, ...] | None) -> tuple | None:
+    """Token ids of `input_shape` (batch, seq) for a language model; None without a shape."""
+    if input_shape is None:
+        return None
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
+    return (torch.zeros(tuple(input_shape), dtype=torch.long, device="meta").clamp_(0, vocab - 1),)
+
+
+_TRACES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def trace_for(compiled, inputs: tuple | None) -> Trace:
+    """The (cached) trace of one step of `compiled` with `inputs`."""
+    cache = _TRACES.setdefault(compiled, {})
+    key = None if inputs is None else tuple(
+        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in inputs)
+    if key not in cache:
+        cache[key] = synthetic_trace(compiled) if inputs is None else meta_trace(compiled, inputs)
+    return cache[key]
+
+
+def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
+             inputs: tuple | None = None, input_shape: tuple[int, ...] | None = None) -> Estimate:
+    """The per-rank memory of one training step of `compiled` at `world` ranks.
+
+    Args:
+        compiled: a `CompiledPlan` with a model graph.
+        world: number of ranks (default: the plan's world size).
+        optimizer: "adamw", "sgd" (no momentum) or "none".
+        inputs: model inputs for the activation trace (any device; only shapes are used).
+        input_shape: (batch, seq) token ids for language models, if `inputs` is not given.
+
+    Returns:
+        The `Estimate`: per-unit bytes, the peak with its breakdown and moment, the timeline,
+        the lower bound and the unsharded baseline.
+    """
+    if compiled.graph is None:
+        raise ValueError("a memory estimate needs the model")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}")
+    world = world or compiled.world_size or 1
+    replicate, shard = mesh_sizes(compiled, world)
+    graph = compiled.graph
+    if inputs is None and input_shape is not None and graph.model is not None:
+        inputs = default_input(graph.model, input_shape)
+    trace = trace_for(compiled, inputs)
+    mem = unit_memory(compiled, world, optimizer)
+    replicated = sum(graph.params[n].nbytes for n in _replicated_params(compiled))
+    host = sum(m.sharded + m.grads + m.optimizer for m in mem if m.offload)
+    timeline = _Replay(compiled, mem, optimizer, replicated, trace, shard).run()
+    peak = max(timeline, key=lambda m: m.total)
+    activations = None if inputs is None else max((e.live - e.grads for e in trace.events), default=0)
+    # Lower bound: every state sharded over all ranks, the largest single module's own
+    # parameters gathered (the finest possible unit), and this plan's activations.
+    total = sum(m.sharded + m.grads + m.optimizer for m in unit_memory(_Whole(compiled), world, optimizer))
+    leaf = max((sum(graph.params[c].numel * _itemsize(_pdtype(compiled, c)) for _, c in graph.own_params(p))
+                for p in graph.modules), default=0)
+    lower = total + leaf + (activations or 0) + trace.input_bytes
+    full = sum(p.nbytes for p in graph.params.values())
+    n_params = len(graph.params)
+    opt_full = (2 * full + STEP_COUNTER_BYTES * n_params) if optimizer == "adamw" else 0
+    baseline = 2 * full + opt_full + max(activations or 0, full if optimizer == "adamw" else 0) + trace.input_bytes
+    est = Estimate(world, replicate, shard, optimizer, mem, replicated, host, peak, timeline, lower, baseline,
+                   activations, trace.source, tuple(inputs[0].shape) if inputs else None)
+    if inputs is None:
+        est.notes.append("activations not counted: give an input shape (--input-shape BxS)")
+    return est
+
+
+def _pdtype(compiled, param: str) -> torch.dtype:
+    for u in compiled.units:
+        if param in u.params:
+            return u["param_dtype"] or compiled.graph.params[param].dtype
+    return compiled.graph.params[param].dtype
+
+
+class _Whole:
+    """A view of a compiled plan as one unit holding every parameter (for the lower bound)."""
+
+    def __init__(self, compiled):
+        from planc.ir import DEFAULT_SETTINGS, Mesh, Unit
+        self.graph = compiled.graph
+        self.resolution = compiled.resolution
+        self.mesh = Mesh(replicate=1, shard=None)
+        self.units = [Unit(("",), dict(DEFAULT_SETTINGS), tuple(compiled.graph.params), is_root=True)]
+
+
+def metric(compiled, name: str, world: int | None) -> float | None:
+    """A memory metric for `expect` lines, in bytes (None when it cannot be known)."""
+    if compiled.graph is None:
+        return None
+    return estimate(compiled, world).metric(name)
