@@ -70,8 +70,9 @@ class _Walk:
             if seg.is_deep:
                 # zero or more levels: everything at or below the frontier, then go on
                 below: set[str] = set()
-                for node in frontier:
-                    below.update(self.graph.subtree(node))
+                for node in sorted(frontier, key=self.graph.pre):  # ancestors first
+                    if node not in below:  # a subtree already added holds this one's
+                        below.update(self.graph.subtree(node))
                 last = i == len(self.segments) - 1
                 frontier = (below - {""}) if last else below
                 continue
@@ -107,7 +108,11 @@ class _Walk:
         for seg in self.segments:
             self.reached.append(set(frontier))
             if seg.is_deep:
-                frontier = {m for node in frontier for m in self.graph.subtree(node)}
+                deep: set[str] = set()
+                for node in sorted(frontier, key=self.graph.pre):
+                    if node not in deep:
+                        deep.update(self.graph.subtree(node))
+                frontier = deep
             else:
                 frontier = {c for node in frontier for c in self._step(node, seg)}
         return frontier
@@ -196,23 +201,33 @@ def _guard(graph: ModelGraph, guard: st.Guard | None, paths: set[str], optional:
 
 
 def _size_filter(graph: ModelGraph, where: st.Where, paths: set[str]) -> set[str]:
-    """FSDP1 size-based wrapping: bottom-up, count only parameters not already claimed."""
+    """FSDP1 size-based wrapping: bottom-up, count only parameters not already claimed.
+
+    `>=`/`>` follow `size_based_auto_wrap_policy`: going up the tree, a module is chosen when
+    the parameters of its subtree that no chosen descendant has claimed reach the bound.
+    Other comparisons test the whole subtree. One post-order pass with a stack of claimed
+    counts: linear in the number of candidates.
+    """
     limit = where.value.value
     ops = {"==": float.__eq__, "!=": float.__ne__, "<=": float.__le__, ">=": float.__ge__,
            "<": float.__lt__, ">": float.__gt__}
     op = ops[where.op]
+    numel = graph.subtree_numel
     if where.op not in (">=", ">"):
-        return {p for p in paths if op(float(graph.subtree_numel[p]), limit)}
-    chosen: list[str] = []
-    claimed: dict[str, int] = {}
+        return {p for p in paths if op(float(numel[p]), limit)}
+    chosen: set[str] = set()
+    # (candidate, parameters claimed inside its subtree), disjoint subtrees in post-order:
+    # the entries under a module are always a suffix of the stack when the module comes up.
+    stack: list[tuple[str, int]] = []
     for p in sorted(paths, key=graph.post):
-        inner = sum(graph.subtree_numel[c] for c in chosen if c.startswith(p + ".") and
-                    not any(c.startswith(o + ".") for o in chosen if o != c and o.startswith(p + ".")))
-        remaining = graph.subtree_numel[p] - inner
-        claimed[p] = remaining
-        if op(float(remaining), limit):
-            chosen.append(p)
-    return set(chosen)
+        claimed = 0
+        while stack and graph.is_within(stack[-1][0], p):
+            claimed += stack.pop()[1]
+        if op(float(numel[p] - claimed), limit):
+            chosen.add(p)
+            claimed = numel[p]
+        stack.append((p, claimed))
+    return chosen
 
 
 def match_modules(graph: ModelGraph, sel: st.Selector, *, optional: bool = False) -> Match:
