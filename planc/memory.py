@@ -15,7 +15,7 @@ Two parts, both without torch.distributed and without a GPU:
   the all-gather result kept until the next copy-out in forward, one reduce-scatter input
   kept alive until the next one, then the optimizer step (foreach AdamW needs one temporary
   the size of the sharded parameters). When an input is given, the replay is driven by a
-  forward and backward of the model on the **meta device** (shapes only, no memory): a
+  forward and backward of the model on **fake CPU tensors** (shapes only, no memory): a
   dispatch mode records the live bytes of every tensor that is not a parameter
   (activations, temporaries, unsharded gradients until their unit's reduce-scatter), with
   each unit's precision and checkpointing applied; FSDP2's buffers are added around it.
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -410,7 +411,9 @@ def meta_trace(compiled, inputs: tuple) -> Trace:
             if root is not None:
                 events.append(Event("fwd_post", root, live=mode.live))
                 events.append(Event("bwd_pre", root, live=mode.live))
-            loss.backward()
+            with warnings.catch_warnings():  # full backward hooks warn on int inputs; harmless here
+                warnings.simplefilter("ignore")
+                loss.backward()
             del loss
             for i in range(len(units)):
                 if i != root:
@@ -421,7 +424,7 @@ def meta_trace(compiled, inputs: tuple) -> Trace:
     finally:
         for h in handles:
             h.remove()
-    return Trace(events, input_bytes, "meta-device forward and backward (live tensor bytes per op)")
+    return Trace(events, input_bytes, "fake-tensor forward and backward (live tensor bytes per op)")
 
 
 # ===================================================================== the replay
