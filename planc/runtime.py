@@ -422,11 +422,13 @@ def materialize(model: nn.Module, device: torch.device | str,
     `model.to_empty(device=device)` allocates each rank's local shards only, then, under
     `torch.no_grad()`, `init(model)` if given, else `reset_parameters()` on every module
     that has one (and `nn.MultiheadAttention._reset_parameters()`, which has no public
-    one). Models with `tie_weights()` (the zoo GPT) are re-tied afterwards, as `to_empty`
+    one), in module order; a tied parameter is initialised by its first owner only. Models with `tie_weights()` (the zoo GPT) are re-tied afterwards, as `to_empty`
     makes one new tensor per registration.
 
     Initialisation runs on local shards, so values differ from an unsharded build with the
-    same seed; to reproduce an unsharded run exactly, build on the CPU with the same seed on
+    same seed (on a CPU mesh DTensor's random ops draw each shard from the rank's own
+    generator, so shards of one parameter can repeat values; pass `init` if that matters);
+    to reproduce an unsharded run exactly, build on the CPU with the same seed on
     every rank and apply the plan to that instead.
 
     Args:
@@ -442,11 +444,20 @@ def materialize(model: nn.Module, device: torch.device | str,
         if init is not None:
             init(model)
         else:
+            done: set[int] = set()
             for module in model.modules():
+                own = [id(p) for p in module._parameters.values() if p is not None]
+                # A tied parameter is initialised by its first owner only, as a model that
+                # ties after building (`lm_head.weight = wte.weight`) keeps the first one.
+                if own and all(i in done for i in own):
+                    continue
                 if isinstance(module, nn.MultiheadAttention):
                     module._reset_parameters()
                 elif callable(getattr(module, "reset_parameters", None)):
                     module.reset_parameters()
+                else:
+                    continue
+                done.update(id(p) for p in module.parameters())
     if callable(getattr(model, "tie_weights", None)):
         model.tie_weights()
     return model

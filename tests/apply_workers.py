@@ -1,0 +1,199 @@
+"""Rank bodies for tests/test_apply_dist.py: apply plans on real gloo ranks, read FSDP back.
+
+Each worker returns plain data (picklable) read from the live FSDP states and DTensors, so
+the test process compares it with the compiled plan and with an unsharded reference run.
+`train` is shared by the workers and the unsharded reference, so both do the same steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import planc
+from planc import zoo
+
+STEPS = 3
+GLOBAL_BATCH = 4
+SEQ = 16
+LR = 1e-2
+MAX_NORM = 0.5  # small enough that clipping engages on these tiny models
+
+
+def batches(model: nn.Module, steps: int = STEPS) -> list[torch.Tensor]:
+    """The global batches of a run: the same on every rank and in the reference.
+
+    Counting sequences (`t, t+1, t+2, ...` mod vocab) from random starts: learnable within
+    a few steps, so a falling loss shows that the model really trains.
+    """
+    gen = torch.Generator().manual_seed(1234)
+    vocab = model.config.vocab_size
+    return [(torch.randint(0, vocab, (GLOBAL_BATCH, 1), generator=gen) + torch.arange(SEQ)) % vocab
+            for _ in range(steps)]
+
+
+def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+
+
+def train(model: nn.Module, data: list[torch.Tensor], rank: int = 0, world: int = 1) -> dict:
+    """AdamW steps with gradient clipping; each rank takes its slice of every global batch.
+
+    FSDP averages gradients over ranks, so with equal slices the update equals the one of
+    the mean loss over the global batch, as in DDP. Returns the global losses and the total
+    gradient norms before clipping.
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    per_rank = GLOBAL_BATCH // world
+    losses, norms = [], []
+    for tokens in data:
+        local = tokens[rank * per_rank:(rank + 1) * per_rank]
+        loss = next_token_loss(model, local)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(loss)  # gloo has no AVG
+            loss /= world
+        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms}
+
+
+def read_back(applied) -> dict:
+    """What FSDP actually holds: per unit its params and policies, per param its DTensor."""
+    model = applied.model
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    state_unit = {id(a.handle._get_fsdp_state()): a.name for a in applied.units}
+    units = {}
+    for a in applied.units:
+        state = a.handle._get_fsdp_state()
+        groups = state._fsdp_param_groups
+        info = {
+            "modules": tuple(a.unit.modules),
+            "fsdp_modules": [type(m).__name__ for m in a.modules],
+            "same_state": all(m._get_fsdp_state() is state for m in a.modules),
+            "params": sorted(name_of[id(fp.sharded_param)] for g in groups for fp in g.fsdp_params),
+            "mp": [(g.mp_policy.param_dtype, g.mp_policy.reduce_dtype, g.mp_policy.output_dtype,
+                    g.mp_policy.cast_forward_inputs) for g in groups],
+            "state_mp": (state._mp_policy.param_dtype, state._mp_policy.reduce_dtype,
+                         state._mp_policy.output_dtype, state._mp_policy.cast_forward_inputs),
+            "offload": [(type(g.offload_policy).__name__, getattr(g.offload_policy, "pin_memory", None))
+                        for g in groups],
+            "reshard": [_reshard(g) for g in groups],
+            "prefetch_forward": [state_unit[id(s)] for s in state._states_to_forward_prefetch],
+            "prefetch_backward": [state_unit[id(s)] for s in state._states_to_backward_prefetch],
+        }
+        units[a.name] = info
+    params = {}
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        params[name] = {"dtensor": isinstance(p, DTensor), "placements": tuple(map(repr, p.placements))
+                        if isinstance(p, DTensor) else None, "shape": tuple(p.shape),
+                        "local_shape": tuple(local.shape), "device": str(local.device)}
+    shard_rank = applied.mesh["shard"].get_local_rank() if applied.mesh.ndim == 2 else applied.mesh.get_local_rank()
+    return {"units": units, "params": params, "shard_rank": shard_rank, "mesh_shape": tuple(applied.mesh.shape),
+            "mesh_names": applied.mesh.mesh_dim_names, "local_param_bytes": applied.local_param_bytes(),
+            "summary": applied.summary()}
+
+
+def _reshard(group) -> bool | int:
+    """The effective reshard_after_forward of an FSDP param group (after lazy init)."""
+    post = group.post_forward_mesh_info
+    if post is None:
+        return False
+    if post.shard_mesh_size == group.mesh_info.shard_mesh_size:
+        return True
+    return post.shard_mesh_size
+
+
+def zoo_plans(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict:
+    """Apply each (case name, plan text, zoo builder) to a seeded CPU model and train it."""
+    out = {}
+    for case, text, builder in cases:
+        torch.manual_seed(0)  # same init on every rank and in the reference
+        model = zoo.ZOO[builder]()
+        keys = list(model.state_dict().keys())
+        applied = planc.apply(model, planc.loads(text, filename=case))
+        run = train(model, batches(model), rank, world)
+        out[case] = {**run, **read_back(applied), "state_dict_keys_kept": list(model.state_dict().keys()) == keys}
+    return out
+
+
+def _snapshot(model: nn.Module) -> dict:
+    """Everything `apply` could change: parameter objects and values, hooks, classes."""
+    return {
+        "params": {n: (id(p), p.detach().clone()) for n, p in model.named_parameters()},
+        "classes": {n: type(m) for n, m in model.named_modules()},
+        "hooks": {n: (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks),
+                      len(m._backward_pre_hooks), len(m._state_dict_hooks)) for n, m in model.named_modules()},
+        "forward": {n: m.forward for n, m in model.named_modules()},
+    }
+
+
+def _same(a: dict, b: dict) -> list[str]:
+    diffs = []
+    for n, (pid, value) in a["params"].items():
+        if n not in b["params"] or b["params"][n][0] != pid or not torch.equal(b["params"][n][1], value):
+            diffs.append(f"param {n}")
+    for key in ("classes", "hooks"):
+        diffs += [f"{key} {n}" for n in a[key] if a[key][n] != b[key].get(n)]
+    diffs += [f"forward {n}" for n in a["forward"] if a["forward"][n] != b["forward"].get(n)]
+    return diffs
+
+
+def refusals(rank: int, world: int, cases: list[tuple[str, str, str, bool]]) -> dict:
+    """Apply each bad (case, plan text, builder, pass a 1-D mesh) and check nothing changed."""
+    from planc.runtime import build_mesh
+    from planc.ir import Mesh
+
+    out = {}
+    for case, text, builder, pass_mesh in cases:
+        torch.manual_seed(0)
+        model = zoo.ZOO[builder]()
+        before = _snapshot(model)
+        mesh = build_mesh(Mesh(1, None)) if pass_mesh else None
+        try:
+            planc.apply(model, planc.loads(text, filename=case), mesh=mesh)
+            codes, message = None, ""
+        except planc.PlanError as err:
+            codes, message = sorted(d.code for d in err.errors), str(err)
+        out[case] = {"codes": codes, "message": message, "diffs": _same(before, _snapshot(model))}
+    # Applying twice: the second call is refused and changes nothing of the sharded model.
+    torch.manual_seed(0)
+    model = zoo.gpt_tiny()
+    text = open("plans/gpt.plan").read()
+    planc.apply(model, planc.loads(text, filename="gpt.plan"))
+    before = _snapshot(model)
+    try:
+        planc.apply(model, planc.loads(text, filename="gpt.plan"))
+        codes, message = None, ""
+    except planc.PlanError as err:
+        codes, message = sorted(d.code for d in err.errors), str(err)
+    after = _snapshot(model)
+    loss = next_token_loss(model, batches(model, 1)[0]).item()  # still a working sharded model
+    out["twice"] = {"codes": codes, "message": message, "diffs": _same(before, after), "loss": loss}
+    return out
+
+
+def meta_flow(rank: int, world: int, plan_path: str, builder: str) -> dict:
+    """Build on meta, apply, materialise on CPU, train: the large-model flow."""
+    with torch.device("meta"):
+        model = zoo.ZOO[builder]()
+    applied = planc.apply(model, plan_path)
+    on_meta = all(p.device.type == "meta" for p in model.parameters())
+    torch.manual_seed(0)
+    planc.materialize(model, "cpu")
+    finite = all(bool(torch.isfinite(p.to_local()).all()) for p in model.parameters())
+    tied = model.wte.weight is model.lm_head.weight if hasattr(model, "wte") else None
+    # The tie's first owner (nn.Embedding: N(0, 1)) initialises it, not lm_head's Linear init.
+    wte_std = model.wte.weight.to_local().std().item() if hasattr(model, "wte") else None
+    run = train(model, batches(model), rank, world)
+    return {**run, **read_back(applied), "on_meta_after_apply": on_meta, "finite": finite, "tied": tied,
+            "wte_std": wte_std}
