@@ -163,11 +163,11 @@ def test_fp32_losses_match_unsharded_training(zoo_runs, case):
     assert ref["losses"][-1] < ref["losses"][0]  # it does train
 
 
-# bf16 compute (fp32 master weights and reduction) against fp32 unsharded training: bf16 has
-# 8 significant bits (relative rounding 2**-8 = 0.4%); over 3 steps of these tiny models the
-# loss stays within 2% and the gradient norm within 5% (measured: see the report).
-BF16_LOSS_RTOL = 2e-2
-BF16_NORM_RTOL = 5e-2
+# bf16 compute (fp32 master weights and reduction) against fp32 unsharded training. Measured
+# on these tiny models over 3 steps (torch 2.13 CPU): loss within 1.5e-3 relative, gradient
+# norm within 2.7e-3 (fp32 plans: 2e-7). The bounds leave about 3x headroom.
+BF16_LOSS_RTOL = 5e-3
+BF16_NORM_RTOL = 1e-2
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES if "+" not in c[0]])
