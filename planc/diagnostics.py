@@ -123,6 +123,9 @@ CODES: dict[str, Code] = {
                  "mat2 must have the same dtype`. Set `precision output = <outer dtype>, cast_inputs = true` "
                  "on the inner unit, or give both units the same param dtype."),
     "P305": Code("prefetch target is not a unit", "Explicit prefetch lists must name FSDP units."),
+    "P306": Code("group units nest in each other", "FSDP2 shards bottom-up: a unit must be sharded "
+                 "before any unit around one of its modules. Two groups that each hold a module inside "
+                 "the other have no such order.\n\n    unit [a.x, b]\n    unit [b.y, a]   # error"),
     # --- mesh (P4xx)
     "P401": Code("mesh does not fit the world size", "The mesh dimensions do not multiply to the number "
                  "of ranks."),

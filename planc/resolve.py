@@ -12,6 +12,7 @@ in `planc/validate.py`.
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -225,7 +226,7 @@ class Resolver:
             effects[creators[key]] += 1
             units.append(Unit(modules=key, settings=settle(False, idx), span=creator.span,
                               rule=rule_text(creator)))
-        units.sort(key=lambda u: max(g.post(m) for m in u.modules))
+        units = self._bottom_up(units)
         if not self.out.root_disabled:
             root_rules = [i for i, s in enumerate(stmts) if isinstance(s, st.RootStmt)]
             span = stmts[root_rules[-1]].span if root_rules else None
@@ -236,6 +237,50 @@ class Resolver:
         self.out.units = units
         self.out.rule_effects = effects
         self.out.unit_of_module = {m: k for k, u in enumerate(units) for m in u.modules}
+
+    def _bottom_up(self, units: list[Unit]) -> list[Unit]:
+        """Units in an order FSDP2 accepts: every unit before any unit holding an ancestor of
+        one of its modules (post-order for single modules; a group can hold a module nested in
+        another unit, e.g. `[layers.0.norm, norm]`, and must then come first).
+
+        Kahn's algorithm with post-order as the tie-break, so plans without such groups keep
+        plain post-order. A cycle (two groups each nested in the other) is P306.
+        """
+        g = self.graph
+        key = [max(g.post(m) for m in u.modules) for u in units]
+        if all(len(u.modules) == 1 for u in units):
+            return [u for _, u in sorted(zip(key, units), key=lambda p: p[0])]
+        owner = {m: k for k, u in enumerate(units) for m in u.modules}
+        after: list[set[int]] = [set() for _ in units]   # k -> units that must follow k
+        needs = [0] * len(units)
+        for k, u in enumerate(units):
+            for m in u.modules:
+                for a in g.ancestors(m):
+                    j = owner.get(a)
+                    if j is not None and j != k and j not in after[k]:
+                        after[k].add(j)
+                        needs[j] += 1
+        ready = [(key[k], k) for k in range(len(units)) if needs[k] == 0]
+        heapq.heapify(ready)
+        order: list[int] = []
+        while ready:
+            _, k = heapq.heappop(ready)
+            order.append(k)
+            for j in after[k]:
+                needs[j] -= 1
+                if needs[j] == 0:
+                    heapq.heappush(ready, (key[j], j))
+        if len(order) < len(units):
+            stuck = sorted((k for k in range(len(units)) if needs[k]), key=key.__getitem__)
+            a, b = units[stuck[0]], units[stuck[1]] if len(stuck) > 1 else units[stuck[0]]
+            self.diags.append(Diagnostic(
+                code="P306", severity="error", span=b.span,
+                message=f"units `{a.name}` and `{b.name}` each hold a module inside the other",
+                label="no bottom-up order exists", related=((a.span, "the other unit"),) if a.span else (),
+                help=("FSDP2 shards children before parents; split a group so that no two groups "
+                      "nest in each other",)))
+            order += stuck
+        return [units[k] for k in order]
 
     # ----------------------------------------------------------------- parameters
     def _parameters(self, stmts) -> None:

@@ -200,6 +200,16 @@ def _guard(graph: ModelGraph, guard: st.Guard | None, paths: set[str], optional:
     return {p for p in paths if graph.cls(p) in wanted or graph.qualname(p) in wanted}, diags
 
 
+# FSDP1's size_based_auto_wrap_policy never wraps inside these: their children's weights are
+# read directly by the parent's forward (MultiheadAttention uses `out_proj.weight` without
+# calling `out_proj`), so a unit there would never be gathered.
+FORCE_LEAF_MODULES = ("torch.nn.modules.activation.MultiheadAttention",)
+
+
+def _inside_force_leaf(graph: ModelGraph, path: str) -> bool:
+    return any(graph.qualname(a) in FORCE_LEAF_MODULES for a in graph.ancestors(path))
+
+
 def _size_filter(graph: ModelGraph, where: st.Where, paths: set[str]) -> set[str]:
     """FSDP1 size-based wrapping: bottom-up, count only parameters not already claimed.
 
@@ -213,8 +223,9 @@ def _size_filter(graph: ModelGraph, where: st.Where, paths: set[str]) -> set[str
            "<": float.__lt__, ">": float.__gt__}
     op = ops[where.op]
     numel = graph.subtree_numel
+    paths = {p for p in paths if not _inside_force_leaf(graph, p)}
     if where.op not in (">=", ">"):
-        return {p for p in paths if op(float(numel[p]), limit)}
+        return {p for p in paths if graph.has_forward(p) and op(float(numel[p]), limit)}
     chosen: set[str] = set()
     # (candidate, parameters claimed inside its subtree), disjoint subtrees in post-order:
     # the entries under a module are always a suffix of the stack when the module comes up.
@@ -223,7 +234,9 @@ def _size_filter(graph: ModelGraph, where: st.Where, paths: set[str]) -> set[str
         claimed = 0
         while stack and graph.is_within(stack[-1][0], p):
             claimed += stack.pop()[1]
-        if op(float(numel[p] - claimed), limit):
+        # ModuleList/ModuleDict are never chosen (the FSDP1 policy's EXCLUDE_WRAP_MODULES):
+        # their unclaimed parameters count toward the parent instead.
+        if graph.cls(p) not in ("ModuleList", "ModuleDict") and op(float(numel[p] - claimed), limit):
             chosen.add(p)
             claimed = numel[p]
         stack.append((p, claimed))

@@ -63,3 +63,91 @@ class KeywordNet(nn.Module):
 
 def keyword_net() -> KeywordNet:
     return KeywordNet()
+
+
+# ===================================================================== resolver fixtures
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wo(self.wq(x) * self.wk(x) + self.wv(x))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.relu(self.w1(x)))
+
+
+class Experts(nn.Module):
+    """Expert weights with a leading expert dimension (3-D parameters)."""
+
+    def __init__(self, n: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n, hidden, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bd,edh,ehk->bk", x, self.w1, self.w2)
+
+
+class DenseBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = Attention(dim)
+        self.mlp = FeedForward(dim, 4 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm(x))
+        return x + self.mlp(x)
+
+
+class SparseBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = Attention(dim)
+        self.experts = Experts(4, dim, 2 * dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm(x))
+        return x + self.experts(x)
+
+
+class FixtureNet(nn.Module):
+    """Six alternating dense/sparse blocks between tied input and output embeddings.
+
+    `output.weight` is `tok_embeddings.weight`; `scale` is a 1-D parameter on the root. Sizes
+    (dim 8): attention 256, dense MLP 512, experts 1024, norm 16, embeddings 256.
+    """
+
+    def __init__(self, dim: int = 8, vocab: int = 32, n_layers: int = 6) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(DenseBlock(dim) if i % 2 == 0 else SparseBlock(dim) for i in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.output.weight = self.tok_embeddings.weight
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens).mean(1)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x) * self.scale)
+
+
+def fixture_net() -> FixtureNet:
+    return FixtureNet()
