@@ -457,7 +457,7 @@ def materialize(model: nn.Module, device: torch.device | str,
                     module.reset_parameters()
                 else:
                     continue
-                done.update(id(p) for p in module.parameters())
+                done.update(own)  # own only: MultiheadAttention leaves `out_proj.weight` to out_proj
     if callable(getattr(model, "tie_weights", None)):
         model.tie_weights()
     return model
