@@ -78,6 +78,7 @@ class UnitMemory:
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     param_names: tuple[str, ...] = ()
+    shard_dim_copy: int = 0     # Shard(d != 0) parameters: gathered/reduced via an extra copy (param_dtype)
 
 
 def unit_memory(compiled, world: int, optimizer: str = "adamw") -> list[UnitMemory]:
@@ -91,12 +92,14 @@ def unit_memory(compiled, world: int, optimizer: str = "adamw") -> list[UnitMemo
         orig = infos[0].dtype if infos else torch.float32
         pdt = u["param_dtype"] or orig
         rdt = u["reduce_dtype"] or pdt
-        sharded = unsharded = grad_unsharded = rs = grads = opt = count = 0
+        sharded = unsharded = grad_unsharded = rs = grads = opt = count = dim_copy = 0
         for name, info in zip(names, infos):
             dim = res.placements.get(name, (0, None))[0]
             per_rank = shard_numel(info.shape, shard, dim)
             sharded += per_rank * _itemsize(info.dtype)
             unsharded += per_rank * shard * _itemsize(pdt)
+            if dim and shard > 1:  # chunk + cat through a temporary of the full size
+                dim_copy += per_rank * shard * _itemsize(pdt)
             count += info.numel
             if info.requires_grad:
                 grad_unsharded += info.numel * _itemsize(pdt)
@@ -112,7 +115,7 @@ def unit_memory(compiled, world: int, optimizer: str = "adamw") -> list[UnitMemo
         else:
             post = unsharded // int(reshard)
         out.append(UnitMemory(u.name, i, count, sharded, unsharded, grad_unsharded, rs, grads, opt, post,
-                              bool(u["offload"]), reshard, pdt, rdt, tuple(names)))
+                              bool(u["offload"]), reshard, pdt, rdt, tuple(names), dim_copy))
     return out
 
 
@@ -373,6 +376,10 @@ def meta_trace(compiled, inputs: tuple) -> Trace:
 
         def bw_post(mod, grad_in, grad_out, i=i, u=u):
             where.pop() if len(where) > 1 else None
+            if all(g is None for g in grad_in):
+                # no input needs a gradient (token ids): torch fires this hook before the
+                # module's backward; FSDP2 reduces such units in its end-of-backward callback
+                return
             bwd_left[i] = bwd_left.get(i, len(u.modules)) - 1
             if bwd_left[i] == 0:
                 post_backward(i)
@@ -540,8 +547,8 @@ class _Replay:
             return
         m = self.mem[i]
         if s != "prefetched":
-            self.transient = {"all_gather": m.unsharded}
             self.state[i] = "prefetched"
+        self.transient = {"all_gather": (m.unsharded if s != "prefetched" else 0) + m.shard_dim_copy}
         if self.phase == "forward":
             self.ag_kept = 0  # the previous all-gather result is freed at this copy-out
         self.state[i] = "unsharded"
@@ -563,7 +570,7 @@ class _Replay:
         self.reshard(i)   # NOTE: FSDP2 frees the unsharded parameters before reducing gradients
         if m.reduce_scatter:
             # copy-in: the unsharded gradients and the reduce-scatter input both alive
-            self.transient = {"reduce_scatter": m.reduce_scatter}
+            self.transient = {"reduce_scatter": m.reduce_scatter, "unsharded_grads": m.shard_dim_copy}
             self.live_grads = max(grads_before, self.live_grads)
             self.snapshot(f"reduce-scatter {m.name}")
             self.transient = {}
