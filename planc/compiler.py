@@ -53,7 +53,8 @@ class CompiledPlan:
             diags += list(check_mesh(ctx))
             diags += [d for d in check_expects_without_model(ctx)]
             return sort_diagnostics(diags)
-        ctx = Context(self.plan, self.graph, res, self.world_size, metrics=self._metric)
+        clean = not any(d.is_error for d in diags)  # estimate memory only for a valid plan
+        ctx = Context(self.plan, self.graph, res, self.world_size, metrics=self._metric if clean else None)
         return sort_diagnostics(diags + validate(ctx))
 
     def _metric(self, name: str, world: int | None) -> float | None:

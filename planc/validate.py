@@ -7,6 +7,7 @@ alone. Checks that need the world size skip themselves when it is unknown.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -347,5 +348,9 @@ def validate(ctx: Context) -> list[Diagnostic]:
     """Run every check in order and collect all findings."""
     out: list[Diagnostic] = []
     for check in CHECKS:
+        if ctx.metrics is not None and any(d.is_error for d in out):
+            # NOTE: memory estimates of a plan with errors are meaningless (and the memory
+            # model may assume a valid plan, e.g. placements on existing dims): skip them.
+            ctx = dataclasses.replace(ctx, metrics=None)
         out.extend(check(ctx))
     return out
