@@ -1,0 +1,153 @@
+"""`planc emit`: the printed `apply_plan(model, mesh)` source, without ranks.
+
+Goldens: tests/golden/emit/<name>.py is what `planc emit` prints for the case's plan (see
+CASES). Rewrite them after an intended change with
+
+    PLANC_UPDATE_GOLDENS=1 pytest tests/test_emit.py
+
+and review the diff. tests/test_emit_dist.py runs the emitted code on real ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import io
+import os
+import pathlib
+
+import pytest
+import torch
+
+import planc
+from planc import emit, runtime
+from planc.emit import emit_python, expression
+from planc.models import build_model
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden" / "emit"
+UPDATE = bool(os.environ.get("PLANC_UPDATE_GOLDENS"))
+
+# golden name -> (plan path relative to the repo, model reference or None for the plan's own)
+CASES = {
+    "seed": ("plans/seed.plan", None),
+    "moe_everything": ("tests/golden/emit/moe_everything.plan", None),
+    "gpt_tied": ("plans/gpt.plan", "planc.zoo:gpt_tiny"),
+}
+
+
+def emitted(plan: str, model_ref: str | None = None, text: str | None = None) -> str:
+    parsed = planc.loads(text, filename=plan) if text is not None else planc.load(ROOT / plan)
+    ref = model_ref or parsed.model_ref
+    compiled = planc.compile(parsed, build_model(ref))
+    return emit_python(compiled, plan_path=plan, model_ref=ref)
+
+
+def run_emit(plan: str, model: str | None = None) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            from planc import cli
+            code = cli.main(["emit", plan] + (["--model", model] if model else []))
+    finally:
+        os.chdir(cwd)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden(name: str):
+    plan, ref = CASES[name]
+    code, out, err = run_emit(plan, ref)
+    assert code == 0, err
+    golden = GOLDEN / f"{name}.py"
+    if UPDATE or not golden.exists():
+        golden.write_text(out, encoding="utf-8")
+    assert out == golden.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_emitted_code_is_valid_python_with_apply_plan(name: str):
+    plan, ref = CASES[name]
+    source = emitted(plan, ref)
+    tree = ast.parse(source)
+    assert ast.get_docstring(tree).startswith("FSDP2 sharding of")
+    funcs = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+    assert "apply_plan" in funcs
+    namespace: dict = {}
+    exec(compile(source, f"<emit {name}>", "exec"), namespace)  # imports resolve, no NameError at import
+    assert callable(namespace["apply_plan"])
+
+
+def test_order_checkpoint_compile_then_fully_shard_then_prefetch():
+    source = emitted("tests/golden/emit/moe_everything.plan")
+    body = source[source.index("def apply_plan"):]
+    first = {what: body.index(what) for what in
+             ("checkpoint(", ".compile(", "fully_shard(", "set_modules_to_forward_prefetch", "return model")}
+    assert list(first) == sorted(first, key=first.get)
+    # the root is the last fully_shard call; group units are one list call
+    calls = [line.strip() for line in body.splitlines() if line.strip().startswith("fully_shard(")]
+    assert calls[-1].startswith("fully_shard(model,")
+    assert any(c.startswith("fully_shard([model.norm, model.output],") for c in calls)
+
+
+def test_runs_become_loops_not_copies():
+    # seed_transformer has 24 blocks: one loop, never 24 copies
+    source = emitted("plans/seed.plan")
+    assert "for block in model.transformer_layers:\n        fully_shard(block," in source
+    assert "transformer_layers[3]" not in source
+    # a partial run is a slice; a different setting on the tail breaks the run
+    text = ("model planc.zoo:seed_transformer\nunit transformer_layers.*\n"
+            "unit transformer_layers[-2:] { offload cpu }\n")
+    source = emitted("<t>", text=text)
+    assert "for block in model.transformer_layers[0:22]:" in source
+    assert "for block in model.transformer_layers[22:24]:" in source
+
+
+def test_prefetch_chains_become_index_loops():
+    source = emitted("plans/moe.plan")  # 8 layers, prefetch forward = 1, backward = 2
+    assert ("for i in range(0, 7):\n"
+            "        model.layers[i].set_modules_to_forward_prefetch([model.layers[i + 1]])") in source
+    assert "model.layers[7].set_modules_to_forward_prefetch([model.norm])" in source
+    assert "for i in range(7, 1, -1):" in source
+
+
+def test_kwargs_come_from_the_runtime_function(monkeypatch):
+    # an argument the runtime adds that emit cannot print is an error, never dropped silently
+    real = runtime.fully_shard_kwargs
+
+    def more(*args, **kwargs):
+        return {**real(*args, **kwargs), "dp_mesh_dims": object()}
+    monkeypatch.setattr(runtime, "fully_shard_kwargs", more)
+    with pytest.raises(emit.EmitError, match="dp_mesh_dims"):
+        emitted("plans/seed.plan")
+
+
+def test_pin_memory_follows_the_mesh_device_as_in_apply():
+    text = ("model planc.zoo:seed_transformer_tiny\nunit embedding { offload cpu }\n"
+            "unit transformer_layers.* { offload cpu, pin_memory = false }\n")
+    source = " ".join(emitted("<t>", text=text).split())  # calls may be wrapped
+    assert ('fully_shard(model.embedding, mesh=mesh, '
+            'offload_policy=CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu"))') in source
+    assert "fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))" in source
+
+
+def test_expressions():
+    model = build_model("planc.zoo:moe_transformer_tiny")
+    assert expression("model", model, "") == "model"
+    assert expression("model", model, "layers.1.moe.experts.w1") == "model.layers[1].moe.experts.w1"
+    dict_model = torch.nn.Module()
+    dict_model.blocks = torch.nn.ModuleDict({"0": torch.nn.Linear(1, 1), "class": torch.nn.Linear(1, 1)})
+    assert expression("model", dict_model, "blocks.0.weight") == "model.blocks['0'].weight"
+    assert expression("model", dict_model, "blocks.class") == "model.blocks['class']"
+
+
+def test_cli_errors():
+    code, out, err = run_emit("plans/does-not-exist.plan")
+    assert code == 2 and "P002" in err and not out
+    code, out, err = run_emit("tests/golden/emit/moe_everything.plan", "planc.zoo:seed_transformer_tiny")
+    assert code == 1 and "error[P201]" in err and not out  # selectors that match nothing
+    code, out, err = run_emit("plans/seed.plan", "planc.zoo:nope")
+    assert code == 2 and "nope" in err
