@@ -422,7 +422,7 @@ def materialize(model: nn.Module, device: torch.device | str,
     `model.to_empty(device=device)` allocates each rank's local shards only, then, under
     `torch.no_grad()`, `init(model)` if given, else `reset_parameters()` on every module
     that has one (and `nn.MultiheadAttention._reset_parameters()`, which has no public
-    one), in module order; a tied parameter is initialised by its first owner only. Models with `tie_weights()` (the zoo GPT) are re-tied afterwards, as `to_empty`
+    one), children before parents as when the model was built; a tied parameter is initialised by its first owner only. Models with `tie_weights()` (the zoo GPT) are re-tied afterwards, as `to_empty`
     makes one new tensor per registration.
 
     Initialisation runs on local shards, so values differ from an unsharded build with the
@@ -445,7 +445,9 @@ def materialize(model: nn.Module, device: torch.device | str,
             init(model)
         else:
             done: set[int] = set()
-            for module in model.modules():
+            # NOTE: post-order, as modules initialise when built: children first, then the
+            # parent (MultiheadAttention zeroes `out_proj.bias` after out_proj's own init).
+            for module in _post_order(model):
                 own = [id(p) for p in module._parameters.values() if p is not None]
                 # A tied parameter is initialised by its first owner only, as a model that
                 # ties after building (`lm_head.weight = wte.weight`) keeps the first one.
@@ -457,7 +459,20 @@ def materialize(model: nn.Module, device: torch.device | str,
                     module.reset_parameters()
                 else:
                     continue
-                done.update(own)  # own only: MultiheadAttention leaves `out_proj.weight` to out_proj
+                done.update(own)
     if callable(getattr(model, "tie_weights", None)):
         model.tie_weights()
     return model
+
+
+def _post_order(module: nn.Module) -> Iterable[nn.Module]:
+    """Each module once, children (in registration order) before their parent."""
+    seen: set[int] = set()
+
+    def visit(m: nn.Module):
+        for child in m.children():
+            if id(child) not in seen:
+                seen.add(id(child))
+                yield from visit(child)
+        yield m
+    return visit(module)

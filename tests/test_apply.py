@@ -1,0 +1,174 @@
+"""`planc.runtime` in this process: kwargs per unit, refusals, device choice, materialize.
+
+Multi-rank behaviour (placements, parity with unsharded training) is in test_apply_dist.py.
+Tests that shard use a real one-rank gloo process group, made here and torn down after.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
+from torch.distributed.tensor import DTensor, Shard
+
+import planc
+from planc import zoo
+from planc.ir import Mesh
+from planc.runtime import build_mesh, device_type, fully_shard_kwargs, materialize, unit_modules
+
+MOE = """model planc.zoo:moe_transformer
+defaults { precision param = bf16, reduce = fp32, output = fp32, cast_inputs = true }
+unit tok_embeddings
+unit layers.* { offload cpu }
+unit [norm, output] { reshard after_forward = false }
+place **.experts.w* Shard(1)
+ignore layers.0.attention_norm.weight
+"""
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_no_process_group_is_a_diagnostic():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    model = zoo.gpt_tiny()
+    ids = [id(p) for p in model.parameters()]
+    with pytest.raises(planc.PlanError) as err:
+        planc.apply(model, planc.loads("model planc.zoo:gpt\nunit blocks.*\n"))
+    assert [d.code for d in err.value.errors] == ["P603"]
+    assert [id(p) for p in model.parameters()] == ids
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A real gloo process group of one rank (world size 1)."""
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_device_type_follows_the_backend():
+    assert device_type("gloo") == "cpu"
+    assert device_type("nccl") == "cuda"
+    assert device_type("cpu:gloo,cuda:nccl") == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_fully_shard_kwargs_say_what_the_plan_says(one_rank):
+    torch.manual_seed(0)
+    model = zoo.moe_transformer_tiny()
+    compiled = planc.compile(planc.loads(MOE), model, 1)
+    mesh = build_mesh(compiled.mesh)
+    kwargs = {u.name: fully_shard_kwargs(u, compiled, model, mesh) for u in compiled.units}
+    assert list(kwargs) == ["tok_embeddings", "layers.0", "layers.1", "[norm, output]", "<root>"]
+    layer = kwargs["layers.0"]
+    assert layer["mesh"] is mesh
+    mp = layer["mp_policy"]
+    assert (mp.param_dtype, mp.reduce_dtype, mp.output_dtype, mp.cast_forward_inputs) == \
+        (torch.bfloat16, torch.float32, torch.float32, True)
+    # Offload on a CPU mesh: no pinning (it needs an accelerator).
+    assert isinstance(layer["offload_policy"], CPUOffloadPolicy) and not layer["offload_policy"].pin_memory
+    assert type(kwargs["tok_embeddings"]["offload_policy"]) is OffloadPolicy
+    assert layer["reshard_after_forward"] is None and kwargs["[norm, output]"]["reshard_after_forward"] is False
+    # Placements by parameter identity, only for this unit's subtree.
+    fn = layer["shard_placement_fn"]
+    experts = model.layers[0].moe.experts
+    assert fn(experts.w1) == Shard(1) and fn(experts.w3) == Shard(1)
+    assert fn(model.layers[0].attention.qkv.weight) is None
+    assert kwargs["tok_embeddings"]["shard_placement_fn"] is None
+    assert layer["ignored_params"] == {model.layers[0].attention_norm.weight}
+    assert kwargs["layers.1"]["ignored_params"] is None
+    assert kwargs["<root>"]["ignored_params"] == {model.layers[0].attention_norm.weight}
+    assert unit_modules(compiled.unit("[norm, output]"), model) == [model.norm, model.output]
+    assert unit_modules(compiled.unit("<root>"), model) == [model]
+
+
+def test_apply_on_one_rank_and_summary(one_rank):
+    torch.manual_seed(0)
+    model = zoo.moe_transformer_tiny()
+    numel = sum(p.numel() for p in model.parameters())
+    applied = planc.apply(model, planc.loads(MOE))
+    assert isinstance(model, FSDPModule)
+    assert isinstance(applied.handle("layers.1"), FSDPModule)
+    assert applied.unit_of_module["norm"] is applied.unit_of_module["output"]
+    assert not isinstance(model.layers[0].attention_norm.weight, DTensor)  # ignored
+    assert isinstance(model.layers[0].moe.experts.w1, DTensor)
+    assert applied.local_param_bytes() == numel * 4  # one rank holds everything, fp32
+    text = applied.summary()
+    assert "[norm, output]" in text and "ignored (replicated): layers.0.attention_norm.weight" in text
+    model(zoo.example_input(model, 2, 8)).float().mean().backward()
+
+
+def test_mesh_that_does_not_fit_is_refused(one_rank):
+    model = zoo.seed_transformer_tiny()
+    ids = [id(p) for p in model.parameters()]
+    hsdp = "model planc.zoo:seed_transformer\nmesh (replicate = 1, shard = 1)\nunit transformer_layers.*\n"
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(planc.PlanError) as err:
+        planc.apply(model, planc.loads(hsdp), mesh=mesh)
+    assert [d.code for d in err.value.errors] == ["P602"]
+    assert "2-D" not in str(err.value) and "1-D" in str(err.value)
+    assert [id(p) for p in model.parameters()] == ids and not isinstance(model, FSDPModule)
+
+
+def test_compiled_plan_is_recompiled_for_the_live_model(one_rank):
+    # Compiled against the full-size model at world 8; applied to the tiny one at world 1.
+    with torch.device("meta"):
+        full = zoo.gpt()
+    compiled = planc.compile(ROOT / "plans/gpt.plan", full, 8)
+    model = zoo.gpt_tiny()
+    applied = planc.apply(model, compiled)
+    assert [u.name for u in applied.units] == ["blocks.0", "blocks.1", "[wte, ln_f, lm_head]", "<root>"]
+    assert applied.compiled.world_size == 1
+
+
+def test_checkpoint_already_applied_is_refused(one_rank):
+    from torch.distributed._composable import checkpoint
+    model = zoo.gpt_tiny()
+    checkpoint(model.blocks[0])
+    with pytest.raises(planc.PlanError) as err:
+        planc.apply(model, ROOT / "plans/gpt.plan")
+    assert [d.code for d in err.value.errors] == ["P601"]
+    assert "checkpointed modules: `blocks.0`" in str(err.value)
+
+
+# ----------------------------------------------------------------------------- materialize
+
+
+@pytest.mark.parametrize("builder", ["seed_transformer_tiny", "gpt_tiny", "moe_transformer_tiny"])
+def test_materialize_initialises_every_parameter_like_the_model_does(builder):
+    torch.manual_seed(0)
+    reference = dict(zoo.ZOO[builder]().named_parameters())
+    with torch.device("meta"):
+        model = zoo.ZOO[builder]()
+    # Poison fresh memory, so that a parameter left uninitialised cannot pass by being zero.
+    materialize(model, "cpu", init=lambda m: [p.fill_(float("nan")) for p in m.parameters()])
+    assert all(torch.isnan(p).all() for p in model.parameters())
+    materialize(model, "cpu")
+    for name, p in model.named_parameters():
+        ref = reference[name]
+        assert torch.isfinite(p).all(), name
+        if ref.std() == 0:  # constants: norms' ones, biases' zeros
+            assert torch.equal(p, ref), name
+        else:  # random: same distribution (std within 25%)
+            assert abs(p.std() - ref.std()) < 0.25 * ref.std(), name
+    if hasattr(model, "wte"):
+        assert model.wte.weight is model.lm_head.weight  # re-tied, and initialised as wte
+
+
+def test_materialize_with_own_init():
+    with torch.device("meta"):
+        model = zoo.gpt_tiny()
+    materialize(model, "cpu", init=lambda m: [nn.init.constant_(p, 0.5) for p in m.parameters()])
+    assert all(bool((p == 0.5).all()) for p in model.parameters())
+    assert model.wte.weight is model.lm_head.weight
