@@ -335,8 +335,10 @@ def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, file: str, text: st
 
 
 _CLOSERS = {"{": "}", "[": "]", "(": ")"}
-_STATEMENT_WORDS = {"model", "include", "mesh", "defaults", "unit", "root", "checkpoint", "compile",
-                    "ignore", "place", "expect", "optional"}
+# Words that start a statement and can never name a block option (`checkpoint` and `compile`
+# are both, so they do not count).
+_STATEMENT_WORDS = {"model", "include", "mesh", "defaults", "unit", "root", "ignore", "place", "expect",
+                    "optional"}
 
 
 def _open_brackets(text: str, line: int, column: int | None = None) -> list[tuple[str, int, int]]:
@@ -423,26 +425,39 @@ def _recover(err, d: Diagnostic, file: str, work: str) -> tuple[Diagnostic, str 
             help=("statements end at the end of a line (only `{}` blocks span lines): write it on "
                   "one line, or end the line with `\\` to continue it",))
         return d, _blank_lines(work, line, end if end is not None else line)
-    if blocks and tok is not None and (
-            tok.type == "$END" or blocks[-1][1] < line and (str(tok) in _STATEMENT_WORDS and _first_on_line(work, tok))):
+    stmt = _statement_start(work, blocks[-1][1], line) if blocks and tok is not None else None
+    if blocks and tok is not None and (stmt is not None or tok.type == "$END"):
+        # NOTE: a statement keyword inside a block cannot be an option, so the first line
+        # that starts with one is where the block should have ended, even when the parser
+        # only fails later (`unit a` reads as an option `unit` with argument `a`).
         _, bline, bcol = blocks[-1]
-        where = "the end of the file" if tok.type == "$END" else f"`{tok}`"
+        if stmt is not None:
+            sline, scol, word = stmt
+            span, where, label = Span(file, sline, scol, sline, scol + len(word)), f"`{word}`", \
+                "a new statement starts here"
+        else:
+            span, where, label = d.span, "the end of the file", "the block would end here"
         d = dataclasses.replace(
-            d, message=f"unclosed `{{`: the block on line {bline} has no `}}` before {where}",
-            label="the block would end here" if tok.type == "$END" else "a new statement starts here",
-            related=((Span(file, bline, bcol, bline, bcol + 1), "this `{` is never closed"),),
+            d, span=span, message=f"unclosed `{{`: the block on line {bline} has no `}}` before {where}",
+            label=label, related=((Span(file, bline, bcol, bline, bcol + 1), "this `{` is never closed"),),
             help=(f"add `}}` to close the block that starts on line {bline}",))
-        if tok.type == "$END":
+        if stmt is None:
             return d, None
-        return d, _close_block_before(work, line)
+        return d, _close_block_before(work, stmt[0])
     if d.message == "unexpected end of file":
         return d, None
     return d, _blank_lines(work, line, line)
 
 
-def _first_on_line(text: str, tok: lark.Token) -> bool:
-    row = text.split("\n")[tok.line - 1]
-    return not row[: tok.column - 1].strip()
+def _statement_start(text: str, after: int, upto: int) -> tuple[int, int, str] | None:
+    """The first line in (after, upto] that starts with a statement-only keyword."""
+    lines = text.split("\n")
+    for n in range(after + 1, min(upto, len(lines)) + 1):
+        row = lines[n - 1]
+        word = row.lstrip().split("#", 1)[0].split(None, 1)
+        if word and word[0] in _STATEMENT_WORDS:
+            return n, len(row) - len(row.lstrip()) + 1, word[0]
+    return None
 
 
 def parse_text(text: str, file: str) -> tuple[tuple, tuple[st.Comment, ...], list[Diagnostic]]:
