@@ -101,6 +101,11 @@ def fsdp_units(model: nn.Module) -> dict[tuple[str, ...], dict]:
     return units
 
 
+def fsdp_module_names(model: nn.Module) -> list[str]:
+    """Names of the modules `fully_shard` turned into `FSDPModule`s, in module order."""
+    return [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
 def batches(steps: int, rank: int, world_size: int, vocab: int, *, seed: int = 1234) -> list[torch.Tensor]:
     """Token batches `[BATCH, SEQ + 1]` for one rank: a different slice of the data per rank."""
     gen = torch.Generator().manual_seed(seed)
@@ -185,6 +190,7 @@ def equivalence_worker(rank: int, world_size: int, steps: int) -> dict:
     by_hand_losses, _ = train(by_hand, data)
     fp32_losses, _ = train(fp32, data)
     return {
+        "planned_fsdp_modules": fsdp_module_names(planned), "by_hand_fsdp_modules": fsdp_module_names(by_hand),
         "fp32_losses": fp32_losses,
         "planned_units": fsdp_units(planned), "by_hand_units": fsdp_units(by_hand),
         "planned_losses": planned_losses, "by_hand_losses": by_hand_losses,

@@ -40,6 +40,8 @@ def ranks():
 @pytest.mark.dist
 def test_same_units_as_hand_written(ranks):
     for result in ranks:
+        assert result["planned_fsdp_modules"] == result["by_hand_fsdp_modules"] == [
+            "", "embedding", "transformer_layers.0", "transformer_layers.1", "norm", "output"]
         planned, by_hand = result["planned_units"], result["by_hand_units"]
         assert set(planned) == set(by_hand) == {
             ("",), ("embedding",), ("transformer_layers.0",), ("transformer_layers.1",), ("norm", "output")}
