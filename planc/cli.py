@@ -199,6 +199,17 @@ def _delegate(module: str, func: str = "main"):
 # ===================================================================== argument parsing
 
 
+def _world_size(text: str) -> int:
+    """argparse type for `--world-size`: a positive number of ranks."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"`{text}` is not a number of ranks") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a world size is at least 1 rank, not {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="planc", description="Compile, check and apply FSDP2 sharding plans.")
     p.add_argument("--version", action="version", version="planc 0.1.0")
@@ -207,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="validate plans (exit 1 on errors)")
     c.add_argument("plans", nargs="+", metavar="PLAN")
     c.add_argument("--model", metavar="MODULE:CALLABLE", help="model to check against (default: the plan's `model` line)")
-    c.add_argument("--world-size", type=int, nargs="+", metavar="N", help="check for these world sizes")
+    c.add_argument("--world-size", type=_world_size, nargs="+", metavar="N", help="check for these world sizes")
     c.add_argument("--format", choices=("text", "json", "github"), default="text")
     c.set_defaults(func=cmd_check)
 
@@ -220,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("explain", help="the resolved plan: units, settings, memory per rank")
     e.add_argument("plan")
     e.add_argument("--model", metavar="MODULE:CALLABLE")
-    e.add_argument("--world-size", type=int, required=True, metavar="N")
+    e.add_argument("--world-size", type=_world_size, required=True, metavar="N")
     e.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw")
     e.add_argument("--format", choices=("text", "json"), default="text")
     e.add_argument("--simulate", action="store_true", help="also measure one step in a fake process group")

@@ -140,6 +140,8 @@ def compile(plan: st.Plan | str | os.PathLike, model: nn.Module | ModelGraph | N
     Returns:
         The `CompiledPlan`, with `.units` in application order and `.diagnostics`.
     """
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     parsed = as_plan(plan)
     graph = model if isinstance(model, ModelGraph) or model is None else ModelGraph.from_module(model)
     compiled = CompiledPlan(parsed, graph, world_size)

@@ -78,14 +78,13 @@ class Mesh:
         """(replicate, shard) for a world size, or None if it cannot be known."""
         r, s = self.replicate, self.shard
         if r is not None and s is not None:
-            return r, s
-        if world is None:
+            return r, s  # fixed; whether it fits the world is P401's business
+        if world is None or world < 1 or (r is None and s is None):
             return None
-        if r is None and s is None:
-            return None
-        if r is None:
-            return (world // s if s and world % s == 0 else None, s) if s else None
-        return (r, world // r) if r and world % r == 0 else None
+        fixed = s if r is None else r
+        if not fixed or world % fixed:
+            return None  # `*` cannot fill the world (P401)
+        return (world // fixed, fixed) if r is None else (fixed, world // fixed)
 
     @property
     def fixed_world(self) -> int | None:

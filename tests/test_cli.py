@@ -210,3 +210,11 @@ def test_console_script_subprocess():
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout.startswith("::error file=tests/ui/p204_container.plan,line=2,col=1,")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("world", ["0", "-2", "eight"])
+def test_world_size_must_be_a_positive_number(world):
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as exc, contextlib.redirect_stderr(err):
+        cli.main(["check", f"{UI}/ok_clean.plan", "--world-size", world])
+    assert exc.value.code == 2 and "--world-size" in err.getvalue()

@@ -156,3 +156,20 @@ def test_size_filter_matches_fsdp1_reference(seed):
     limit = rng.choice([1, 10, 30, 60, 200])
     where = loads(f"unit ** where size >= {limit}").statements[0].target.where
     assert _size_filter(graph, where, candidates) == _reference_size_filter(graph, limit, candidates)
+
+
+# ===================================================================== mesh sizes
+
+
+@pytest.mark.parametrize("mesh,world,sizes", [
+    ((1, None), 8, (1, 8)), ((2, None), 8, (2, 4)), ((3, None), 8, None), ((None, 4), 8, (2, 4)),
+    ((None, 3), 8, None), ((2, 4), 8, (2, 4)), ((2, 4), 64, (2, 4)), ((1, None), None, None),
+    ((None, None), 8, None), ((2, 4), None, (2, 4)), ((1, None), 0, None), ((None, 4), -8, None)])
+def test_mesh_sizes(mesh, world, sizes):
+    from planc.ir import Mesh
+    assert Mesh(replicate=mesh[0], shard=mesh[1]).sizes(world) == sizes
+
+
+def test_world_size_must_be_positive():
+    with pytest.raises(ValueError, match="positive"):
+        planc.compile(loads("unit blocks.*"), None, world_size=0)
