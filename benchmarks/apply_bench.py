@@ -50,7 +50,7 @@ from tests.proof_workers import torchtitan_fsdp  # noqa: E402
 
 # torchtitan's recipe for its Llama names, as a plan.
 PLAN = """
-model _llama405b:llama405b
+model benchmarks._llama405b:llama405b
 mesh (replicate = 1, shard = *)
 defaults {
   precision param = bf16, reduce = fp32, cast_inputs = false
