@@ -107,7 +107,13 @@ def check_mesh_fits(mesh: DeviceMesh, plan_mesh: Mesh) -> list[Diagnostic]:
     sizes = mesh_sizes(plan_mesh, mesh.size())
     want = None if sizes is None else (sizes if want_ndim == 2 else (sizes[1],))
     if mesh.ndim == want_ndim and (want is None or shape == want):
-        return []
+        if want_ndim == 1 or mesh.mesh_dim_names is not None:
+            return []
+        # FSDP2 needs named dims on an HSDP mesh (it asserts otherwise).
+        return [Diagnostic(code="P602", severity="error", span=plan_mesh.span,
+                           message="the 2-D mesh passed to `apply` has no dimension names",
+                           label=f"the plan's mesh {plan_mesh}",
+                           help=('build it with `mesh_dim_names=("replicate", "shard")`',))]
     expected = f"a {want_ndim}-D mesh" + (f" of shape {want}" if want else "")
     return [Diagnostic(code="P602", severity="error", span=plan_mesh.span,
                        message=f"the mesh passed to `apply` has shape {shape}; the plan needs {expected}",
@@ -157,6 +163,8 @@ def fully_shard_kwargs(unit: Unit, compiled: CompiledPlan, model: nn.Module, mes
         model: the live model, before `fully_shard` runs on this unit.
         mesh: the device mesh.
     """
+    if compiled.graph is None:
+        raise ValueError("fully_shard_kwargs needs a plan compiled against a model")
     res = compiled.resolution
     in_subtree = _unit_param_names(unit, compiled.graph)
     placed = {id(model.get_parameter(name)): dim for name, (dim, _) in res.placements.items()

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import planc
 from planc import zoo
@@ -119,6 +119,14 @@ def test_mesh_that_does_not_fit_is_refused(one_rank):
     assert [d.code for d in err.value.errors] == ["P602"]
     assert "2-D" not in str(err.value) and "1-D" in str(err.value)
     assert [id(p) for p in model.parameters()] == ids and not isinstance(model, FSDPModule)
+    # HSDP needs named dims (FSDP2 asserts without them).
+    unnamed = torch.distributed.device_mesh.init_device_mesh("cpu", (1, 1))
+    hsdp = "model planc.zoo:seed_transformer\nmesh HYBRID_SHARD (shard = 1)\nunit transformer_layers.*\n"
+    with pytest.raises(planc.PlanError) as err:
+        planc.apply(model, planc.loads(hsdp), mesh=unnamed)
+    assert [d.code for d in err.value.errors] == ["P602"] and "no dimension names" in str(err.value)
+    applied = planc.apply(model, planc.loads(hsdp), mesh=mesh)  # the named one fits
+    assert applied.mesh is mesh and model.embedding.weight.placements == (Replicate(), Shard(0))
 
 
 def test_compiled_plan_is_recompiled_for_the_live_model(one_rank):
