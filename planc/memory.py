@@ -498,8 +498,10 @@ class _Replay:
     """FSDP2's per-unit memory state machine, driven by a trace's events."""
 
     def __init__(self, compiled, mem: list[UnitMemory], optimizer: str, replicated: int, trace: Trace,
-                 shard: int):
+                 shard: int, backend: str = "nccl"):
         self.c, self.mem, self.optimizer, self.trace, self.shard = compiled, mem, optimizer, trace, shard
+        # gloo's reduce-scatter clones its whole input (NCCL does not)
+        self.rs_clone = backend == "gloo" and shard > 1
         self.units = compiled.units
         self.state = ["sharded"] * len(mem)     # sharded | unsharded | post_forward | prefetched
         self.grads_done: set[int] = set()
@@ -573,6 +575,12 @@ class _Replay:
             self.transient = {"reduce_scatter": m.reduce_scatter, "unsharded_grads": m.shard_dim_copy}
             self.live_grads = max(grads_before, self.live_grads)
             self.snapshot(f"reduce-scatter {m.name}")
+            # the collective itself: unsharded gradients freed; gloo adds a clone of its input
+            self.transient = {"reduce_scatter": m.reduce_scatter * (2 if self.rs_clone else 1)}
+            live, grads = self.live, self.live_grads
+            self.live, self.live_grads = live - grads, 0
+            self.snapshot(f"reduce-scatter {m.name}")
+            self.live, self.live_grads = live, grads
             self.transient = {}
             self.rs_kept = m.reduce_scatter
         self.grads_done.add(i)
@@ -666,7 +674,8 @@ def trace_for(compiled, inputs: tuple | None) -> Trace:
 
 
 def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
-             inputs: tuple | None = None, input_shape: tuple[int, ...] | None = None) -> Estimate:
+             inputs: tuple | None = None, input_shape: tuple[int, ...] | None = None,
+             backend: str = "nccl") -> Estimate:
     """The per-rank memory of one training step of `compiled` at `world` ranks.
 
     Args:
@@ -675,6 +684,8 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
         optimizer: "adamw", "sgd" (no momentum) or "none".
         inputs: model inputs for the activation trace (any device; only shapes are used).
         input_shape: (batch, seq) token ids for language models, if `inputs` is not given.
+        backend: "nccl" (default) or "gloo", whose reduce-scatter clones its input: a
+            transient copy of each unit's reduce-scatter buffer (CPU runs only).
 
     Returns:
         The `Estimate`: per-unit bytes, the peak with its breakdown and moment, the timeline,
@@ -693,7 +704,7 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
     mem = unit_memory(compiled, world, optimizer)
     replicated = sum(graph.params[n].nbytes for n in _replicated_params(compiled))
     host = sum(m.sharded + m.grads + m.optimizer for m in mem if m.offload)
-    timeline = _Replay(compiled, mem, optimizer, replicated, trace, shard).run()
+    timeline = _Replay(compiled, mem, optimizer, replicated, trace, shard, backend).run()
     peak = max(timeline, key=lambda m: m.total)
     activations = None if inputs is None else max((e.live - e.grads for e in trace.events), default=0)
     # Lower bound: every state sharded over all ranks, the largest single module's own

@@ -172,10 +172,39 @@ def zoo_inputs(input_shape: tuple[int, int] | None = None) -> Callable[[nn.Modul
     return make
 
 
-def measure_real(model: nn.Module, inputs: tuple, optimizer: str = "adamw", steps: int = 2) -> Measurement:
-    """The same measurement on a live (really sharded, real-tensor) model in a real process group."""
+def measure_real(model: nn.Module, inputs: tuple, optimizer: str = "adamw", steps: int = 2,
+                 nccl_like_reduce_scatter: bool = False) -> Measurement:
+    """The same measurement on a live (really sharded, real-tensor) model in a real process group.
+
+    Args:
+        nccl_like_reduce_scatter: replace FSDP's reduce-scatter with an in-place all-reduce and
+            a slice (same values). Stock gloo clones the whole reduce-scatter input and frees
+            the clone when its work object dies, which inflates and blurs CPU peaks; NCCL does
+            not. With this the real run measures what a GPU run would allocate.
+    """
     _skip_sharding_propagation()
+    if nccl_like_reduce_scatter:
+        use_all_reduce_slice(model)
     return _measure(model, inputs, optimizer, steps)
+
+
+def use_all_reduce_slice(model: nn.Module) -> None:
+    """Make every FSDP unit of `model` reduce-scatter as all-reduce + slice (see `measure_real`)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class AllReduceSlice(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            work = dist.all_reduce(input_tensor, op=op, group=group, async_op=async_op)
+            if work is not None:
+                work.wait()
+            rank, size = dist.get_rank(group), dist.get_world_size(group)
+            output_tensor.copy_(input_tensor.view(size, -1)[rank])
+            return None
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(AllReduceSlice())
 
 
 def _measure(model: nn.Module, args: tuple, optimizer: str, steps: int) -> Measurement:
