@@ -34,6 +34,7 @@ WORLD = 2
 CASES = {
     "seed": ("plans/seed.plan", "seed_transformer_tiny", True),
     "gpt_tied": ("plans/gpt.plan", "gpt_tiny", True),
+    "seed_hsdp": ("plans/seed_hsdp.plan", "seed_transformer_tiny", True),
     "moe_everything": ("tests/golden/emit/moe_everything.plan", "moe_transformer_tiny", False),
     "moe_everything_no_compile": ("tests/golden/emit/moe_everything.plan", "moe_transformer_tiny", True),
 }
@@ -168,5 +169,7 @@ def test_the_comparison_is_not_vacuous(results):
     w1 = [results[r]["moe_everything_no_compile"]["emit"]["step"]["grads"]["layers.0.moe.experts.w1"]
           for r in range(WORLD)]
     assert w1[0].shape == w1[1].shape and not torch.equal(w1[0], w1[1])
+    hsdp = results[0]["seed_hsdp"]["emit"]["before_step"]
+    assert hsdp["params"]["embedding.weight"]["placements"] == ("Replicate()", "Shard(dim=0)")
     tied = results[0]["gpt_tied"]["emit"]["before_step"]
     assert ("lm_head", "ln_f", "wte") in tied["units"]
