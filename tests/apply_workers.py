@@ -97,10 +97,12 @@ def read_back(applied) -> dict:
         params[name] = {"dtensor": isinstance(p, DTensor), "placements": tuple(map(repr, p.placements))
                         if isinstance(p, DTensor) else None, "shape": tuple(p.shape),
                         "local_shape": tuple(local.shape), "device": str(local.device)}
+    from torch.distributed._composable.contract import _get_registry
+    checkpointed = [n for n, m in model.named_modules() if "checkpoint" in (_get_registry(m) or {})]
     shard_rank = applied.mesh["shard"].get_local_rank() if applied.mesh.ndim == 2 else applied.mesh.get_local_rank()
     return {"units": units, "params": params, "shard_rank": shard_rank, "mesh_shape": tuple(applied.mesh.shape),
             "mesh_names": applied.mesh.mesh_dim_names, "local_param_bytes": applied.local_param_bytes(),
-            "summary": applied.summary()}
+            "summary": applied.summary(), "checkpointed": checkpointed}
 
 
 def _reshard(group) -> bool | int:

@@ -150,6 +150,19 @@ def test_checkpoint_already_applied_is_refused(one_rank):
     assert "checkpointed modules: `blocks.0`" in str(err.value)
 
 
+def test_checkpoint_and_compile_wrap_the_named_modules_in_place(one_rank):
+    from torch.distributed._composable.contract import _get_registry
+    model = zoo.seed_transformer_tiny()
+    keys = list(model.state_dict())
+    text = (ROOT / "plans/seed.plan").read_text() + "checkpoint transformer_layers.1 full\ncompile transformer_layers.*\n"
+    planc.apply(model, planc.loads(text))
+    checkpointed = [n for n, m in model.named_modules() if "checkpoint" in (_get_registry(m) or {})]
+    assert checkpointed == ["transformer_layers.1"]
+    compiled = [n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    assert compiled == ["transformer_layers.0", "transformer_layers.1"]
+    assert list(model.state_dict()) == keys  # no wrapper modules, no renamed keys
+
+
 # ----------------------------------------------------------------------------- materialize
 
 

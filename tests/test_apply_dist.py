@@ -181,6 +181,8 @@ def test_bf16_losses_close_to_unsharded_training(zoo_runs, case):
 
 
 def test_checkpointing_keeps_state_dict_keys(zoo_runs):
+    assert zoo_runs[0]["seed+ckpt+offload+fp32"]["checkpointed"] == ["transformer_layers.0", "transformer_layers.1"]
+    assert zoo_runs[0]["seed"]["checkpointed"] == []
     for case in ("seed+ckpt+offload+fp32", "gpt", "moe"):
         assert zoo_runs[0][case]["state_dict_keys_kept"], case
 
