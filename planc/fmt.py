@@ -132,8 +132,7 @@ class _Entry:
     inner: list["_Entry"] = field(default_factory=list)  # the block's options and comment lines
 
 
-def _entries(nodes: Sequence[Any], comments: list[st.Comment], lines: list[str],
-             inside_block: bool = False) -> list[_Entry]:
+def _entries(nodes: Sequence[Any], comments: list[st.Comment], lines: list[str]) -> list[_Entry]:
     """Interleave nodes (statements or options) with the comments among them, in order."""
     by_node: dict[int, _Entry] = {}
     for n in nodes:
@@ -146,8 +145,9 @@ def _entries(nodes: Sequence[Any], comments: list[st.Comment], lines: list[str],
         inside = [c for c in pending if _pos(n.span) < _pos(c.span) < _pos(n.span, end=True)]
         if inside:
             pending = [c for c in pending if c not in inside]
-            block = _block_of(n) if not inside_block else None
-            if block is None:  # cannot happen with the grammar; keep the text anyway
+            block = _block_of(n)
+            # only blocks span lines; were that to change, the meaning check would refuse
+            if block is None:
                 entry.trailing = " ".join(_text(c) for c in inside)
                 continue
             head = [c for c in inside if c.span.line == block.span.line
@@ -155,7 +155,7 @@ def _entries(nodes: Sequence[Any], comments: list[st.Comment], lines: list[str],
             if head:
                 entry.header = _text(head[0])
             rest = [c for c in inside if c not in head]
-            entry.inner = _entries(block.options, rest, lines, inside_block=True)
+            entry.inner = _entries(block.options, rest, lines)
     for c in pending:
         # after code on its line: trails the last node ending on that line
         enders = [n for n in nodes if n.span.end_line == c.span.line and _pos(n.span, end=True) <= _pos(c.span)]
@@ -277,7 +277,11 @@ def _diff(path: str, old: str, new: str, limit: int = 40) -> str:
 
 
 def main(args) -> int:
-    """`planc fmt PLAN... [--check]`: 0 all formatted, 1 would change or has syntax errors, 2 unreadable."""
+    """`planc fmt PLAN... [--check]`: rewrite plans in place (`-`: stdin to stdout).
+
+    Returns 0 when all is formatted (or was rewritten), 1 when `--check` finds a plan to
+    reformat or a plan has syntax errors (it is left alone), 2 when a plan is unreadable.
+    """
     from planc.cli import use_color
     from planc.diagnostics import PlanError
 
@@ -286,7 +290,10 @@ def main(args) -> int:
     changed: list[str] = []
     unchanged = 0
     for path in args.plans:
-        text, err = _read(path, None)
+        if path == "-":  # editors: plan on stdin, formatted plan on stdout
+            text, err = sys.stdin.read(), None
+        else:
+            text, err = _read(path, None)
         if err is not None:
             print(render.render_text([err], {}, color=use_color(sys.stderr)), file=sys.stderr)
             code = max(code, 2)
@@ -303,6 +310,9 @@ def main(args) -> int:
                   file=sys.stderr)
             code = max(code, 2)
             continue
+        if path == "-" and not check:
+            sys.stdout.write(new)
+            continue
         if new == text:
             unchanged += 1
             continue
@@ -315,7 +325,8 @@ def main(args) -> int:
             Path(path).write_text(new, encoding="utf-8")
             print(f"reformatted {path}")
     verb = "would be reformatted" if check else "reformatted"
-    print(f"{len(changed)} file{'s' * (len(changed) != 1)} {verb}, {unchanged} already formatted",
-          file=sys.stderr)
+    if any(p != "-" for p in args.plans) or check:
+        print(f"{len(changed)} file{'s' * (len(changed) != 1)} {verb}, {unchanged} already formatted",
+              file=sys.stderr)
     return code
 

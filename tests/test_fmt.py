@@ -208,6 +208,12 @@ def test_cli_check_rewrite_and_exit_codes(tmp_path):
     assert run_fmt(str(binary))[0] == 2
 
 
+def test_cli_stdin_to_stdout(monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("unit  a{offload cpu} # c\n"))
+    code, out = run_fmt("-")
+    assert code == 0 and out == "unit a { offload cpu }  # c\n"
+
+
 def test_every_shipped_plan_is_formatted():
     plans = sorted((ROOT / "plans").glob("**/*.plan"))
     assert plans
