@@ -258,7 +258,9 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict | Non
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     msd, osd = get_state_dict(model, optimizer,
                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {"model": msd, "optim": osd} if dist.get_rank() == 0 else None
+    # Copies: plain tensors (AdamW's `step`) come back as the live objects training mutates.
+    state = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, {"model": msd, "optim": osd})
+    return state if dist.get_rank() == 0 else None
 
 
 def sharded_load(model: nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
@@ -275,30 +277,41 @@ def checkpoint_save_load_worker(rank: int, world_size: int, path: str) -> dict:
     """Trains one step under the torchtitan plan, saves with DCP, loads under plan B.
 
     Returns (on rank 0) the full state right after saving and the full state after loading
-    into a fresh, differently seeded model under plan B; plus each plan's unit names.
+    into a fresh, differently seeded model under plan B; plus each plan's unit names. Also
+    resumes: a fresh model under the torchtitan plan loads the checkpoint and takes the
+    second step next to the never-interrupted model (losses and parameters returned).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    data = batches(1, rank, world_size, zoo.SEED_TINY_CONFIG.vocab_size)
+    data = batches(2, rank, world_size, zoo.SEED_TINY_CONFIG.vocab_size)
     torch.manual_seed(0)
     model_a = zoo.seed_transformer_tiny()
-    applied_a = planc.apply(model_a, TORCHTITAN_PLAN)
-    _, optim_a = train(model_a, data)
+    planc.apply(model_a, TORCHTITAN_PLAN)
+    _, optim_a = train(model_a, data[:1])
     msd, osd = get_state_dict(model_a, optim_a)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
     saved = full_state(model_a, optim_a)
 
     torch.manual_seed(1)  # different init: every loaded value must come from the checkpoint
     model_b = zoo.seed_transformer_tiny()
-    applied_b = planc.apply(model_b, planc.loads(CHECKPOINT_PLAN_B, filename="plan_b.plan"))
+    planc.apply(model_b, planc.loads(CHECKPOINT_PLAN_B, filename="plan_b.plan"))
     optim_b = torch.optim.AdamW(model_b.parameters(), lr=1e-2, foreach=True)
     sharded_load(model_b, optim_b, path)
     loaded = full_state(model_b, optim_b)
+
+    torch.manual_seed(3)
+    resumed = zoo.seed_transformer_tiny()
+    planc.apply(resumed, TORCHTITAN_PLAN)
+    optim_resumed = torch.optim.AdamW(resumed.parameters(), lr=1e-2, foreach=True)
+    sharded_load(resumed, optim_resumed, path)
+    uninterrupted_losses, _ = train(model_a, data[1:], optimizer=optim_a)
+    resumed_losses, _ = train(resumed, data[1:], optimizer=optim_resumed)
     return {"saved": saved, "loaded": loaded, "units_a": sorted(fsdp_units_names(model_a)),
             "units_b": sorted(fsdp_units_names(model_b)),
             "placements_b": {n: tuple(p.placements) for n, p in model_b.named_parameters()},
-            "applied": (type(applied_a).__name__, type(applied_b).__name__)}
+            "uninterrupted_losses": uninterrupted_losses, "resumed_losses": resumed_losses,
+            "uninterrupted_params": full_params(model_a), "resumed_params": full_params(resumed)}
 
 
 def fsdp_units_names(model: nn.Module) -> set[tuple[str, ...]]:

@@ -4,7 +4,8 @@ One AdamW step under plans/torchtitan.plan on 2 gloo ranks, saved with
 `torch.distributed.checkpoint` from `get_state_dict`; then loaded with `set_state_dict` into
 fresh, differently seeded models under plan B (other units, fp32 instead of bf16 compute,
 one weight sharded on dim 1) on 2 ranks and on 1 rank, and finally read back with no process
-group at all. Every model and optimizer entry must come back bit for bit.
+group at all. Every model and optimizer entry must come back bit for bit, and a fresh model
+resumed from the checkpoint takes the next step exactly as the uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -68,6 +69,18 @@ def test_two_ranks_plan_b_loads_everything(checkpoint):
     _, result = checkpoint
     assert_identical(result["loaded"]["model"], result["saved"]["model"], "model")
     assert_identical(result["loaded"]["optim"], result["saved"]["optim"], "optim")
+
+
+@pytest.mark.dist
+def test_resuming_continues_exactly(checkpoint):
+    """Loaded into a fresh model, the second step is bit for bit the uninterrupted one."""
+    _, result = checkpoint
+    assert len(result["resumed_losses"]) == 1
+    assert result["resumed_losses"] == result["uninterrupted_losses"]
+    assert_identical(result["resumed_params"], result["uninterrupted_params"], "params")
+    # The second step moved the weights away from the checkpoint.
+    name = "transformer_layers.0.mlp.w_in.weight"
+    assert not torch.equal(result["resumed_params"][name], result["saved"]["model"][name])
 
 
 @pytest.mark.dist
