@@ -93,6 +93,17 @@ def test_blank_lines_collapsed_and_kinds_separated():
     assert assert_formats(text) == "unit a\n\nunit b\nunit c\n\ncheckpoint a full\ncompile a\n\nignore **.bias\n"
 
 
+def test_keyword_named_options_on_later_block_lines():
+    # `checkpoint` and `compile` are statement keywords too; inside a block, on a later line
+    # or after `;`, they must still parse as options (grammar/plan.lark `_bsep`)
+    text = "unit a { offload cpu; checkpoint; compile fullgraph = true }\n"
+    assert assert_formats(text) == "unit a {\n  offload cpu\n  checkpoint\n  compile fullgraph = true\n}\n"
+
+
+def test_crlf_and_continuation_lines():
+    assert assert_formats("unit a\r\n# c\r\n\r\n\r\nunit \\\r\n  b\r\n") == "unit a\n# c\n\nunit b\n"
+
+
 def test_fsdp1_spellings_kept():
     text = ("mesh   HYBRID_SHARD(shard=8)\nmesh NO_SHARD\n"
             "unit a{sharding_strategy SHARD_GRAD_OP}\n"
