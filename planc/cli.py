@@ -133,7 +133,14 @@ def cmd_tree(args) -> int:
     ref = args.model
     if ref is None and args.plan:
         plan, diags = load_with_diagnostics(args.plan)
-        ref = plan.model_ref if plan else None
+        if plan is None or any(d.is_error for d in diags):
+            # the plan's own problems, rendered as `check` would, then a usage error
+            print(render.render_text(diags, dict(plan.sources) if plan else {}, color=use_color(sys.stderr)),
+                  file=sys.stderr)
+            raise UsageError(f"cannot read the `model` line of `{args.plan}`")
+        ref = plan.model_ref
+        if ref is None:
+            raise UsageError(f"`{args.plan}` has no `model` line; pass --model MODULE:CALLABLE")
     if ref is None:
         raise UsageError("tree needs --model MODULE:CALLABLE (or --plan with a `model` line)")
     try:

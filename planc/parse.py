@@ -529,7 +529,8 @@ def _read(path: str, span: Span | None) -> tuple[str | None, Diagnostic | None]:
                         ("split the plan into smaller files joined with `include`",))
         raw = FsPath(path).read_bytes()
     except FileNotFoundError:
-        return fail(f"no such plan file `{path}`", ("check the path; includes are relative to the including plan",))
+        return fail(f"no such plan file `{path}`", ("check the path; includes are relative to the including plan",)
+                    if span is not None else ("check the path",))
     except IsADirectoryError:
         return fail(f"`{path}` is a directory, not a plan file", ("name a `.plan` file",))
     except OSError as err:

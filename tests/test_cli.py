@@ -218,3 +218,9 @@ def test_world_size_must_be_a_positive_number(world):
     with pytest.raises(SystemExit) as exc, contextlib.redirect_stderr(err):
         cli.main(["check", f"{UI}/ok_clean.plan", "--world-size", world])
     assert exc.value.code == 2 and "--world-size" in err.getvalue()
+
+
+def test_tree_with_a_broken_plan_shows_why():
+    code, _, err = run("tree", "--plan", f"{UI}/p001_syntax.plan")
+    assert code == cli.EXIT_USAGE
+    assert "error[P001]: unexpected `unt`" in err and "cannot read the `model` line" in err
