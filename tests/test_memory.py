@@ -1,0 +1,160 @@
+"""The analytic memory model, one process: exact state bytes, the step replay's rules, expects,
+and agreement with the fake-process-group simulation at 8 ranks.
+
+(2-rank real runs: tests/test_memory_dist.py.)
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+import planc
+from planc import memory, zoo
+from planc.simulate import simulate, zoo_inputs
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SEED = (ROOT / "plans" / "seed.plan").read_text()
+FP32 = "\ndefaults { precision param = fp32, reduce = fp32 }\n"
+SHAPE = (2, 16)
+
+
+def tiny(builder: str = "seed_transformer_tiny"):
+    with torch.device("meta"):
+        return zoo.ZOO[builder]()
+
+
+def compile_text(text: str, world: int, builder: str = "seed_transformer_tiny"):
+    return planc.compile(planc.loads(text, filename="test.plan"), tiny(builder), world)
+
+
+# ===================================================================== exact state bytes
+
+
+@settings(max_examples=200, deadline=None)
+@given(dim0=hs.integers(1, 70), rest=hs.integers(1, 6), shard=hs.integers(1, 9))
+def test_shard_numel_is_the_padded_torch_chunk(dim0, rest, shard):
+    # FSDP2 allocates every rank the size of the first (largest) chunk, empty ranks included
+    first = torch.chunk(torch.empty(dim0, rest, device="meta"), shard)[0]
+    assert memory.shard_numel((dim0, rest), shard) == first.numel()
+
+
+def test_world_of_one_holds_every_byte():
+    c = compile_text(SEED + FP32, 1)
+    est = memory.estimate(c, 1)
+    total = sum(p.nbytes for p in c.graph.params.values())
+    assert sum(u.sharded for u in est.units) == total
+    assert sum(u.grads for u in est.units) == total
+
+
+def test_uneven_rows_are_padded():
+    est = memory.estimate(compile_text(SEED, 3), 3)
+    emb = next(u for u in est.units if u.name == "embedding")
+    assert emb.sharded == 43 * 32 * 4          # 128 rows over 3 ranks: 43 each, fp32
+    assert emb.unsharded == 3 * 43 * 32 * 2    # the all-gather output is padded too, in bf16
+
+
+def test_hsdp_shards_over_the_shard_dimension_only():
+    hsdp = (ROOT / "plans" / "seed_hsdp.plan").read_text()
+    a = memory.estimate(compile_text(hsdp, 4), 4)     # 2 replicas x 2 shards
+    b = memory.estimate(compile_text(SEED, 2), 2)
+    assert (a.replicate, a.shard) == (2, 2)
+    assert [u.sharded for u in a.units] == [u.sharded for u in b.units]
+
+
+def test_optimizer_state():
+    c = compile_text(SEED, 4)
+    adamw, sgd = memory.estimate(c, 4, optimizer="adamw"), memory.estimate(c, 4, optimizer="sgd")
+    for u in adamw.units:
+        n_tensors = len(u.param_names)
+        assert u.optimizer == 2 * u.sharded + memory.STEP_COUNTER_BYTES * n_tensors
+    assert all(u.optimizer == 0 for u in sgd.units)
+    assert sgd.peak.total < adamw.peak.total
+
+
+def test_offload_moves_state_to_the_host():
+    base = memory.estimate(compile_text(SEED, 4), 4)
+    off = memory.estimate(compile_text(SEED + "unit transformer_layers[-1:] { offload cpu }\n", 4), 4)
+    unit = next(u for u in off.units if u.name == "transformer_layers.1")
+    assert unit.offload and off.host == unit.sharded + unit.grads + unit.optimizer
+    assert off.sharded_state == base.sharded_state - off.host
+
+
+# ===================================================================== the step replay
+
+
+def _end_of_forward(est: memory.Estimate) -> memory.Moment:
+    return [m for m in est.timeline if m.phase == "forward"][-1]
+
+
+def test_reshard_rules_at_the_end_of_forward():
+    true = memory.estimate(compile_text(SEED, 8), 8)
+    false = memory.estimate(compile_text(SEED + "unit transformer_layers.* { reshard after_forward = false }\n", 8), 8)
+    two = memory.estimate(compile_text(SEED + "unit transformer_layers.* { reshard after_forward = 2 }\n", 8), 8)
+    blocks = [u for u in true.units if u.name.startswith("transformer_layers.")]
+    tail = next(u for u in true.units if u.name == "[norm, output]")   # kept: reshard false
+    assert _end_of_forward(true).bytes["unsharded_params"] == tail.unsharded
+    assert _end_of_forward(false).bytes["unsharded_params"] == tail.unsharded + sum(b.unsharded for b in blocks)
+    assert _end_of_forward(two).bytes["unsharded_params"] == tail.unsharded + sum(b.unsharded // 2 for b in blocks)
+    assert true.peak.total <= two.peak.total <= false.peak.total
+
+
+def test_without_input_activations_are_left_out():
+    est = memory.estimate(compile_text(SEED, 8), 8)
+    assert est.activations is None and est.notes
+    assert all(m.bytes["activations"] == 0 for m in est.timeline)
+
+
+def test_checkpointing_lowers_activations():
+    plain = memory.estimate(compile_text(SEED, 8), 8, input_shape=SHAPE)
+    ckpt = memory.estimate(compile_text(SEED + "checkpoint transformer_layers.* full\n", 8), 8, input_shape=SHAPE)
+    assert 0 < ckpt.activations < plain.activations
+
+
+def test_bounds_bracket_the_peak():
+    est = memory.estimate(compile_text(SEED, 8), 8, input_shape=SHAPE)
+    assert est.lower_bound <= est.peak.total < est.unsharded_peak_baseline
+    assert est.peak.phase == "backward" and est.peak.unit
+
+
+# ===================================================================== expect lines
+
+
+def test_memory_expects_are_checked():
+    text = SEED + "expect memory.peak <= 1KiB at world = 8\nexpect memory.peak <= 70GiB at world = 64\n"
+    c = planc.compile(planc.loads(text, filename="m.plan"), tiny(), 8, strict=False)
+    p502 = [d for d in c.diagnostics if d.code == "P502"]
+    assert len(p502) == 1 and "world = 8" in p502[0].message
+
+
+def test_metric_values():
+    c = compile_text(SEED, 8)
+    est = memory.estimate(c, 8)
+    assert memory.metric(c, "memory.peak", 8) == est.peak.total
+    assert memory.metric(c, "memory.sharded", 8) == est.sharded_state
+    assert memory.metric(c, "memory.activations", 8) is None
+
+
+# ===================================================================== against the simulation
+
+
+def _zoo_plans():
+    out = []
+    for path in sorted((ROOT / "plans").glob("*.plan")):
+        ref = planc.load(path).model_ref or ""
+        if ref.startswith("planc.zoo:") and f"{ref.split(':')[1]}_tiny" in zoo.ZOO:
+            out.append((path.name, f"{ref.split(':')[1]}_tiny"))
+    return out
+
+
+@pytest.mark.parametrize("name,builder", _zoo_plans(), ids=[n for n, _ in _zoo_plans()])
+def test_estimate_within_10_percent_of_simulation_at_8_ranks(name, builder):
+    plan = planc.load(ROOT / "plans" / name)
+    est = memory.estimate(planc.compile(plan, tiny(builder), 8), 8, input_shape=SHAPE)
+    sim = simulate(plan, zoo.ZOO[builder], 8, inputs=zoo_inputs(SHAPE))
+    assert abs(est.peak.total - sim.peak) <= 0.10 * sim.peak, (est.peak.label, sim.moment)
+    assert est.peak.bytes["sharded_params"] == sim.breakdown["sharded_params"]
