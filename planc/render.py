@@ -27,7 +27,7 @@ def _paint(text: str, style: str, color: bool) -> str:
 
 
 def _snippet(span: Span, label: str, sources: Mapping[str, str], color: bool,
-             caret: str = "^") -> list[str]:
+             caret: str = "^", width: int = 0) -> list[str]:
     text = sources.get(span.file)
     if text is None:
         return []
@@ -37,7 +37,7 @@ def _snippet(span: Span, label: str, sources: Mapping[str, str], color: bool,
     line = lines[span.line - 1].expandtabs(4)
     if len(line) > 200:  # huge single-line files: show the start of the line only
         line = line[:200] + " ..."
-    width = len(str(span.end_line if span.end_line > span.line else span.line))
+    width = width or len(str(span.line))
     pad = " " * width
     end = span.end_column if span.end_line == span.line else len(line) + 1
     n = max(1, min(end, len(line) + 1) - span.column)
@@ -53,15 +53,17 @@ def render_one(d: Diagnostic, sources: Mapping[str, str], *, color: bool = False
     """One diagnostic in rustc style."""
     head = _paint(f"{d.severity}[{d.code}]", d.severity, color) + _paint(f": {d.message}", "bold", color)
     out = [head]
+    # one gutter width for every snippet of the diagnostic, as rustc aligns them
+    width = max([len(str(s.line)) for s in [d.span, *(r for r, _ in d.related)] if s is not None] or [1])
     if d.span is not None:
         out.append(_paint(" --> ", "blue", color) + str(d.span))
-        out.extend(_snippet(d.span, d.label, sources, color))
+        out.extend(_snippet(d.span, d.label, sources, color, width=width))
     for span, label in d.related:
         out.append(_paint(" ::: ", "blue", color) + str(span))
-        out.extend(_snippet(span, label, sources, color, caret="-"))
+        out.extend(_snippet(span, label, sources, color, caret="-", width=width))
     tail = [("note", n) for n in d.notes] + [("help", h) for h in d.help]
     if tail:
-        pad = " " * (len(str(d.span.line)) if d.span is not None else 1)
+        pad = " " * (width if d.span is not None else 1)
         if d.span is not None:
             out.append(_paint(f"{pad} |", "blue", color))
         for kind, text in tail:
