@@ -1,0 +1,130 @@
+"""`planc explain`: golden text and JSON, usage errors, --simulate, --plot.
+
+Goldens: tests/golden/explain/<case>.txt and .json are what `planc explain` prints for each
+case in CASES (NO_COLOR). Rewrite them after an intended change with
+
+    PLANC_UPDATE_GOLDENS=1 pytest tests/test_explain.py
+
+and review the diff.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pathlib
+
+import pytest
+
+from planc import cli
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden" / "explain"
+UPDATE = bool(os.environ.get("PLANC_UPDATE_GOLDENS"))
+
+# case -> explain arguments (run from the repository root)
+CASES = {
+    "seed_w8_activations": ["plans/seed.plan", "--model", "planc.zoo:seed_transformer_tiny", "--world-size", "8",
+                            "--input-shape", "2x16"],
+    "gpt_w4_no_input": ["plans/gpt.plan", "--model", "planc.zoo:gpt_tiny", "--world-size", "4"],
+    "moe_w2_sgd": ["plans/moe.plan", "--model", "planc.zoo:moe_transformer_tiny", "--world-size", "2",
+                   "--optimizer", "sgd", "--input-shape", "2x16"],
+    "seed_hsdp_w4": ["plans/seed_hsdp.plan", "--model", "planc.zoo:seed_transformer_tiny", "--world-size", "4"],
+}
+
+
+def explain(args: list[str], monkeypatch) -> tuple[int, str, str]:
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("NO_COLOR", "1")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["explain", *args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def check_golden(path: pathlib.Path, text: str) -> None:
+    if UPDATE:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    assert path.exists(), f"no golden {path.name}: run with PLANC_UPDATE_GOLDENS=1 and review it"
+    assert text == path.read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_text_golden(case, monkeypatch):
+    code, out, err = explain(CASES[case], monkeypatch)
+    assert code == 0, err
+    assert "\x1b[" not in out  # NO_COLOR
+    check_golden(GOLDEN / f"{case}.txt", out)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_json_golden(case, monkeypatch):
+    code, out, err = explain(CASES[case] + ["--format", "json"], monkeypatch)
+    assert code == 0, err
+    data = json.loads(out)
+    check_golden(GOLDEN / f"{case}.json", out)
+    # the JSON agrees with itself: unit bytes add up to the totals, the peak to its breakdown
+    units = data["units"]
+    assert data["totals"]["units"] == len(units)
+    assert data["totals"]["params"] == sum(u["params"] for u in units)
+    assert data["memory"]["peak_bytes"] == sum(data["memory"]["breakdown"].values())
+    for u in units:
+        for key, s in u["settings"].items():
+            assert (s["line"] is None) == (s["set_by"] == "default"), (u["name"], key)
+
+
+def test_every_setting_names_its_plan_line(monkeypatch):
+    code, out, _ = explain(CASES["seed_w8_activations"] + ["--format", "json"], monkeypatch)
+    units = {u["name"]: u for u in json.loads(out)["units"]}
+    lines = (ROOT / "plans" / "seed.plan").read_text().splitlines()
+
+    def line_of(text: str) -> str:
+        return f"plans/seed.plan:{next(i for i, l in enumerate(lines, 1) if l.startswith(text))}"
+    tail = units["[norm, output]"]["settings"]["reshard_after_forward"]
+    assert (tail["value"], tail["set_by"], tail["line"]) == ("false", "unit [norm, output]",
+                                                            line_of("unit [norm, output]"))
+    block = units["transformer_layers.0"]["settings"]["param_dtype"]
+    assert (block["value"], block["set_by"], block["line"]) == ("bf16", "defaults", line_of("  precision param"))
+
+
+def test_simulate_reports_measured_next_to_estimate(monkeypatch):
+    args = ["plans/seed.plan", "--model", "planc.zoo:seed_transformer_tiny", "--world-size", "16",
+            "--simulate", "--rank", "3", "--format", "json"]
+    code, out, err = explain(args, monkeypatch)
+    assert code == 0, err
+    data = json.loads(out)
+    sim = data["simulated"]
+    assert sim["rank"] == 3 and data["input_shape"] == [2, 16]
+    assert abs(sim["estimate_over_measured"] - 1) <= 0.10
+    assert sim["breakdown"]["sharded_params"] == data["memory"]["breakdown"]["sharded_params"]
+
+
+@pytest.mark.parametrize("suffix", ["png", "svg"])
+def test_plot_writes_a_figure(suffix, monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    target = tmp_path / f"step.{suffix}"
+    code, _, err = explain(CASES["seed_w8_activations"] + ["--plot", str(target)], monkeypatch)
+    assert code == 0, err
+    head = target.read_bytes()[:200]
+    assert head.startswith(b"\x89PNG") if suffix == "png" else b"<svg" in target.read_bytes()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--input-shape", "2xq"], "--input-shape 2xq"),
+    (["--rank", "9"], "--rank 9"),
+    (["--plot", "out.pdf"], ".png or .svg"),
+])
+def test_usage_errors_exit_2_without_traceback(args, message, monkeypatch):
+    base = ["plans/seed.plan", "--model", "planc.zoo:seed_transformer_tiny", "--world-size", "8"]
+    code, out, err = explain(base + args, monkeypatch)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_plan_errors_exit_1(monkeypatch, tmp_path):
+    bad = tmp_path / "bad.plan"
+    bad.write_text("model planc.zoo:seed_transformer_tiny\nunit transformer_layerz.*\n")
+    code, out, err = explain([str(bad), "--world-size", "2"], monkeypatch)
+    assert code == 1 and "P" in err and out == ""
