@@ -199,3 +199,8 @@ def meta_flow(rank: int, world: int, plan_path: str, builder: str) -> dict:
     run = train(model, batches(model), rank, world)
     return {**run, **read_back(applied), "on_meta_after_apply": on_meta, "finite": finite, "tied": tied,
             "wte_std": wte_std}
+
+
+def edges(rank: int, world: int, bad: list[tuple[str, str, str, bool]], plan_path: str, builder: str) -> dict:
+    """`refusals` and `meta_flow` in one launch (each launch costs seconds of imports)."""
+    return {"refusals": refusals(rank, world, bad), "meta": meta_flow(rank, world, plan_path, builder)}

@@ -1,16 +1,17 @@
 """`planc.apply` on real gloo ranks: what FSDP holds is what the plan says, and it trains right.
 
-Three launches of 2 ranks (tests/apply_workers.py has the rank bodies):
+Two launches of 2 ranks (tests/apply_workers.py has the rank bodies):
 
 * every zoo plan, as written (bf16) and in fp32, applied to its tiny model: DTensor
   placements and local shard shapes, units, precision, offload, reshard and prefetch read
   back from the FSDP states; 3 AdamW steps with clipping match unsharded training;
-* bad plans (and a second `apply`) are refused and leave the model exactly as it was;
-* the meta-device flow: build on meta, apply, materialise, train.
+* bad plans (and a second `apply`) are refused and leave the model exactly as it was; and
+  the meta-device flow: build on meta, apply, materialise, train.
 """
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import pytest
@@ -68,6 +69,7 @@ def monkeypatch_module_cwd():
     os.chdir(old)
 
 
+@functools.lru_cache(maxsize=None)
 def _compiled(case: str) -> planc.CompiledPlan:
     _, text, builder = next(c for c in CASES if c[0] == case)
     with torch.device("meta"):
@@ -75,6 +77,7 @@ def _compiled(case: str) -> planc.CompiledPlan:
     return planc.compile(planc.loads(text, filename=case), model, WORLD)
 
 
+@functools.lru_cache(maxsize=None)
 def _reference(case: str) -> dict:
     """The same model, seed and global batches trained unsharded in this process."""
     builder = next(c for c in CASES if c[0] == case)[2]
@@ -207,8 +210,13 @@ BAD = [
 
 
 @pytest.fixture(scope="module")
-def refusal_runs(monkeypatch_module_cwd):
-    return run(W.refusals, WORLD, [case[:4] for case in BAD])
+def edge_runs(monkeypatch_module_cwd):
+    return run(W.edges, WORLD, [case[:4] for case in BAD], "plans/gpt.plan", "gpt_tiny")
+
+
+@pytest.fixture(scope="module")
+def refusal_runs(edge_runs):
+    return [r["refusals"] for r in edge_runs]
 
 
 @pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
@@ -232,8 +240,8 @@ def test_applying_twice_is_refused(refusal_runs):
 # ----------------------------------------------------------------------------- meta flow
 
 
-def test_meta_build_apply_materialize_train(monkeypatch_module_cwd):
-    results = run(W.meta_flow, WORLD, "plans/gpt.plan", "gpt_tiny")
+def test_meta_build_apply_materialize_train(edge_runs):
+    results = [r["meta"] for r in edge_runs]
     for result in results:
         assert result["on_meta_after_apply"] and result["finite"] and result["tied"]
         assert 0.8 < result["wte_std"] < 1.2  # nn.Embedding's N(0, 1), not Linear's U(+-1/sqrt(32))
