@@ -305,12 +305,12 @@ def _cast(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-def meta_trace(compiled, inputs: tuple) -> Trace:
-    """Run one forward and backward on meta and record the events of the step.
+def fake_trace(compiled, inputs: tuple) -> Trace:
+    """Run one forward and backward on fake CPU tensors and record the events of the step.
 
     Args:
         compiled: the compiled plan (its graph must hold the model).
-        inputs: positional inputs of the model (any device; moved to meta).
+        inputs: positional inputs of the model (any device; only shapes and dtypes are used).
 
     Returns:
         The trace: unit hooks and live non-parameter bytes after every op.
@@ -400,21 +400,21 @@ def meta_trace(compiled, inputs: tuple) -> Trace:
             handles.append(p.register_post_accumulate_grad_hook(grad_done))
 
     with fake_mode:
-        meta_inputs = tuple(torch.empty(t.shape, dtype=t.dtype, device="cpu") if isinstance(t, torch.Tensor)
+        fake_inputs = tuple(torch.empty(t.shape, dtype=t.dtype, device="cpu") if isinstance(t, torch.Tensor)
                             else t for t in inputs)
-    input_bytes = sum(t.nbytes for t in meta_inputs if isinstance(t, torch.Tensor))
-    mode.ignore([*model.parameters(), *model.buffers(), *(t for t in meta_inputs if isinstance(t, torch.Tensor))])
+    input_bytes = sum(t.nbytes for t in fake_inputs if isinstance(t, torch.Tensor))
+    mode.ignore([*model.parameters(), *model.buffers(), *(t for t in fake_inputs if isinstance(t, torch.Tensor))])
     root_unit = units[root] if root is not None else None
     if root_unit is not None and root_unit["cast_inputs"] and root_unit["param_dtype"] is not None:
-        meta_inputs = _cast(meta_inputs, root_unit["param_dtype"])
+        fake_inputs = _cast(fake_inputs, root_unit["param_dtype"])
     try:
         with fake_mode, mode:
             if root is not None:
                 events.append(Event("fwd_pre", root))
             # NOTE: one expression, as in a training loop: the output is not kept during backward
-            loss = loss_of(_cast(model(*meta_inputs), root_unit["output_dtype"])
+            loss = loss_of(_cast(model(*fake_inputs), root_unit["output_dtype"])
                            if root_unit is not None and root_unit["output_dtype"] is not None
-                           else model(*meta_inputs))
+                           else model(*fake_inputs))
             if root is not None:
                 events.append(Event("fwd_post", root, live=mode.live))
                 events.append(Event("bwd_pre", root, live=mode.live))
@@ -487,7 +487,7 @@ class Estimate:
             return float(self.peak.total)
         if name == "memory.sharded":
             return float(self.sharded_state)
-        if name == "memory.unsharded_peak":
+        if name == "memory.unsharded_peak":  # the most parameter bytes gathered at once
             return float(max(m.bytes["unsharded_params"] + m.bytes["all_gather"] for m in self.timeline))
         if name == "memory.activations":
             return None if self.activations is None else float(self.activations)
@@ -523,8 +523,8 @@ class _Replay:
         b["optimizer_state"] = sum(m.optimizer for m in dev) + (
             2 * self.replicated if self.optimizer == "adamw" else 0)
         b["sharded_grads"] = sum(self.mem[i].grads for i in self.grads_done if not self.mem[i].offload)
-        if self.phase == "optimizer" or self.phase == "backward":
-            b["sharded_grads"] += self.replicated if self.phase == "optimizer" else 0
+        if self.phase == "optimizer":  # (in backward, unsharded parameters' gradients are in the trace)
+            b["sharded_grads"] += self.replicated
         for i, s in enumerate(self.state):
             if s == "unsharded":
                 b["unsharded_params"] += self.mem[i].unsharded
@@ -656,8 +656,7 @@ def default_input(model: nn.Module, input_shape: tuple[int, ...] | None) -> tupl
     """Token ids of `input_shape` (batch, seq) for a language model; None without a shape."""
     if input_shape is None:
         return None
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
-    return (torch.zeros(tuple(input_shape), dtype=torch.long, device="meta").clamp_(0, vocab - 1),)
+    return (torch.zeros(tuple(input_shape), dtype=torch.long, device="meta"),)
 
 
 _TRACES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
@@ -669,7 +668,7 @@ def trace_for(compiled, inputs: tuple | None) -> Trace:
     key = None if inputs is None else tuple(
         (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in inputs)
     if key not in cache:
-        cache[key] = synthetic_trace(compiled) if inputs is None else meta_trace(compiled, inputs)
+        cache[key] = synthetic_trace(compiled) if inputs is None else fake_trace(compiled, inputs)
     return cache[key]
 
 
