@@ -9,8 +9,8 @@ alternating order. The ratio is taken per repetition and the median reported (ta
 `planc.apply` also compiles the plan against the live model (parse, graph, resolve, validate);
 the figures split that part out (`compile_*`) by timing `planc.compile` alone as well.
 
-Each timing is taken twice: wall clock, and the CPU time of the rank's process. Sharding on
-meta is single-threaded CPU work with no communication, so on a shared machine the CPU-time
+Each timing is taken twice: wall clock, and the CPU time of the rank's main thread. Sharding
+on meta is single-threaded CPU work with no communication, so on a shared machine the CPU-time
 ratio (`cpu_ratio_median`) is the robust figure; wall-clock ratios swing with other load.
 
 Usage (from the repository root):
@@ -69,12 +69,12 @@ def _build(n_layers: int) -> torch.nn.Module:
 
 
 def _timed(fn) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process) taken by `fn()`."""
+    """(wall seconds, CPU seconds of this thread) taken by `fn()`."""
     gc.collect()
     dist.barrier()  # both ranks start together: fully_shard may talk to the mesh's groups
-    wall, cpu = time.perf_counter(), time.process_time()
+    wall, cpu = time.perf_counter(), time.thread_time()
     fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
+    return time.perf_counter() - wall, time.thread_time() - cpu
 
 
 def _fsdp_units(model: torch.nn.Module) -> int:
