@@ -391,8 +391,10 @@ def _plan(draw):
     for stmt in draw(hs.lists(_statement(), max_size=8)):
         for _ in range(draw(hs.integers(0, 2))):
             parts.append(draw(hs.sampled_from(["\n", "\n\n\n", f"{draw(_comment)}\n", ";"])))
-        parts.append(stmt + (f"{draw(_osp)}{draw(_comment)}" if draw(hs.integers(0, 3)) == 0 else ""))
-        parts.append(draw(hs.sampled_from(["\n", "\n", ";", "\n\n"])))
+        trailing = draw(hs.integers(0, 3)) == 0
+        parts.append(stmt + (f"{draw(_osp)}{draw(_comment)}" if trailing else ""))
+        # a comment runs to the end of its line: only a newline may follow it
+        parts.append(draw(hs.sampled_from(["\n", "\n\n"] if trailing else ["\n", "\n", ";", "\n\n"])))
     if parts and parts[-1] == ";" and draw(hs.booleans()):
         parts.append("\n")
     return "".join(parts)

@@ -13,17 +13,17 @@ def apply_plan(model, mesh):
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                      cast_forward_inputs=False)
     # NOTE: bottom-up: a call owns the parameters of its subtree not claimed by an earlier call.
-    # unit blocks.* (plans/gpt.plan:18)
-    # precision from defaults (plans/gpt.plan:14); reshard from defaults (plans/gpt.plan:15)
+    # unit blocks.* (plans/gpt.plan:19)
+    # precision from defaults (plans/gpt.plan:15); reshard from defaults (plans/gpt.plan:16)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=mp_policy)
-    # unit [wte, ln_f, lm_head] (plans/gpt.plan:19)
-    # precision from defaults (plans/gpt.plan:14)
-    # reshard from unit [wte, ln_f, lm_head] (plans/gpt.plan:19)
+    # unit [wte, ln_f, lm_head] (plans/gpt.plan:20)
+    # precision from defaults (plans/gpt.plan:15)
+    # reshard from unit [wte, ln_f, lm_head] (plans/gpt.plan:20)
     fully_shard([model.wte, model.ln_f, model.lm_head], mesh=mesh, reshard_after_forward=False,
                 mp_policy=mp_policy)
-    # root (plans/gpt.plan:20): the whole model, last
-    # precision from defaults (plans/gpt.plan:14); reshard from root (plans/gpt.plan:20)
+    # root (plans/gpt.plan:21): the whole model, last
+    # precision from defaults (plans/gpt.plan:15); reshard from root (plans/gpt.plan:21)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
 
     # explicit forward prefetch (all-gather these units ahead)

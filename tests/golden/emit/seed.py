@@ -13,19 +13,19 @@ def apply_plan(model, mesh):
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                      cast_forward_inputs=False)
     # NOTE: bottom-up: a call owns the parameters of its subtree not claimed by an earlier call.
-    # unit embedding (plans/seed.plan:13)
-    # precision from defaults (plans/seed.plan:9); reshard from defaults (plans/seed.plan:10)
+    # unit embedding (plans/seed.plan:14)
+    # precision from defaults (plans/seed.plan:10); reshard from defaults (plans/seed.plan:11)
     fully_shard(model.embedding, mesh=mesh, reshard_after_forward=True, mp_policy=mp_policy)
-    # unit transformer_layers.* (plans/seed.plan:14)
-    # precision from defaults (plans/seed.plan:9); reshard from defaults (plans/seed.plan:10)
+    # unit transformer_layers.* (plans/seed.plan:15)
+    # precision from defaults (plans/seed.plan:10); reshard from defaults (plans/seed.plan:11)
     for block in model.transformer_layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=mp_policy)
-    # unit [norm, output] (plans/seed.plan:15)
-    # precision from defaults (plans/seed.plan:9)
-    # reshard from unit [norm, output] (plans/seed.plan:15)
+    # unit [norm, output] (plans/seed.plan:16)
+    # precision from defaults (plans/seed.plan:10)
+    # reshard from unit [norm, output] (plans/seed.plan:16)
     fully_shard([model.norm, model.output], mesh=mesh, reshard_after_forward=False,
                 mp_policy=mp_policy)
-    # root (plans/seed.plan:16): the whole model, last
-    # precision from defaults (plans/seed.plan:9); reshard from root (plans/seed.plan:16)
+    # root (plans/seed.plan:17): the whole model, last
+    # precision from defaults (plans/seed.plan:10); reshard from root (plans/seed.plan:17)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy)
     return model
