@@ -13,7 +13,7 @@ from torch import nn
 
 from planc import syntax as st
 from planc.diagnostics import Diagnostic, PlanError
-from planc.graph import ModelGraph
+from planc.graph import ModelGraph, paused_gc
 from planc.ir import Mesh, Resolution, Unit
 from planc.parse import load
 from planc.resolve import resolve
@@ -37,7 +37,8 @@ class CompiledPlan:
     # ----------------------------------------------------------------- phases
     @cached_property
     def _resolved(self) -> tuple[Resolution, list[Diagnostic]]:
-        return resolve(self.plan, self.graph)
+        with paused_gc():
+            return resolve(self.plan, self.graph)
 
     @property
     def resolution(self) -> Resolution:
@@ -55,7 +56,8 @@ class CompiledPlan:
             return sort_diagnostics(diags)
         clean = not any(d.is_error for d in diags)  # estimate memory only for a valid plan
         ctx = Context(self.plan, self.graph, res, self.world_size, metrics=self._metric if clean else None)
-        return sort_diagnostics(diags + validate(ctx))
+        with paused_gc():
+            return sort_diagnostics(diags + validate(ctx))
 
     def _metric(self, name: str, world: int | None) -> float | None:
         from planc.memory import metric  # the memory model is only built when a plan asks
