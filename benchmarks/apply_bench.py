@@ -6,8 +6,10 @@ the same mesh; each repetition builds two fresh models (building is not timed) a
 `planc.apply(model, plan, mesh=mesh)` and torchtitan's `apply_fsdp` written by hand, in
 alternating order. The ratio is taken per repetition and the median reported (target <= 1.10).
 
-`planc.apply` also compiles the plan against the live model (parse, graph, resolve, validate);
-the figures split that part out (`compile_*`) by timing `planc.compile` alone as well.
+`planc.apply` also compiles the plan against the live model (parse, graph, resolve, validate)
+and checks it (already sharded? contiguous?). To show where its time goes, each repetition also
+times `planc.compile` alone (`compile_*`) and then, on that compiled plan, only the
+`fully_shard` calls with planc's arguments (`planc_kwargs_loop_*`).
 
 Each timing is taken twice: wall clock, and the CPU time of the rank's main thread. Sharding
 on meta is single-threaded CPU work with no communication, so on a shared machine the CPU-time
@@ -81,6 +83,18 @@ def _fsdp_units(model: torch.nn.Module) -> int:
     return len({id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)})
 
 
+def _shard_as_planned(compiled, model: torch.nn.Module, mesh) -> None:
+    """The `fully_shard` calls of `planc.apply`, with its arguments, and nothing else."""
+    from planc.runtime import fully_shard_kwargs, unit_modules
+    from torch.distributed.fsdp import fully_shard
+
+    # NOTE: every unit's arguments first, as apply does: placements match parameters by identity.
+    calls = [(unit, unit_modules(unit, model), fully_shard_kwargs(unit, compiled, model, mesh))
+             for unit in compiled.units]
+    for unit, modules, kwargs in calls:
+        fully_shard(modules if unit.is_group else modules[0], **kwargs)
+
+
 def bench_worker(rank: int, world_size: int, n_layers: int, reps: int, profile: bool) -> dict:
     """Per rank: `reps` interleaved timings of planc.apply and the hand-written loop."""
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
@@ -90,7 +104,7 @@ def bench_worker(rank: int, world_size: int, n_layers: int, reps: int, profile: 
     planc.apply(_build(2), plan, mesh=mesh)
     torchtitan_fsdp(_build(2), mesh, embedding="tok_embeddings", layers="layers")
 
-    planc_s, by_hand_s, compile_s, units = [], [], [], set()
+    planc_s, by_hand_s, compile_s, loop_s, units = [], [], [], [], set()
     for rep in range(reps):
         order = ("planc", "by_hand") if rep % 2 == 0 else ("by_hand", "planc")
         for side in order:
@@ -102,9 +116,14 @@ def bench_worker(rank: int, world_size: int, n_layers: int, reps: int, profile: 
                                                                  layers="layers")))
             units.add((side, _fsdp_units(model)))
             del model
+        # Split planc.apply in two: compiling alone, then only the fully_shard calls with the
+        # arguments planc computed (what apply does after its checks).
         model = _build(n_layers)
-        compile_s.append(_timed(lambda: planc.compile(plan, model, world_size)))
-        del model
+        compiled = []
+        compile_s.append(_timed(lambda: compiled.append(planc.compile(plan, model, world_size))))
+        loop_s.append(_timed(lambda: _shard_as_planned(compiled[0], model, mesh)))
+        units.add(("planc_kwargs_loop", _fsdp_units(model)))
+        del model, compiled
 
     profile_text = None
     if profile and rank == 0:
@@ -120,7 +139,7 @@ def bench_worker(rank: int, world_size: int, n_layers: int, reps: int, profile: 
         profile_text = out.getvalue()
     elif profile:
         planc.apply(_build(n_layers), plan, mesh=mesh)  # rank 1 keeps step with rank 0
-    return {"planc_s": planc_s, "by_hand_s": by_hand_s, "compile_s": compile_s,
+    return {"planc_s": planc_s, "by_hand_s": by_hand_s, "compile_s": compile_s, "loop_s": loop_s,
             "units": sorted(units), "profile": profile_text}
 
 
@@ -145,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     planc_s, by_hand_s, compile_s = slowest("planc_s", 0), slowest("by_hand_s", 0), slowest("compile_s", 0)
     planc_cpu, by_hand_cpu, compile_cpu = slowest("planc_s", 1), slowest("by_hand_s", 1), slowest("compile_s", 1)
+    loop_cpu = slowest("loop_s", 1)
     ratios = [p / h for p, h in zip(planc_s, by_hand_s)]
     cpu_ratios = [p / h for p, h in zip(planc_cpu, by_hand_cpu)]
     modules = sum(1 for _ in _build(n_layers).modules())
@@ -154,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict:
     for k in range(reps):
         print(f"rep {k}: wall: planc.apply {planc_s[k] * 1e3:7.1f} ms, by hand {by_hand_s[k] * 1e3:7.1f} ms, "
               f"ratio {ratios[k]:.3f} | CPU: {planc_cpu[k] * 1e3:7.1f} ms / {by_hand_cpu[k] * 1e3:7.1f} ms, "
-              f"ratio {cpu_ratios[k]:.3f} | compile alone {compile_cpu[k] * 1e3:.1f} ms CPU")
+              f"ratio {cpu_ratios[k]:.3f} | CPU: compile alone {compile_cpu[k] * 1e3:.1f} ms, "
+              f"fully_shard with planc's kwargs {loop_cpu[k] * 1e3:.1f} ms")
     result = {
         "benchmark": "apply", "model": f"llama405b(n_layers={n_layers}) on meta", "modules": modules,
         "world_size": world, "backend": "gloo", "reps": reps, "quick": args.quick,
@@ -169,6 +190,10 @@ def main(argv: list[str] | None = None) -> dict:
         "compile_cpu_ms_median": round(statistics.median(compile_cpu) * 1e3, 2),
         "cpu_ratio_median": round(statistics.median(cpu_ratios), 4),
         "cpu_ratio_min": round(min(cpu_ratios), 4), "cpu_ratio_max": round(max(cpu_ratios), 4),
+        "planc_kwargs_loop_cpu_ms_median": round(statistics.median(loop_cpu) * 1e3, 2),
+        # apply's own work besides fully_shard: compile plus its checks on the live model.
+        "apply_overhead_cpu_ms_median": round(statistics.median(
+            [p - h for p, h in zip(planc_cpu, by_hand_cpu)]) * 1e3, 2),
         "target": "<= 1.10", "wall_s": round(wall, 1),
         "torch": torch.__version__,
     }
