@@ -98,12 +98,16 @@ def _policy(policy: Any) -> str:
     return f"{type(policy).__name__}({', '.join(args)})"
 
 
+def _source(value: Any) -> str:
+    return _policy(value) if dataclasses.is_dataclass(value) else _literal(value)
+
+
 def _fully_shard_defaults() -> dict[str, str]:
     from torch.distributed.fsdp import fully_shard
     out = {}
     for name, p in inspect.signature(fully_shard).parameters.items():
         if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not inspect.Parameter.empty:
-            out[name] = _policy(p.default) if dataclasses.is_dataclass(p.default) else _literal(p.default)
+            out[name] = _source(p.default)
     return out
 
 
@@ -131,12 +135,12 @@ class _Unit:
         self.args: list[tuple[str, Any]] = []  # (kwarg, value); value is source or a param-list marker
         self.param_paths: list[str] = []
         for key, value in accel.items():
+            if key in ("reshard_after_forward", "mp_policy") and _source(value) != _source(cpu[key]):
+                raise EmitError(f"`fully_shard_kwargs` gives `{key}` that depends on the mesh device")
             if key == "mesh":
                 self.args.append((key, "mesh"))
-            elif key == "reshard_after_forward":
-                self.args.append((key, _literal(value)))
-            elif key == "mp_policy":
-                self.args.append((key, _policy(value)))
+            elif key in ("reshard_after_forward", "mp_policy"):
+                self.args.append((key, _source(value)))
             elif key == "offload_policy":
                 text = _policy(value)
                 if text != _policy(cpu[key]):
@@ -509,16 +513,15 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
         body += _emit_calls(pre, model, ind)
     body += [f"{ind}return model"]
 
-    uses = "\n".join(body)
+    uses = "\n".join(line for line in body if not line.lstrip().startswith("#"))  # code, not comments
     imports = ["import torch"] if "torch." in uses else []
-    if "checkpoint(" in uses:
+    if res.checkpoint:
         imports.append("from torch.distributed._composable import checkpoint")
     fsdp = sorted({n for n in ("CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy") if n + "(" in uses})
     imports.append("from torch.distributed.fsdp import " + ", ".join(fsdp + ["fully_shard"]))
     if "placement_fn(" in uses:
         imports.append("from torch.distributed.tensor import Shard")
     mesh_doc = "a 2-D device mesh (\"replicate\", \"shard\")" if res.mesh.is_hsdp else "a 1-D device mesh"
-    n_loops = sum(1 for line in body if line.lstrip().startswith("for "))
     head = [
         f'"""FSDP2 sharding of `{model_ref}` as `{plan_path}` plans it: {len(compiled.units)} units.',
         "",
@@ -533,7 +536,6 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
         text += "\n" + PLACEMENT_FN.rstrip("\n")
     text += "\n\n\ndef apply_plan(model, mesh):\n"
     text += f'    """Shard `model` in place on `mesh` ({mesh_doc}) and return it."""\n'
-    del n_loops
     return text + "\n".join(body) + "\n"
 
 
@@ -541,7 +543,11 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
 
 
 def main(args) -> int:
-    """`planc emit PLAN [--model M:F]`: print the code; 1 if the plan has errors, 2 on I/O problems."""
+    """`planc emit PLAN [--model M:F]`: print the code; 1 if the plan has errors, 2 on I/O problems.
+
+    The plan is checked without a world size (the emitted code takes any mesh), so checks
+    that need one (mesh fit, reshard and placement divisibility) are left to `planc check`.
+    """
     from planc import render
     from planc.cli import UsageError, use_color
     from planc.compiler import sort_diagnostics
@@ -563,8 +569,9 @@ def main(args) -> int:
         raise UsageError(f"cannot build `{ref}`: {err}") from err
     compiled = CompiledPlan(plan, ModelGraph.from_module(model), None)
     diags = sort_diagnostics(list(diags) + list(compiled.diagnostics))
-    if any(d.is_error for d in diags):
+    if diags:  # warnings too, on stderr: stdout stays a clean Python module
         print(render.render_text(diags, compiled.sources, color=use_color(sys.stderr)), file=sys.stderr)
+    if any(d.is_error for d in diags):
         return 1
     print(emit_python(compiled, plan_path=args.plan, model_ref=ref), end="")
     return 0
