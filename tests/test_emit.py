@@ -151,3 +151,26 @@ def test_cli_errors():
     assert code == 1 and "error[P201]" in err and not out  # selectors that match nothing
     code, out, err = run_emit("plans/seed.plan", "planc.zoo:nope")
     assert code == 2 and "nope" in err
+
+
+def test_cli_warnings_go_to_stderr_code_to_stdout(tmp_path):
+    plan = tmp_path / "fsdp1.plan"
+    plan.write_text("model planc.zoo:seed_transformer_tiny\nunit transformer_layers.* { strategy SHARD_GRAD_OP }\n")
+    code, out, err = run_emit(str(plan))
+    assert code == 0 and "note[P901]" in err
+    ast.parse(out)
+    assert "fully_shard(block, mesh=mesh, reshard_after_forward=False)" in out
+
+
+SHIPPED = sorted((ROOT / "plans").glob("*.plan"))
+
+
+@pytest.mark.parametrize("plan", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_shipped_plan_emits_python(plan: pathlib.Path):
+    if "model hf:" in plan.read_text(encoding="utf-8"):
+        pytest.importorskip("transformers")
+    code, out, err = run_emit(plan.relative_to(ROOT).as_posix())
+    assert code == 0, err
+    namespace: dict = {}
+    exec(compile(out, str(plan), "exec"), namespace)
+    assert callable(namespace["apply_plan"])
