@@ -128,8 +128,14 @@ class Resolver:
         stmts = self.plan.statements
         meshes = [s for s in stmts if isinstance(s, st.MeshStmt)]
         self.out.mesh = resolve_mesh(meshes[-1] if meshes else None, self.diags)
-        for stale in meshes[:-1]:
-            resolve_mesh(stale, [])  # overridden: only the last mesh counts
+        for stale in meshes[:-1]:  # only the last mesh counts; an earlier one is dead text
+            found: list[Diagnostic] = []
+            resolve_mesh(stale, found)
+            self.diags.extend(d for d in found if d.is_error)
+            self._replaced(stale, meshes[-1], "mesh")
+        models = [s for s in stmts if isinstance(s, st.ModelStmt)]
+        for stale in models[:-1]:
+            self._replaced(stale, models[-1], "model")
         roots = [s for s in stmts if isinstance(s, st.RootStmt)]
         self.out.root_disabled = bool(roots) and roots[-1].disabled
 
@@ -154,6 +160,17 @@ class Resolver:
         self._module_transforms(stmts)
         self._prefetch()
         return self.out, self.diags
+
+    def _replaced(self, stale, last, word: str) -> None:
+        """P207 for a `mesh`/`model` line that a later one replaces (not in included plans:
+        overriding a base plan is what `include` is for)."""
+        if stale.span.file != self.plan.file:
+            return
+        self.diags.append(Diagnostic(
+            code="P207", severity="warning", span=stale.span,
+            message=f"this `{word}` line has no effect: a later `{word}` line replaces it",
+            label="replaced", related=((last.span, "this one counts"),),
+            help=(f"keep one `{word}` line",)))
 
     def _check_without_model(self) -> None:
         for s in self.plan.statements:
@@ -285,6 +302,7 @@ class Resolver:
     # ----------------------------------------------------------------- parameters
     def _parameters(self, stmts) -> None:
         g = self.graph
+        placed: list[tuple[st.PlaceStmt, list[str]]] = []
         for s in stmts:
             if isinstance(s, st.IgnoreStmt):
                 m = match_params(g, s.selector, optional=s.optional)
@@ -298,6 +316,15 @@ class Resolver:
                 if dim is not None:
                     for name in m.paths:
                         self.out.placements[name] = (dim, s.span)
+                    placed.append((s, m.paths))
+        for s, names in placed:  # P207: every parameter it placed is placed again later
+            final = [self.out.placements[n][1] for n in names]
+            if names and s.span not in final and s.span.file == self.plan.file:
+                self.diags.append(Diagnostic(
+                    code="P207", severity="warning", span=s.span,
+                    message="this rule has no effect: later rules set everything it sets", label="overridden",
+                    related=((final[0], "overridden here"),),
+                    help=("remove it, or move it after the rules that override it",)))
         owned: set[str] = set(self.out.ignored)
         for k, unit in enumerate(self.out.units):
             mine: set[str] = set()
