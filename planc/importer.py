@@ -60,24 +60,25 @@ class _Entry:
 
 @dataclass
 class _Draft:
-    """The plan being written: header comments, mesh, defaults options, rules."""
+    """The plan being written: header comments, model, mesh, defaults options, rules."""
 
     header: list[str] = field(default_factory=list)
     model: str | None = None
     mesh: str = "mesh (replicate = 1, shard = *)"
     defaults: list[str] = field(default_factory=list)
-    rules: list[str] = field(default_factory=list)
+    units: list[str] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
 
     def text(self) -> str:
-        out = [f"# {line}" if line else "#" for line in self.header]
-        if self.model:
-            out.append(f"model {self.model}")
-        out.append(self.mesh)
-        if self.defaults:
-            out += ["", "defaults {", *(f"  {opt}" for opt in self.defaults), "}"]
-        if self.rules:
-            out += ["", *self.rules]
-        return "\n".join(out) + "\n"
+        """The plan in `planc fmt`'s canonical layout: a blank line between kinds of statement."""
+        groups = [[f"# {line}" if line else "#" for line in self.header] +
+                  ([f"model {self.model}"] if self.model else []), [self.mesh]]
+        if len(self.defaults) == 1:
+            groups.append([f"defaults {{ {self.defaults[0]} }}"])
+        elif self.defaults:
+            groups.append(["defaults {", *(f"  {opt}" for opt in self.defaults), "}"])
+        groups += [g for g in (self.units, self.checkpoints) if g]
+        return "\n\n".join("\n".join(g) for g in groups if g) + "\n"
 
 
 class _Config:
@@ -301,13 +302,13 @@ def translate(source: str, file: str = "<config>", *, graph: ModelGraph | None =
     # --- auto wrap policy: the units
     selector = _wrap_selector(get, graph, diags, draft, file)
     if selector:
-        draft.rules.append(f"unit {selector}")
+        draft.units.append(f"unit {selector}")
     if "fsdp_activation_checkpointing" in get:
         entry = get["fsdp_activation_checkpointing"]
         if _bool(entry, "fsdp_activation_checkpointing", diags):
             if selector:
                 # accelerate checkpoints exactly the modules its wrap policy wraps
-                draft.rules.append(f"checkpoint {selector} full")
+                draft.checkpoints.append(f"checkpoint {selector} full")
             else:
                 diags.append(_error("P704", "activation checkpointing without a wrap policy", entry.span,
                                     "checkpoints nothing", ("accelerate checkpoints the modules its auto wrap "

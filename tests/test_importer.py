@@ -231,3 +231,17 @@ def test_cli_writes_a_plan_that_checks(tmp_path, capsys):
     assert cli.main(["import", str(cfg), "--model", "hf:llama-tiny"]) == 1
     assert "did you mean `LlamaDecoderLayer`?" in capsys.readouterr().err
     assert cli.main(["import", str(tmp_path / "missing.yaml")]) == 2
+
+
+@pytest.mark.parametrize("fsdp,top", [
+    ("fsdp_auto_wrap_policy: NO_WRAP", ""),
+    ("fsdp_auto_wrap_policy: SIZE_BASED_WRAP\nfsdp_min_num_params: 1000000", "mixed_precision: fp16\n"),
+    ("fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\nfsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n"
+     "fsdp_activation_checkpointing: true\nfsdp_offload_params: true\nfsdp_sharding_strategy: 4",
+     "mixed_precision: bf16\nnum_machines: 4\nnum_processes: 32\n"),
+])
+def test_written_plans_are_already_formatted(fsdp, top):
+    from planc.fmt import format_plan
+    for ref in (None, "hf:llama-tiny"):
+        text, _ = translate(_config(fsdp, top="distributed_type: FSDP\n" + top), "a.yaml", model_ref=ref)
+        assert format_plan(text) == text
