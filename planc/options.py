@@ -275,8 +275,24 @@ def parse_option(opt: st.Option, context: Context) -> tuple[list[Assignment], li
             if opt.name == "mixed_precision" and "buffer_dtype" in values else ()
         diags.append(Diagnostic(code="P901", severity="note", span=opt.span, label=f"became {became}",
                                 message=f"FSDP1 `{opt.name}` mapped to FSDP2", notes=notes,
-                                help=(f"the FSDP2 spelling is `{spec.fsdp1}`",)))
+                                help=(f"the FSDP2 spelling is `{_fsdp2_spelling(pairs) or spec.fsdp1}`",)))
     return [Assignment(k, v, opt.span, opt.name) for k, v in pairs], diags
+
+
+_PRECISION_KEYS = {"param_dtype": "param", "reduce_dtype": "reduce", "output_dtype": "output",
+                   "cast_inputs": "cast_inputs"}
+
+
+def _fsdp2_spelling(pairs: list[tuple[str, Any]]) -> str:
+    """The FSDP2 options that assign `pairs`: `precision param = bf16; reshard after_forward = false`."""
+    precision = [f"{_PRECISION_KEYS[k]} = {_show(v)}" for k, v in pairs if k in _PRECISION_KEYS]
+    parts = ["precision " + ", ".join(precision)] if precision else []
+    for k, v in pairs:
+        if k == "reshard_after_forward":
+            parts.append(f"reshard after_forward = {_show(v)}")
+        elif k == "offload":
+            parts.append("offload cpu" if v else "offload none")
+    return "; ".join(parts)
 
 
 def _bind(spec: OptionSpec, opt: st.Option) -> dict[str, Any]:
