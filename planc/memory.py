@@ -548,9 +548,8 @@ class _Replay:
         if s == "unsharded":
             return
         m = self.mem[i]
-        if s != "prefetched":
-            self.state[i] = "prefetched"
-        self.transient = {"all_gather": (m.unsharded if s != "prefetched" else 0) + m.shard_dim_copy}
+        # the all-gather output (issued now or by a prefetch) lives until the copy-out is done
+        self.transient = {"all_gather": m.unsharded + m.shard_dim_copy}
         if self.phase == "forward":
             self.ag_kept = 0  # the previous all-gather result is freed at this copy-out
         self.state[i] = "unsharded"
