@@ -63,8 +63,9 @@ def test_golden(name: str):
     code, out, err = run_emit(plan, ref)
     assert code == 0, err
     golden = GOLDEN / f"{name}.py"
-    if UPDATE or not golden.exists():
+    if UPDATE:
         golden.write_text(out, encoding="utf-8")
+    assert golden.exists(), f"no golden {golden.name}: run with PLANC_UPDATE_GOLDENS=1 and review it"
     assert out == golden.read_text(encoding="utf-8")
 
 

@@ -244,8 +244,9 @@ def test_golden(case: pathlib.Path):
     text = case.read_text(encoding="utf-8")
     out = assert_formats(text)
     expected = case.with_suffix(".formatted")
-    if UPDATE or not expected.exists():
+    if UPDATE:
         expected.write_text(out, encoding="utf-8")
+    assert expected.exists(), f"no golden {expected.name}: run with PLANC_UPDATE_GOLDENS=1 and review it"
     assert out == expected.read_text(encoding="utf-8")
 
 
