@@ -58,6 +58,21 @@ def one_rank():
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("plan,full,tiny", [
+    ("plans/seed.plan", "seed_transformer", "seed_transformer_tiny"),
+    ("plans/seed_hsdp.plan", "seed_transformer", "seed_transformer_tiny"),
+    ("plans/gpt.plan", "gpt", "gpt_tiny"),
+    ("plans/moe.plan", "moe_transformer", "moe_transformer_tiny")])
+def test_zoo_plans_compile_for_full_and_tiny_models(plan, full, tiny):
+    for builder, worlds in ((full, (2, 8, 64)), (tiny, (2, 4))):
+        with torch.device("meta"):
+            model = zoo.ZOO[builder]()
+        for world in worlds:
+            compiled = planc.compile(ROOT / plan, model, world)  # strict: raises on any error
+            assert not [d for d in compiled.diagnostics if d.severity == "warning"], (builder, world)
+            assert compiled.units[-1].is_root
+
+
 def test_device_type_follows_the_backend():
     assert device_type("gloo") == "cpu"
     assert device_type("nccl") == "cuda"
