@@ -242,8 +242,13 @@ def _loop_key(call: _Call, model: nn.Module) -> tuple[str, int] | None:
             container = model.get_submodule(block[0])
         except AttributeError:
             return None
-        return block[:2] if _is_indexed(container) else None
+        return block[:2] if _is_indexed(container) or _is_numbered_dict(container) else None
     return None
+
+
+def _is_numbered_dict(module: nn.Module) -> bool:
+    """A ModuleDict keyed "0", "1", ... in order (torchtitan's `layers`): loopable with `.values()`."""
+    return isinstance(module, nn.ModuleDict) and list(module.keys()) == [str(i) for i in range(len(module))]
 
 
 def _render_body(group: list[_Call], key: tuple[str, int], model: nn.Module, indexed: bool
@@ -308,8 +313,19 @@ def _emit_calls(calls: list[_Call], model: nn.Module, indent: str) -> list[str]:
         prefix = key[0]
         lo, hi = sorted((key[1], chunks[j - 1][0][1]))
         seq = expression("model", model, prefix)
-        whole = lo == 0 and hi == len(model.get_submodule(prefix)) - 1
+        container = model.get_submodule(prefix)
+        whole = lo == 0 and hi == len(container) - 1
         text, needs_index = _render_body(group, key, model, indexed=False)
+        if isinstance(container, nn.ModuleDict):
+            # keyed by strings: only a whole, in-order run reads well (`.values()`)
+            if not (whole and step == 1 and not needs_index):
+                for _, g in chunks[i:j]:
+                    for call in g:
+                        out += [f"{indent}# {c}" for c in call.comments]
+                        out += _wrap(call.render(lambda p: expression("model", model, p)), indent)
+                i = j
+                continue
+            seq += ".values()"
         if step == 1 and not needs_index:
             header = f"for {LOOP_VAR} in {seq}{'' if whole else f'[{lo}:{hi + 1}]'}:"
         else:

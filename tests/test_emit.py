@@ -175,3 +175,16 @@ def test_every_shipped_plan_emits_python(plan: pathlib.Path):
     namespace: dict = {}
     exec(compile(out, str(plan), "exec"), namespace)
     assert callable(namespace["apply_plan"])
+
+
+def test_numbered_module_dict_loops_over_values():
+    # torchtitan keeps blocks in a ModuleDict keyed "0", "1", ...; tests/test_emit_dist.py
+    # runs this case on ranks
+    from test_emit_dist import DICT_PLAN
+    source = emitted("<dict>", "test_emit_dist:NumberedDictModel", text=DICT_PLAN)
+    assert "for block in model.layers.values():\n        # unit layers.*.0 (<dict>:4)\n" in source
+    assert "        fully_shard(block[0], mesh=mesh, reshard_after_forward=False" in source
+    assert "model.layers['" not in source
+    # a partial run over a ModuleDict is written out, with the keys as strings
+    source = emitted("<dict>", "test_emit_dist:NumberedDictModel", text=DICT_PLAN + "unit layers[1:] { offload cpu }\n")
+    assert "fully_shard(model.layers['1']," in source and "model.layers.values()" not in source

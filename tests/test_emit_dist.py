@@ -1,6 +1,6 @@
 """The code `planc emit` prints does on real ranks exactly what `planc.apply` does.
 
-One launch of 2 gloo ranks. For each case, every rank builds the tiny zoo model twice from
+One launch of 2 gloo ranks. For each case, every rank builds the tiny model twice from
 the same seed, shards one copy with `planc.apply(model, plan)` and the other by exec'ing
 the emitted `apply_plan(model, mesh)` on the same mesh, then reads back from FSDP2's own
 state: which modules are FSDP modules and how they are grouped, the mixed precision,
@@ -14,8 +14,11 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+from types import SimpleNamespace
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import planc
 from planc import zoo
@@ -29,20 +32,48 @@ pytestmark = pytest.mark.dist
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORLD = 2
 
-# case -> (plan file, tiny zoo builder, whether to run a step: compile needs a C++ toolchain
+
+
+class NumberedDictModel(nn.Module):
+    """Blocks in a ModuleDict keyed "0", "1", ... as torchtitan keeps them (emit loops `.values()`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(vocab_size=32)
+        self.tok = nn.Embedding(32, 16)
+        self.layers = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+                                     for i in range(3)})
+        self.out = nn.Linear(16, 32)
+
+    def forward(self, tokens):
+        h = self.tok(tokens)
+        for layer in self.layers.values():
+            h = h + layer(h)
+        return self.out(h)
+
+
+DICT_PLAN = """model test_emit_dist:NumberedDictModel
+defaults { precision param = bf16, reduce = fp32 }
+unit layers.*
+unit layers.*.0 { reshard after_forward = false }
+unit [tok, out]
+"""
+
+# case -> (plan file or text, model, whether to run a step: compile needs a C++ toolchain
 # and minutes on 2 cores, so the compile case is compared without running it)
 CASES = {
-    "seed": ("plans/seed.plan", "seed_transformer_tiny", True),
-    "gpt_tied": ("plans/gpt.plan", "gpt_tiny", True),
-    "seed_hsdp": ("plans/seed_hsdp.plan", "seed_transformer_tiny", True),
-    "moe_everything": ("tests/golden/emit/moe_everything.plan", "moe_transformer_tiny", False),
-    "moe_everything_no_compile": ("tests/golden/emit/moe_everything.plan", "moe_transformer_tiny", True),
+    "seed": ("plans/seed.plan", "planc.zoo:seed_transformer_tiny", True),
+    "gpt_tied": ("plans/gpt.plan", "planc.zoo:gpt_tiny", True),
+    "seed_hsdp": ("plans/seed_hsdp.plan", "planc.zoo:seed_transformer_tiny", True),
+    "moe_everything": ("tests/golden/emit/moe_everything.plan", "planc.zoo:moe_transformer_tiny", False),
+    "moe_everything_no_compile": ("tests/golden/emit/moe_everything.plan", "planc.zoo:moe_transformer_tiny", True),
+    "dict_layers": (DICT_PLAN, "test_emit_dist:NumberedDictModel", True),
 }
 
 
 def _plan_text(case: str) -> str:
     path, _, _ = CASES[case]
-    text = (ROOT / path).read_text(encoding="utf-8")
+    text = path if "\n" in path else (ROOT / path).read_text(encoding="utf-8")
     if case.endswith("_no_compile"):
         text = "\n".join(line for line in text.splitlines() if not line.startswith("compile "))
     return text
@@ -105,9 +136,9 @@ def worker(rank: int, world: int, cases: list[tuple[str, str, str, str, bool]]) 
     out = {}
     for case, text, builder, source, train in cases:
         torch.manual_seed(0)
-        by_apply = zoo.ZOO[builder]()
+        by_apply = build_model(builder, device="cpu")
         torch.manual_seed(0)
-        by_emit = zoo.ZOO[builder]()
+        by_emit = build_model(builder, device="cpu")
         applied = planc.apply(by_apply, planc.loads(text, filename=case))
         namespace: dict = {}
         exec(compile(source, f"<emitted {case}>", "exec"), namespace)
@@ -127,8 +158,9 @@ def results() -> dict:
     cases = []
     for case, (path, builder, train) in CASES.items():
         text = _plan_text(case)
-        compiled = planc.compile(planc.loads(text, filename=path), build_model(f"planc.zoo:{builder}"))
-        cases.append((case, text, builder, emit_python(compiled, plan_path=path), train))
+        name = path if "\n" not in path else f"<{case}>"
+        compiled = planc.compile(planc.loads(text, filename=name), build_model(builder))
+        cases.append((case, text, builder, emit_python(compiled, plan_path=name), train))
     return run(worker, WORLD, cases)
 
 
@@ -171,5 +203,7 @@ def test_the_comparison_is_not_vacuous(results):
     assert w1[0].shape == w1[1].shape and not torch.equal(w1[0], w1[1])
     hsdp = results[0]["seed_hsdp"]["emit"]["before_step"]
     assert hsdp["params"]["embedding.weight"]["placements"] == ("Replicate()", "Shard(dim=0)")
+    numbered = results[0]["dict_layers"]["emit"]["before_step"]["units"]
+    assert {("layers.0",), ("layers.0.0",), ("out", "tok")} <= set(numbered)
     tied = results[0]["gpt_tied"]["emit"]["before_step"]
     assert ("lm_head", "ln_f", "wte") in tied["units"]
