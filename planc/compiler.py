@@ -110,13 +110,11 @@ def sort_diagnostics(diags: list[Diagnostic]) -> list[Diagnostic]:
 
 
 def check_expects_without_model(ctx: Context):
-    """Metric names in `expect` lines can be checked without a model."""
-    from planc.validate import METRICS, _err
-    from planc.diagnostics import suggestion
+    """Metric names and units in `expect` lines can be checked without a model."""
+    from planc.validate import metric_problems
     for s in ctx.plan.statements:
-        if isinstance(s, st.ExpectMetric) and s.metric not in METRICS:
-            yield _err("P102", f"unknown metric `{s.metric}`", s.metric_span, "not a metric",
-                       suggestion(s.metric, METRICS) or ("metrics are " + ", ".join(f"`{m}`" for m in METRICS),))
+        if isinstance(s, st.ExpectMetric):
+            yield from metric_problems(s)
 
 
 def as_plan(plan: st.Plan | str | os.PathLike) -> st.Plan:

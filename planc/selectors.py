@@ -145,7 +145,8 @@ def _no_match(graph: ModelGraph, sel: st.Selector, walk: _Walk, what: str) -> Di
         if not help_ and names:
             shown = sorted(names)[:8]
             where = f"`{parents[0]}`" if parents and parents[0] else "the model"
-            help_.append(f"children of {where}: " + ", ".join(f"`{n}`" for n in shown)
+            help_.append(f"{'names' if what == 'parameter' else 'children'} under {where}: "
+                         + ", ".join(f"`{n}`" for n in shown)
                          + (", ..." if len(names) > 8 else ""))
     help_.append("run `planc tree --model ...` to see module paths")
     return Diagnostic(code="P201", severity="error", message=f"selector `{sel}` matches no {what}",
@@ -166,6 +167,10 @@ def check_regexes(sel: st.Selector) -> list[Diagnostic]:
     for base in [sel.base, *(e.base for e in sel.exclusions)]:
         if isinstance(base, st.Regex):
             diags.extend(d for d in [_regex(base.pattern, base.span)[1]] if d)
+    if sel.where and sel.where.field in SIZE_FIELDS and sel.where.value.is_bytes:
+        diags.append(Diagnostic(code="P103", severity="error", span=sel.where.value.span,
+                                message=f"`size` counts parameters; `{sel.where.value}` is a size in bytes",
+                                label="a byte size", help=("write a parameter count such as `100M`",)))
     if sel.where and sel.where.field not in SIZE_FIELDS:
         diags.append(Diagnostic(code="P208", severity="error", message=f"unknown predicate `{sel.where.field}`",
                                 span=sel.where.span, label="not a predicate",

@@ -326,10 +326,26 @@ def _expect_unit(ctx: Context, s: st.ExpectUnit, unit_names: set[str]) -> Iterat
                    f"{len(missing)} of {len(wanted)} not unit(s)", help_)
 
 
-def _expect_metric(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
+def metric_problems(s: st.ExpectMetric) -> list[Diagnostic]:
+    """What is wrong with an `expect` metric line without looking at the model: an unknown
+    metric, or a bound in the wrong kind of unit (a unit count in bytes, memory without)."""
     if s.metric not in METRICS:
-        yield _err("P102", f"unknown metric `{s.metric}`", s.metric_span, "not a metric",
-                   suggestion(s.metric, METRICS) or ("metrics are " + ", ".join(f"`{m}`" for m in METRICS),))
+        return [_err("P102", f"unknown metric `{s.metric}`", s.metric_span, "not a metric",
+                     suggestion(s.metric, METRICS) or ("metrics are " + ", ".join(f"`{m}`" for m in METRICS),))]
+    is_memory = s.metric.startswith("memory.")
+    if is_memory and not s.value.is_bytes:
+        return [_err("P103", f"`{s.metric}` is in bytes; `{s.value}` has no byte unit", s.value.span,
+                     "no unit", (f"write a size such as `{s.value}GiB` or `{s.value}MB`",))]
+    if not is_memory and s.value.is_bytes:
+        return [_err("P103", f"`{s.metric}` is a count, not a size in bytes", s.value.span, "a byte size",
+                     ("write a plain number such as `27`",))]
+    return []
+
+
+def _expect_metric(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
+    problems = metric_problems(s)
+    if problems:
+        yield from problems
         return
     if s.metric == "units":
         actual = float(len(ctx.res.units))
