@@ -402,8 +402,18 @@ def main(args) -> int:
             print(f"planc: error: --model {args.model}: {err}", file=sys.stderr)
             return EXIT_USAGE
     text, diags = translate(source, args.config, graph=graph, model_ref=args.model)
+    sources = {args.config: source}
+    if graph is not None and text is not None and not any(d.is_error for d in diags):
+        # Check the written plan against the model now: an FSDP1 wrapping can be invalid
+        # under FSDP2 (a tied weight split across units, P301), and the user should hear it
+        # at import time rather than at the first forward.
+        import planc
+        name = args.output or "<imported plan>"
+        compiled = planc.compile(planc.loads(text, filename=name), graph, strict=False)
+        diags = diags + compiled.diagnostics
+        sources[name] = text
     if diags:
-        print(render_text(diags, {args.config: source}, color=use_color(sys.stderr)), file=sys.stderr)
+        print(render_text(diags, sources, color=use_color(sys.stderr)), file=sys.stderr)
     if text is not None:
         if args.output:
             with open(args.output, "w", encoding="utf-8") as f:

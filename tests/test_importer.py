@@ -245,3 +245,15 @@ def test_written_plans_are_already_formatted(fsdp, top):
     for ref in (None, "hf:llama-tiny"):
         text, _ = translate(_config(fsdp, top="distributed_type: FSDP\n" + top), "a.yaml", model_ref=ref)
         assert format_plan(text) == text
+
+
+def test_cli_checks_the_written_plan_against_the_model(tmp_path, capsys):
+    cfg = tmp_path / "fsdp.yaml"
+    cfg.write_text(_config("fsdp_auto_wrap_policy: SIZE_BASED_WRAP\nfsdp_min_num_params: 20000"))
+    out = tmp_path / "gpt2.plan"
+    assert cli.main(["import", str(cfg), "--model", "hf:gpt2-tiny", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    # FSDP1 wraps `transformer.wte` alone and leaves the tied `lm_head` to the root
+    assert "error[P301]: tied parameter `transformer.wte.weight` is split across units" in err
+    assert f"--> {out}:" in err
+    assert "unit ** where size >= 20K\n" in out.read_text()
