@@ -220,7 +220,8 @@ class AppliedPlan:
         mesh: the device mesh the model is sharded on.
         model: the sharded model (the same object that was passed in).
         units: applied units in application order (bottom-up, root last).
-        unit_of_module: module path -> the `Unit` that shards it (only unit modules).
+        unit_of_module: module path -> the `Unit` that shards it (only the modules units name;
+            the root is `""`).
     """
 
     compiled: CompiledPlan
@@ -267,6 +268,10 @@ class AppliedPlan:
         ignored = self.compiled.resolution.ignored
         if ignored:
             lines.append(f"  ignored (replicated): {', '.join(sorted(ignored))}")
+        warnings = [d for d in self.compiled.diagnostics if d.severity == "warning"]
+        if warnings:
+            codes = ", ".join(sorted({d.code for d in warnings}))
+            lines.append(f"  {len(warnings)} warning(s) ({codes}): see `planc check` or `.compiled.diagnostics`")
         return "\n".join(lines)
 
 
@@ -379,7 +384,9 @@ def apply(model: nn.Module, plan: st.Plan | CompiledPlan | str | os.PathLike, *,
     Raises:
         PlanError: with every diagnostic if the plan has any error for this model and world
             size, the model is already sharded, or `mesh` does not fit the plan. The model is
-            then left exactly as it was.
+            then left exactly as it was. (An error torch raises while sharding, which planc's
+            checks did not foresee, propagates as it is and can leave the model partly
+            sharded; please report it.)
     """
     compiled, extra = _compile_live(plan, model, mesh)
     diagnostics = sort_diagnostics(list(compiled.diagnostics) + extra)
