@@ -413,7 +413,8 @@ def _recover(err, d: Diagnostic, file: str, work: str) -> tuple[Diagnostic, str 
     is_eol = tok is not None and tok.type == "_NL"
     opened = _open_brackets(work, line, None if is_eol or tok is None or tok.type == "$END" else d.span.column)
     blocks = [o for o in opened if o[0] == "{"]
-    inner = [o for o in opened if o[0] != "{" and o[1] == line]
+    # `[`/`(` never legally span a line end (except after `\`), wherever they were opened
+    inner = [o for o in opened if o[0] != "{"]
     if is_eol and inner:
         bracket, bline, bcol = inner[-1]
         closer = _CLOSERS[bracket]
@@ -424,7 +425,7 @@ def _recover(err, d: Diagnostic, file: str, work: str) -> tuple[Diagnostic, str 
             related=((Span(file, bline, bcol, bline, bcol + 1), "opened here"),),
             help=("statements end at the end of a line (only `{}` blocks span lines): write it on "
                   "one line, or end the line with `\\` to continue it",))
-        return d, _blank_lines(work, line, end if end is not None else line)
+        return d, _blank_lines(work, min(bline, line), end if end is not None else line)
     stmt = _statement_start(work, blocks[-1][1], line) if blocks and tok is not None else None
     if blocks and tok is not None and (stmt is not None or tok.type == "$END"):
         # NOTE: a statement keyword inside a block cannot be an option, so the first line
