@@ -310,7 +310,8 @@ def _describe_expected(expected) -> str:
 def _syntax_diagnostic(err: lark.exceptions.UnexpectedInput, file: str, text: str, work: str) -> Diagnostic:
     """One P001 for a lark error; `text` is the file as written, `work` what was parsed."""
     if isinstance(err, lark.exceptions.UnexpectedToken) and err.token.type == "$END":
-        lines = text.splitlines() or [""]
+        # lines as lark counts them: only "\n" ends one (not \u2028, \f, ... as splitlines has it)
+        lines = (text[:-1] if text.endswith("\n") else text).split("\n")
         line, col = len(lines), len(lines[-1]) + 1
         span = Span(file, line, col, line, col + 1)
         return Diagnostic(code="P001", severity="error", message="unexpected end of file",

@@ -31,7 +31,7 @@ def _snippet(span: Span, label: str, sources: Mapping[str, str], color: bool,
     text = sources.get(span.file)
     if text is None:
         return []
-    lines = text.splitlines()
+    lines = [row.rstrip("\r") for row in text.split("\n")]  # "\n" ends a line, as for the parser
     if not 1 <= span.line <= len(lines):
         return []
     line = lines[span.line - 1].expandtabs(4)

@@ -158,3 +158,9 @@ def test_loads_raises_plan_error_with_all_diagnostics():
     with pytest.raises(PlanError) as exc:
         loads("unit )\nunit (\n")
     assert len(exc.value.diagnostics) == 2 and "error[P001]" in str(exc.value)
+
+
+@pytest.mark.parametrize("text", ["model x\u2028model", "unit a\x0cunit b {", "unit a {\r\n"])
+def test_end_of_file_position_counts_only_newlines(text):
+    (d,) = errors(text)  # \u2028 and \f are not line ends for the parser, so not for spans either
+    assert d.span.line == text.rstrip("\n").count("\n") + 1
