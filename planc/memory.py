@@ -31,7 +31,7 @@ import math
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -79,6 +79,12 @@ class UnitMemory:
     reduce_dtype: torch.dtype
     param_names: tuple[str, ...] = ()
     shard_dim_copy: int = 0     # Shard(d != 0) parameters: gathered/reduced via an extra copy (param_dtype)
+    reduce_of: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # param -> (reduce-scatter, grad)
+
+    def reduce_bytes(self, names: Iterable[str]) -> tuple[int, int]:
+        """Reduce-scatter input and sharded-gradient bytes of some of the unit's parameters."""
+        pairs = [self.reduce_of[n] for n in names if n in self.reduce_of]
+        return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
 
 def unit_memory(compiled, world: int, optimizer: str = "adamw") -> list[UnitMemory]:
@@ -93,6 +99,7 @@ def unit_memory(compiled, world: int, optimizer: str = "adamw") -> list[UnitMemo
         pdt = u["param_dtype"] or orig
         rdt = u["reduce_dtype"] or pdt
         sharded = unsharded = grad_unsharded = rs = grads = opt = count = dim_copy = 0
+        reduce_of = {}
         for name, info in zip(names, infos):
             dim = res.placements.get(name, (0, None))[0]
             per_rank = shard_numel(info.shape, shard, dim)
@@ -102,6 +109,7 @@ def unit_memory(compiled, world: int, optimizer: str = "adamw") -> list[UnitMemo
                 dim_copy += per_rank * shard * _itemsize(pdt)
             count += info.numel
             if info.requires_grad:
+                reduce_of[name] = (per_rank * shard * _itemsize(rdt), per_rank * _itemsize(info.dtype))
                 grad_unsharded += info.numel * _itemsize(pdt)
                 rs += per_rank * shard * _itemsize(rdt)
                 grads += per_rank * _itemsize(info.dtype)
@@ -115,7 +123,7 @@ def unit_memory(compiled, world: int, optimizer: str = "adamw") -> list[UnitMemo
         else:
             post = unsharded // int(reshard)
         out.append(UnitMemory(u.name, i, count, sharded, unsharded, grad_unsharded, rs, grads, opt, post,
-                              bool(u["offload"]), reshard, pdt, rdt, tuple(names), dim_copy))
+                              bool(u["offload"]), reshard, pdt, rdt, tuple(names), dim_copy, reduce_of))
     return out
 
 
@@ -146,6 +154,7 @@ class Event:
     live: int = 0       # activations + temporaries (+ unsharded grads in `grads`) after the op
     grads: int = 0      # unsharded gradient bytes among `live`
     where: str = ""     # module the op ran in
+    params: tuple[str, ...] | None = None  # bwd_post: the parameters reduce-scattered (None: all)
 
 
 @dataclass
@@ -329,18 +338,25 @@ def fake_trace(compiled, inputs: tuple) -> Trace:
     mode = _LiveBytes(lambda func: events.append(Event("op", live=mode.live, grads=mode.grads, where=where[-1])))
     units = compiled.units
     root = _root_index(compiled)
-    post_done: set[int] = set()
-    params_of = {i: [model.get_parameter(p) for p in u.params if p not in res.ignored]
-                 for i, u in enumerate(units)}
+    post_done: set[int] = set()   # units whose every module finished backward
+    names_of = {i: [p for p in u.params if p not in res.ignored] for i, u in enumerate(units)}
+    params_of = {i: [model.get_parameter(p) for p in names] for i, names in names_of.items()}
     fwd_pending: dict[int, int] = {}
-    bwd_started: set[int] = set()
     bwd_left: dict[int, int] = {}
 
-    def post_backward(i: int) -> None:
+    def post_backward(i: int, final: bool) -> None:
+        """FSDP2's post-backward: reduce-scatter the gradients there are, then reshard.
+
+        A group unit runs it each time one of its modules finishes backward (torch 2.13
+        registers the hook on every member's inputs), so `[norm, output]` reduces `output`'s
+        gradient, reshards, and is gathered again for `norm`.
+        """
         if i in post_done:
             return
-        post_done.add(i)
-        events.append(Event("bwd_post", i, live=mode.live, grads=mode.grads))
+        if final:
+            post_done.add(i)
+        ready = tuple(n for n, p in zip(names_of[i], params_of[i]) if p.grad is not None)
+        events.append(Event("bwd_post", i, live=mode.live, grads=mode.grads, params=ready))
         for p in params_of[i]:
             p.grad = None  # FSDP2 frees unsharded gradients once they are reduce-scattered
 
@@ -369,9 +385,7 @@ def fake_trace(compiled, inputs: tuple) -> Trace:
             return None
 
         def bw_pre(mod, grad_out, i=i, u=u):
-            if i not in bwd_started:  # a group unit starts its backward once
-                bwd_started.add(i)
-                events.append(Event("bwd_pre", i, live=mode.live))
+            events.append(Event("bwd_pre", i, live=mode.live))  # per module: groups re-gather
             where.append(u.name)
 
         def bw_post(mod, grad_in, grad_out, i=i, u=u):
@@ -381,8 +395,7 @@ def fake_trace(compiled, inputs: tuple) -> Trace:
                 # module's backward; FSDP2 reduces such units in its end-of-backward callback
                 return
             bwd_left[i] = bwd_left.get(i, len(u.modules)) - 1
-            if bwd_left[i] == 0:
-                post_backward(i)
+            post_backward(i, final=bwd_left[i] == 0)
 
         for m in mods:
             handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post),
@@ -422,11 +435,11 @@ def fake_trace(compiled, inputs: tuple) -> Trace:
                 warnings.simplefilter("ignore")
                 loss.backward()
             del loss
-            for i in range(len(units)):
+            for i in range(len(units)):  # FSDP2's end-of-backward callback
                 if i != root:
-                    post_backward(i)
+                    post_backward(i, final=True)
             if root is not None:
-                post_backward(root)
+                post_backward(root, final=True)
             events.append(Event("end_backward", live=mode.live, grads=mode.grads))
     finally:
         for h in handles:
@@ -504,7 +517,7 @@ class _Replay:
         self.rs_clone = backend == "gloo" and shard > 1
         self.units = compiled.units
         self.state = ["sharded"] * len(mem)     # sharded | unsharded | post_forward | prefetched
-        self.grads_done: set[int] = set()
+        self.reduced: dict[int, set[str]] = {i: set() for i in range(len(mem))}  # reduce-scattered params
         self.ag_kept = 0                        # forward: previous all-gather result, freed at next copy-out
         self.rs_kept = 0                        # last reduce-scatter input, freed at next reduce-scatter
         self.post_forward_order: list[int] = []
@@ -522,7 +535,8 @@ class _Replay:
         b["sharded_params"] = sum(m.sharded for m in dev) + self.replicated
         b["optimizer_state"] = sum(m.optimizer for m in dev) + (
             2 * self.replicated if self.optimizer == "adamw" else 0)
-        b["sharded_grads"] = sum(self.mem[i].grads for i in self.grads_done if not self.mem[i].offload)
+        b["sharded_grads"] = sum(self.mem[i].reduce_bytes(names)[1] for i, names in self.reduced.items()
+                                 if not self.mem[i].offload)
         if self.phase == "optimizer":  # (in backward, unsharded parameters' gradients are in the trace)
             b["sharded_grads"] += self.replicated
         for i, s in enumerate(self.state):
@@ -565,31 +579,34 @@ class _Replay:
     def reshard(self, i: int) -> None:
         self.state[i] = "sharded"
 
-    def post_backward(self, i: int, grads_before: int) -> None:
+    def post_backward(self, i: int, grads_before: int, names: Iterable[str] | None = None) -> None:
+        """Reduce-scatter the gradients of `names` (default: all not yet reduced), reshard."""
         m = self.mem[i]
+        names = set(m.reduce_of if names is None else names) - self.reduced[i]
+        rs, _ = m.reduce_bytes(names)
         self.rs_kept = 0  # the oldest reduce-scatter input is released first
         self.reshard(i)   # NOTE: FSDP2 frees the unsharded parameters before reducing gradients
-        if m.reduce_scatter:
+        if rs:
             # copy-in: the unsharded gradients and the reduce-scatter input both alive
-            self.transient = {"reduce_scatter": m.reduce_scatter, "unsharded_grads": m.shard_dim_copy}
+            self.transient = {"reduce_scatter": rs, "unsharded_grads": m.shard_dim_copy}
             self.live_grads = max(grads_before, self.live_grads)
             self.snapshot(f"reduce-scatter {m.name}")
             # the collective itself: unsharded gradients freed; gloo adds a clone of its input
-            self.transient = {"reduce_scatter": m.reduce_scatter * (2 if self.rs_clone else 1)}
+            self.transient = {"reduce_scatter": rs * (2 if self.rs_clone else 1)}
             live, grads = self.live, self.live_grads
             self.live, self.live_grads = live - grads, 0
             self.snapshot(f"reduce-scatter {m.name}")
             self.live, self.live_grads = live, grads
             self.transient = {}
-            self.rs_kept = m.reduce_scatter
-        self.grads_done.add(i)
-        self.reshard(i)
+            self.rs_kept = rs
+        self.reduced[i] |= names
 
     # --------------------------------------------------------------- driver
     def run(self) -> list[Moment]:
         units, names = self.units, [u.name for u in self.units]
         res = self.c.resolution
         ev_list = self.trace.events
+        last_bwd_pre = {ev.unit: k for k, ev in enumerate(ev_list) if ev.kind == "bwd_pre"}
         for k, ev in enumerate(ev_list):
             if ev.kind == "op":
                 self.live, self.live_grads = ev.live, ev.grads
@@ -600,7 +617,7 @@ class _Replay:
             if ev.kind == "end_backward":
                 self.live, self.live_grads = 0, 0
                 for i in range(len(units)):
-                    if i not in self.grads_done:
+                    if self.reduced[i] != set(self.mem[i].reduce_of):
                         self.post_backward(i, 0)
                     self.reshard(i)
                 self.rs_kept = 0
@@ -628,6 +645,10 @@ class _Replay:
                     self.ag_kept = 0  # the last forward all-gather result is released
                 self.phase = "backward"
                 self.unshard(i, f"all-gather {name} (backward)")
+                # NOTE: measured on torch 2.13: a group unit whose modules finish backward
+                # one by one issues its backward prefetch when gathered for the last of them
+                if k != last_bwd_pre[i]:
+                    continue
                 targets = res.prefetch_backward.get(name)
                 if targets is None:
                     order = [j for j in reversed(self.post_forward_order) if not units[j].is_root]
@@ -638,7 +659,7 @@ class _Replay:
                         self.prefetch(names.index(t))
             elif ev.kind == "bwd_post":
                 self.live, self.live_grads = ev.live, ev.grads
-                self.post_backward(i, ev.grads)
+                self.post_backward(i, ev.grads, ev.params)
                 self.live_grads = 0
         self.phase, self.where = "optimizer", "optimizer step"
         self.live = self.live_grads = 0
