@@ -48,6 +48,9 @@ def _cases() -> list[tuple[str, str, str]]:
     cases.append(("seed+ckpt+offload+fp32", (ROOT / "plans/seed.plan").read_text() + FP32 +
                   "checkpoint transformer_layers.* full\nunit transformer_layers[-1:] { offload cpu }\n",
                   "seed_transformer_tiny"))
+    # ZeRO++ hpZ: blocks reshard to groups of 1 rank after forward (an int, not True).
+    cases.append(("seed+hpz+fp32", (ROOT / "plans/seed.plan").read_text() + FP32 +
+                  "unit transformer_layers.* { reshard after_forward = 1 }\n", "seed_transformer_tiny"))
     return cases
 
 
@@ -137,9 +140,18 @@ def test_units_and_settings_read_back(zoo_runs, case):
             assert all(g == mp for g in u["mp"])
             offload = ("CPUOffloadPolicy", False) if unit["offload"] else ("OffloadPolicy", None)
             assert all(g == offload for g in u["offload"])  # pin_memory: off on a CPU mesh
-            assert all(g == unit.reshard_after_forward for g in u["reshard"])
+            want = _effective_reshard(unit.reshard_after_forward, result[case]["mesh_shape"][-1])
+            assert all(g == want and type(g) is type(want) for g in u["reshard"]), (u["reshard"], want)
             assert u["prefetch_forward"] == list(res.prefetch_forward.get(unit.name, ()))
             assert u["prefetch_backward"] == list(res.prefetch_backward.get(unit.name, ()))
+
+
+def _effective_reshard(value: bool | int, shard: int) -> bool | int:
+    """What FSDP2 makes of a reshard value: an int group size of 1 keeps parameters
+    unsharded (False), one of the whole shard group is plain resharding (True)."""
+    if isinstance(value, bool):
+        return value
+    return False if value == 1 else True if value == shard else value
 
 
 def test_declared_prefetch_is_set(zoo_runs):
@@ -149,6 +161,13 @@ def test_declared_prefetch_is_set(zoo_runs):
     assert gpt["<root>"]["prefetch_forward"] == ["[wte, ln_f, lm_head]"]
     moe = zoo_runs[0]["moe"]["units"]
     assert moe["layers.1"]["prefetch_backward"] == ["layers.0", "tok_embeddings"]
+
+
+def test_int_reshard_reaches_fsdp(zoo_runs):
+    # On 2 ranks a group of 1 rank is FSDP2's "do not reshard" (a real hpZ group of 2 needs a
+    # shard size of 4 or more); the blocks differ from the plan's `true` default all the same.
+    units = zoo_runs[0]["seed+hpz+fp32"]["units"]
+    assert units["transformer_layers.0"]["reshard"] == [False] and units["embedding"]["reshard"] == [True]
 
 
 def test_gpt_tie_is_one_parameter_in_one_unit(zoo_runs):
