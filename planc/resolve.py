@@ -141,15 +141,21 @@ class Resolver:
 
         defaults: list[Assignment] = []
         rules: dict[int, _Rule] = {}
+        per_defaults: list[tuple[st.DefaultsStmt, list[Assignment]]] = []
         for i, s in enumerate(stmts):
             if isinstance(s, st.DefaultsStmt):
-                defaults.extend(_block(s.block, "defaults", self.diags))
+                errors = sum(d.is_error for d in self.diags)
+                assigned = _block(s.block, "defaults", self.diags)
+                defaults.extend(assigned)
+                if sum(d.is_error for d in self.diags) == errors:
+                    per_defaults.append((s, assigned))
             elif isinstance(s, (st.UnitStmt, st.RootStmt)):
                 ctx = "root" if isinstance(s, st.RootStmt) else "unit"
                 errors = sum(d.is_error for d in self.diags)
                 rules[i] = _Rule(i, rule_text(s), _block(s.block, ctx, self.diags))
                 if sum(d.is_error for d in self.diags) > errors:
                     self.out.broken.add(i)
+        self._dead_defaults(per_defaults)
         if self.graph is None:
             self._check_without_model()
             return self.out, self.diags
@@ -160,6 +166,17 @@ class Resolver:
         self._module_transforms(stmts)
         self._prefetch()
         return self.out, self.diags
+
+    def _dead_defaults(self, blocks: list[tuple[st.DefaultsStmt, list[Assignment]]]) -> None:
+        """P207 for a `defaults` block whose every setting a later `defaults` sets again."""
+        for k, (stmt, assigned) in enumerate(blocks):
+            later = {a.key: a for _, more in blocks[k + 1:] for a in more}
+            if assigned and stmt.span.file == self.plan.file and all(a.key in later for a in assigned):
+                self.diags.append(Diagnostic(
+                    code="P207", severity="warning", span=stmt.span,
+                    message="this rule has no effect: later rules set everything it sets", label="overridden",
+                    related=((later[assigned[0].key].span, "overridden here"),),
+                    help=("remove it, or move it after the rules that override it",)))
 
     def _replaced(self, stale, last, word: str) -> None:
         """P207 for a `mesh`/`model` line that a later one replaces (not in included plans:
