@@ -102,7 +102,8 @@ def cmd_check(args) -> int:
         all_diags += diags
         sources.update(srcs)
         if compiled:
-            summaries.append({"file": path, "units": len(compiled[0].units),
+            # units is null without a model: nothing was resolved, only syntax and values checked
+            summaries.append({"file": path, "units": len(compiled[0].units) if compiled[0].graph else None,
                               "errors": sum(d.is_error for d in diags)})
     if args.format == "json":
         print(render.render_json(all_diags, plans=summaries))
@@ -116,7 +117,8 @@ def cmd_check(args) -> int:
             print(text)
         if not any(d.is_error for d in all_diags) and not io_problem:
             for s in summaries:
-                print(f"{s['file']}: ok ({s['units']} units)")
+                print(f"{s['file']}: ok ({s['units']} units)" if s["units"] is not None else
+                      f"{s['file']}: ok (no model: selectors not resolved; add a `model` line or --model)")
     if io_problem:
         return EXIT_USAGE
     return EXIT_ERRORS if any(d.is_error for d in all_diags) else EXIT_OK
