@@ -20,6 +20,11 @@ from planc.ir import Unit
 from planc.memory import CATEGORIES, Estimate, estimate
 from planc.options import show_value
 
+LABELS = {"sharded_params": "sharded params", "sharded_grads": "sharded grads", "optimizer_state": "optimizer state",
+          "unsharded_params": "unsharded params", "all_gather": "all-gather buffers",
+          "reduce_scatter": "reduce-scatter buffers", "unsharded_grads": "unsharded grads",
+          "activations": "activations", "optimizer_temp": "optimizer temporaries", "inputs": "inputs",
+          "buffers": "module buffers"}
 SHOWN_SETTINGS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_inputs", "reshard_after_forward",
                   "offload", "prefetch_forward", "prefetch_backward", "checkpoint", "compile")
 
@@ -168,6 +173,41 @@ def _tree(compiled, style: _Style) -> list[str]:
     return lines
 
 
+def _runs(units: list[dict], key) -> list[list[dict]]:
+    """Consecutive units with equal `key(unit)`, grouped (transformer_layers.0..23)."""
+    groups: list[list[dict]] = []
+    for u in units:
+        if groups and key(groups[-1][-1]) == key(u) and not u["root"]:
+            groups[-1].append(u)
+        else:
+            groups.append([u])
+    return groups
+
+
+def _run_name(group: list[dict]) -> str:
+    if len(group) == 1:
+        return group[0]["name"]
+    first, last = group[0]["name"], group[-1]["name"]
+    prefix, _, _ = first.rpartition(".")
+    tail = last[len(prefix) + 1:] if prefix and last.startswith(prefix + ".") else last
+    return f"{first}..{tail} ({len(group)} units)"
+
+
+def _own_settings(u: dict) -> list[str]:
+    """Settings a unit got from rules other than `defaults`, with their lines."""
+    return [f"{k}={s['value']} ({s['set_by']}, {s['line']})" if s["set_by"] != u["defined_by"] else
+            f"{k}={s['value']}" for k, s in u["settings"].items() if s["line"] and s["set_by"] != "defaults"]
+
+
+def _row_key(u: dict) -> tuple:
+    return (u["defined_by"], u["params"], u["sharded_bytes"], u["unsharded_bytes"], u["offload"],
+            json.dumps(u["settings"], sort_keys=True), tuple(u["prefetch_backward"]) == ())
+
+
+def _origin_key(u: dict) -> tuple:
+    return (u["defined_by"], tuple(_own_settings(u)))
+
+
 def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
     style = _Style(color)
     mem = data["memory"]
@@ -176,25 +216,31 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
            f"optimizer {data['optimizer']}", ""]
     out += _tree(compiled, style) + [""]
     rows = []
-    for u in data["units"]:
+    for group in _runs(data["units"], _row_key):
+        u = group[0]
         s = u["settings"]
         pf = ",".join(u["prefetch_forward"]) or "-"
         pb = ",".join(u["prefetch_backward"]) or "-"
-        rows.append([u["name"], count(u["params"]), gib(u["sharded_bytes"]), gib(u["unsharded_bytes"]),
+        each = " each" if len(group) > 1 else ""
+        rows.append([_run_name(group), count(u["params"]) + each, gib(u["sharded_bytes"]), gib(u["unsharded_bytes"]),
                      f"{s['param_dtype']['value']}/{s['reduce_dtype']['value']}", s["reshard_after_forward"]["value"],
                      "cpu" if u["offload"] else "-", f"{pf} / {pb}"])
     out += _table(rows, ["unit", "params", "sharded/rank", "unsharded", "param/reduce", "reshard", "offload",
                          "prefetch fwd / bwd"], style)
     out += ["", style.bold("where each setting comes from")]
+    from_defaults: dict[str, str] = {}
     for u in data["units"]:
-        parts = []
-        for key, s in u["settings"].items():
-            if s["line"]:
-                parts.append(f"{key}={s['value']} ({s['set_by']}, {s['line']})")
-        origin = f"{u['defined_by']} ({u['line']})" if u["line"] else "root (implicit)"
-        out.append(f"  {u['name']}: unit from {origin}")
-        if parts:
-            out.append("    " + "; ".join(parts))
+        for key, st in u["settings"].items():
+            if st["set_by"] == "defaults":
+                from_defaults.setdefault(f"{key}={st['value']}", st["line"])
+    if from_defaults:
+        out.append("  defaults: " + ", ".join(f"{k} ({line})" for k, line in from_defaults.items()))
+    width = max(len(_run_name(g)) for g in _runs(data["units"], _origin_key))
+    for group in _runs(data["units"], _origin_key):
+        u = group[0]
+        origin = f"{u['defined_by']} ({u['line']})" if u["line"] else "the root (no `root` line)"
+        own = _own_settings(u)
+        out.append(f"  {_run_name(group):<{width}}  {origin}" + (": " + ", ".join(own) if own else ""))
     t = data["totals"]
     out += ["", f"total: {count(t['params'])} params in {t['units']} units; per rank "
                 f"{gib(t['sharded_state_bytes'])} params+grads+optimizer state on the device"
@@ -206,12 +252,13 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
     for key in CATEGORIES:
         v = mem["breakdown"].get(key)
         if v:
-            out.append(f"  {key.replace('_', ' '):<18} {gib(v):>12}")
-    out.append(f"  lower bound        {gib(mem['lower_bound_bytes']):>12}  (all state sharded over {data['world_size']} "
+            out.append(f"  {LABELS[key]:<22} {gib(v):>12}")
+    out.append(f"  {'lower bound':<22} {gib(mem['lower_bound_bytes']):>12}  (all state sharded over {data['world_size']} "
                f"ranks, one module gathered at a time; peak is {mem['ratio_to_lower_bound']:.2f}x)")
-    out.append(f"  unsharded (DDP)    {gib(mem['unsharded_baseline_bytes']):>12}  (the same model, no sharding)")
-    out.append(style.dim(f"  activations: {mem['activations_from']}; tensor bytes only (no CUDA context, "
-                         "NCCL workspaces or fragmentation)"))
+    out.append(f"  {'unsharded (DDP-like)':<22} {gib(mem['unsharded_baseline_bytes']):>12}  (the same model, no sharding)")
+    out.append(style.dim(f"  activations from: {mem['activations_from']}"))
+    out.append(style.dim("  tensor bytes only: no CUDA context, NCCL workspaces or allocator fragmentation; "
+                         "leave headroom"))
     for note in mem["notes"]:
         out.append(style.dim(f"  note: {note}"))
     sim = data.get("simulated")
@@ -222,7 +269,7 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
         for key in CATEGORIES:
             a, m = mem["breakdown"].get(key, 0), sim["breakdown"].get(key, 0)
             if a or m:
-                out.append(f"  {key.replace('_', ' '):<18} {gib(a):>12} estimated {gib(m):>12} measured")
+                out.append(f"  {LABELS.get(key, key):<22} {gib(a):>12} estimated {gib(m):>12} measured")
     return "\n".join(out)
 
 
