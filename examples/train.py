@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import planc
 from planc.models import ModelLoadError, build_model
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             opt.zero_grad(set_to_none=True)
             total = loss.detach().clone()
             dist.all_reduce(total)  # SUM: gloo has no AVG
-            norm = norm.full_tensor() if isinstance(norm, torch.distributed.tensor.DTensor) else norm
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
             log(f"step {step + 1:>4}/{args.steps}  loss {total.item() / world:.4f}  grad norm {norm.item():.3f}")
         elapsed = time.perf_counter() - start
 
