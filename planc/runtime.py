@@ -434,7 +434,8 @@ def materialize(model: nn.Module, device: torch.device | str,
     """Allocate a meta-built (and usually sharded) model on `device` and initialise it.
 
     The flow: build on meta, `apply` (shards on meta, allocates nothing), then this:
-    `model.to_empty(device=device)` allocates each rank's local shards only, then, under
+    `model.to_empty(device=device)` allocates each rank's local shards only (those of
+    units offloaded to the CPU on the CPU), then, under
     `torch.no_grad()`, `init(model)` if given, else `reset_parameters()` on every module
     that has one (and `nn.MultiheadAttention._reset_parameters()`, which has no public
     one), children before parents as when the model was built; a tied parameter is initialised by its first owner only. Models with `tie_weights()` (the zoo GPT) are re-tied afterwards, as `to_empty`
@@ -454,7 +455,10 @@ def materialize(model: nn.Module, device: torch.device | str,
     Returns:
         The same model.
     """
-    model.to_empty(device=device)
+    # Units offloaded to the CPU keep their local shards there (FSDP2 moves them back only
+    # when pinning); everything else goes to `device`. This is `to_empty`, per parameter.
+    offloaded = _offloaded_params(model)
+    model._apply(lambda t: torch.empty_like(t, device="cpu" if id(t) in offloaded else device))
     with torch.no_grad():
         if init is not None:
             init(model)
@@ -478,6 +482,17 @@ def materialize(model: nn.Module, device: torch.device | str,
     if callable(getattr(model, "tie_weights", None)):
         model.tie_weights()
     return model
+
+
+def _offloaded_params(model: nn.Module) -> set[int]:
+    """Ids of the sharded parameters of units with a `CPUOffloadPolicy`."""
+    out: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                if isinstance(group.offload_policy, CPUOffloadPolicy):
+                    out.update(id(fsdp_param.sharded_param) for fsdp_param in group.fsdp_params)
+    return out
 
 
 def _post_order(module: nn.Module) -> Iterable[nn.Module]:

@@ -181,6 +181,20 @@ def test_checkpoint_and_compile_wrap_the_named_modules_in_place(one_rank):
 # ----------------------------------------------------------------------------- materialize
 
 
+def test_materialize_keeps_offloaded_shards_on_the_cpu(one_rank):
+    from planc.runtime import _offloaded_params
+    with torch.device("meta"):
+        model = zoo.seed_transformer_tiny()
+    text = (ROOT / "plans/seed.plan").read_text() + "unit transformer_layers[-1:] { offload cpu, pin_memory = false }\n"
+    applied = planc.apply(model, planc.loads(text))
+    last = applied.unit("transformer_layers.1").unit
+    assert _offloaded_params(model) == {id(model.get_parameter(n)) for n in last.params}
+    materialize(model, "cpu")  # the CPU is the only device here; on GPUs the others go there
+    assert all(p.to_local().device.type == "cpu" and torch.isfinite(p.to_local()).all() for p in model.parameters())
+    model(zoo.example_input(model, 2, 8)).float().mean().backward()
+
+
+
 @pytest.mark.parametrize("builder", ["seed_transformer_tiny", "gpt_tiny", "moe_transformer_tiny"])
 def test_materialize_initialises_every_parameter_like_the_model_does(builder):
     torch.manual_seed(0)
