@@ -34,14 +34,21 @@ def _snippet(span: Span, label: str, sources: Mapping[str, str], color: bool,
     lines = [row.rstrip("\r") for row in text.split("\n")]  # "\n" ends a line, as for the parser
     if not 1 <= span.line <= len(lines):
         return []
-    line = lines[span.line - 1].expandtabs(4)
-    if len(line) > 200:  # huge single-line files: show the start of the line only
-        line = line[:200] + " ..."
+    raw = lines[span.line - 1]
+    # columns are counted in the raw text; carets go under the text as shown (tabs expanded)
+    start = len(raw[:span.column - 1].expandtabs(4))
+    end_raw = span.end_column if span.end_line == span.line else len(raw) + 1
+    end = len(raw[:max(end_raw - 1, span.column - 1)].expandtabs(4))
+    line = raw.expandtabs(4)
+    if len(line) > 200:  # a huge line: show a window around the span
+        first = max(0, start - 60)
+        lead = "... " if first else ""
+        shown = lead + line[first:first + 200] + (" ..." if first + 200 < len(line) else "")
+        start, end = start - first + len(lead), min(end - first, 200) + len(lead)
+        line = shown
     width = width or len(str(span.line))
     pad = " " * width
-    end = span.end_column if span.end_line == span.line else len(line) + 1
-    n = max(1, min(end, len(line) + 1) - span.column)
-    marks = " " * (span.column - 1) + caret * n
+    marks = " " * start + caret * max(1, end - start)
     gutter = _paint(f"{pad} |", "blue", color)
     out = [gutter, _paint(f"{span.line:>{width}} |", "blue", color) + f" {line}"]
     out.append(gutter + " " + _paint(marks + (f" {label}" if label else ""),

@@ -224,3 +224,18 @@ def test_tree_with_a_broken_plan_shows_why():
     code, _, err = run("tree", "--plan", f"{UI}/p001_syntax.plan")
     assert code == cli.EXIT_USAGE
     assert "error[P001]: unexpected `unt`" in err and "cannot read the `model` line" in err
+
+
+def test_carets_line_up_under_tabs_and_long_lines():
+    from planc.parse import loads_with_diagnostics
+    from planc.render import render_text
+    for text, col in [("\tunit [a,\tb\n", 12), ("unit " + "a." * 300 + "b @\n", 608)]:
+        plan, diags = loads_with_diagnostics(text, "x.plan")
+        shown = render_text(diags[:1], dict(plan.sources)).splitlines()
+        code_line, caret_line = shown[3], shown[4]
+        assert f"x.plan:1:{col}" in shown[1]
+        caret = caret_line.index("^")
+        if text.startswith("\t"):  # end of line: one past the last (tab-expanded) character
+            assert caret == len(code_line) and code_line.endswith("    b")
+        else:  # a window of the long line, the caret under the offending `@`
+            assert code_line.startswith("1 | ... ") and code_line[caret] == "@"
