@@ -62,6 +62,33 @@ def batch(step: int, global_batch: int, seq: int, vocab: int, rank: int, world: 
     return tokens[rank * per_rank:(rank + 1) * per_rank]
 
 
+def sync_and_clip(model: torch.nn.Module, max_norm: float, world: int) -> torch.Tensor:
+    """Clip gradients to `max_norm` in total; returns the total norm before clipping.
+
+    With every parameter sharded this is `clip_grad_norm_` on the sharded model. Parameters
+    a plan `ignore`s stay plain replicated tensors whose gradients FSDP does not reduce:
+    average them over ranks here, as DDP would, and fold them into the norm by hand
+    (`clip_grad_norm_` refuses a mix of DTensor and plain gradients).
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    if not plain:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    for p in plain:
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    sharded = [p.grad for p in params if isinstance(p, DTensor)]
+    parts = [torch.nn.utils.get_total_norm([p.grad for p in plain])]
+    if sharded:
+        parts.append(torch.nn.utils.get_total_norm(sharded).full_tensor().to(parts[0].device))
+    norm = torch.linalg.vector_norm(torch.stack(parts))
+    scale = min(1.0, max_norm / (norm.item() + 1e-6))
+    for p in params:
+        p.grad.mul_(scale)
+    return norm
+
+
 def memory_bytes(applied: planc.AppliedPlan, device: torch.device) -> tuple[str, int]:
     """What to report per rank: peak allocated on GPUs; parameter bytes held on CPUs."""
     if device.type == "cuda":
@@ -98,13 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             logits = model(tokens)
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
             loss.backward()
-            # Works on the sharded model: the norm is a DTensor reduced over all shards.
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
+            norm = sync_and_clip(model, args.max_norm, world)
             opt.step()
             opt.zero_grad(set_to_none=True)
             total = loss.detach().clone()
             dist.all_reduce(total)  # SUM: gloo has no AVG
-            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
             log(f"step {step + 1:>4}/{args.steps}  loss {total.item() / world:.4f}  grad norm {norm.item():.3f}")
         elapsed = time.perf_counter() - start
 

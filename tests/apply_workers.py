@@ -40,7 +40,19 @@ def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
 
 
-def train(model: nn.Module, data: list[torch.Tensor], rank: int = 0, world: int = 1) -> dict:
+def example_clip(model: nn.Module, max_norm: float, world: int) -> torch.Tensor:
+    """examples/train.py's gradient sync and clipping (it also handles `ignore`d params)."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "train.py"
+    spec = importlib.util.spec_from_file_location("planc_example_train", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.sync_and_clip(model, max_norm, world)
+
+
+def train(model: nn.Module, data: list[torch.Tensor], rank: int = 0, world: int = 1,
+          clip=None) -> dict:
     """AdamW steps with gradient clipping; each rank takes its slice of every global batch.
 
     FSDP averages gradients over ranks, so with equal slices the update equals the one of
@@ -54,7 +66,10 @@ def train(model: nn.Module, data: list[torch.Tensor], rank: int = 0, world: int 
         local = tokens[rank * per_rank:(rank + 1) * per_rank]
         loss = next_token_loss(model, local)
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        if clip is None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        else:
+            norm = clip(model, MAX_NORM, world)
         opt.step()
         opt.zero_grad()
         loss = loss.detach().clone()
@@ -123,7 +138,8 @@ def zoo_plans(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict:
         model = zoo.ZOO[builder]()
         keys = list(model.state_dict().keys())
         applied = planc.apply(model, planc.loads(text, filename=case))
-        run = train(model, batches(model), rank, world)
+        clip = example_clip if case.endswith("+example-clip") else None
+        run = train(model, batches(model), rank, world, clip)
         out[case] = {**run, **read_back(applied), "state_dict_keys_kept": list(model.state_dict().keys()) == keys}
     return out
 

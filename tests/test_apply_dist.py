@@ -51,6 +51,10 @@ def _cases() -> list[tuple[str, str, str]]:
     # ZeRO++ hpZ: blocks reshard to groups of 1 rank after forward (an int, not True).
     cases.append(("seed+hpz+fp32", (ROOT / "plans/seed.plan").read_text() + FP32 +
                   "unit transformer_layers.* { reshard after_forward = 1 }\n", "seed_transformer_tiny"))
+    # An ignored (replicated, unreduced) parameter, trained with examples/train.py's gradient
+    # averaging and clipping: still exact.
+    cases.append(("gpt+ignore+fp32+example-clip", (ROOT / "plans/gpt.plan").read_text() + FP32 +
+                  "ignore wpe.weight\n", "gpt_tiny"))
     return cases
 
 
@@ -108,11 +112,14 @@ def test_placements_and_shard_shapes(zoo_runs, case):
         shards = got["mesh_shape"][-1]
         assert set(got["params"]) == set(compiled.graph.params)  # tied weights appear once
         for name, p in got["params"].items():
+            if name in compiled.resolution.ignored:
+                assert not p["dtensor"] and p["local_shape"] == p["shape"], name
+                continue
             dim = placed.get(name, 0)
             assert p["dtensor"], name
             assert p["placements"] == (("Replicate()", f"Shard(dim={dim})") if hsdp else (f"Shard(dim={dim})",)), name
             assert p["local_shape"] == _expected_local(p["shape"], dim, shards, got["shard_rank"]), name
-        expected_bytes = sum(torch.Size(p["local_shape"]).numel() * 4 for p in got["params"].values())
+        expected_bytes = sum(torch.Size(p["local_shape"]).numel() * 4 for p in got["params"].values())  # fp32
         assert got["local_param_bytes"] == expected_bytes
 
 
