@@ -762,7 +762,8 @@ class _Whole:
 
 
 def metric(compiled, name: str, world: int | None) -> float | None:
-    """A memory metric for `expect` lines, in bytes (None when it cannot be known)."""
-    if compiled.graph is None:
+    """A memory metric for `expect` lines, in bytes (None when it cannot be known: no model,
+    or no world size from `at world = N` or the command line)."""
+    if compiled.graph is None or (world or compiled.world_size) is None:
         return None
     return estimate(compiled, world).metric(name)
