@@ -165,6 +165,18 @@ def test_checkpoint_already_applied_is_refused(one_rank):
     assert "checkpointed modules: `blocks.0`" in str(err.value)
 
 
+def test_non_contiguous_parameter_is_refused(one_rank):
+    model = zoo.gpt_tiny()
+    w = model.blocks[0].mlp.w_in.weight
+    model.blocks[0].mlp.w_in.weight = nn.Parameter(w.detach().t().contiguous().t())  # same values, transposed strides
+    ids = [id(p) for p in model.parameters()]
+    with pytest.raises(planc.PlanError) as err:
+        planc.apply(model, ROOT / "plans/gpt.plan")
+    assert [d.code for d in err.value.errors] == ["P604"]
+    assert "`blocks.0.mlp.w_in.weight` of unit `blocks.0`" in str(err.value)
+    assert [id(p) for p in model.parameters()] == ids and not isinstance(model, FSDPModule)
+
+
 def test_checkpoint_and_compile_wrap_the_named_modules_in_place(one_rank):
     from torch.distributed._composable.contract import _get_registry
     model = zoo.seed_transformer_tiny()
