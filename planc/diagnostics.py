@@ -126,6 +126,11 @@ CODES: dict[str, Code] = {
     "P306": Code("group units nest in each other", "FSDP2 shards bottom-up: a unit must be sharded "
                  "before any unit around one of its modules. Two groups that each hold a module inside "
                  "the other have no such order.\n\n    unit [a.x, b]\n    unit [b.y, a]   # error"),
+    "P307": Code("unit its parent never calls", "FSDP2 gathers a unit's parameters in its forward "
+                 "hooks. Some modules read their children's weights directly instead of calling them "
+                 "(`nn.MultiheadAttention` passes `out_proj.weight` to a functional op), so a unit there "
+                 "is never gathered and the parent computes with a shard. Make the parent the unit.\n\n"
+                 "    unit **.attention.out_proj   # error: make `**.attention` the unit"),
     # --- mesh (P4xx)
     "P401": Code("mesh does not fit the world size", "The mesh dimensions do not multiply to the number "
                  "of ranks."),

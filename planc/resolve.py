@@ -401,6 +401,8 @@ class Resolver:
                     continue
                 if isinstance(value, int):
                     targets = [u.name for u in order[k + 1:k + 1 + value] if not u.is_root]
+                    if value and not targets:
+                        continue  # end of the chain: leave FSDP2's implicit prefetching alone
                 else:
                     targets = []
                     for sel in value:

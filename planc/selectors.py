@@ -191,16 +191,25 @@ def _base_modules(graph: ModelGraph, base, sel: st.Selector) -> tuple[set[str], 
 def _guard(graph: ModelGraph, guard: st.Guard | None, paths: set[str], optional: bool) -> tuple[set[str], list[Diagnostic]]:
     if guard is None:
         return paths, []
-    known = graph.class_names
+    known = graph.class_names | {graph.qualname(p) for p in graph.modules}
+    unknown = [c for c in guard.classes if c not in known]
     diags = []
-    if not any(c in known for c in guard.classes):
+    if len(unknown) == len(guard.classes):
         bad = guard.classes[0]
         diags.append(Diagnostic(code="P202", severity="warning" if optional else "error",
                                 message=f"no module of the model is a `{bad}`"
                                 if len(guard.classes) == 1 else
                                 "no module of the model has any of the classes " + ", ".join(f"`{c}`" for c in guard.classes),
                                 span=guard.span, label="unknown class",
-                                help=suggestion(bad, known) or ("run `planc tree --model ...` to see class names",)))
+                                help=suggestion(bad, graph.class_names) or ("run `planc tree --model ...` to see class names",)))
+    else:
+        # A union may list classes of other model families on purpose, so one unknown name
+        # among known ones is a warning, not an error; but never silent (a typo looks the same).
+        for bad in unknown:
+            diags.append(Diagnostic(code="P202", severity="warning", message=f"no module of the model is a `{bad}`",
+                                    span=guard.span, label="this class matches nothing",
+                                    help=suggestion(bad, graph.class_names) or
+                                    ("remove it if the plan is not meant for another model family too",)))
     wanted = set(guard.classes)
     return {p for p in paths if graph.cls(p) in wanted or graph.qualname(p) in wanted}, diags
 

@@ -55,6 +55,24 @@ def check_containers(ctx: Context) -> Iterator[Diagnostic]:
                            (f"make each child a unit: `unit {m}.*`",))
 
 
+def check_never_called(ctx: Context) -> Iterator[Diagnostic]:
+    """P307: a unit inside a module that reads its children's weights without calling them."""
+    from planc.selectors import FORCE_LEAF_MODULES
+    g = ctx.graph
+    by_rule: dict = {}
+    for u in ctx.inner_units():
+        for m in u.modules:
+            parent = next((a for a in g.ancestors(m) if g.qualname(a) in FORCE_LEAF_MODULES), None)
+            if parent is not None:
+                by_rule.setdefault(u.span, []).append((m, parent))
+    for span, hits in by_rule.items():
+        m, parent = hits[0]
+        more = f" (and {len(hits) - 1} more)" if len(hits) > 1 else ""
+        yield _err("P307", f"unit `{m}`{more} is never called: its parent `{parent}` (`{g.cls(parent)}`) "
+                   "reads its weights directly", span, "FSDP2 would never gather this unit",
+                   (f"make the parent the unit instead: `unit {parent}`",))
+
+
 def check_group_root(ctx: Context) -> Iterator[Diagnostic]:
     """P205: with `root none`, an outermost group unit would act as an FSDP root."""
     if not ctx.res.root_disabled:
@@ -367,6 +385,7 @@ def _expect_metric(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
 
 CHECKS: tuple[Callable[[Context], Iterator[Diagnostic]], ...] = (
     check_containers,
+    check_never_called,
     check_group_root,
     check_tied,
     check_unowned,
