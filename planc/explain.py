@@ -17,7 +17,7 @@ from typing import Any
 from planc import render
 from planc.cli import EXIT_ERRORS, EXIT_OK, EXIT_USAGE, ModelCache, UsageError, compile_for_cli, use_color
 from planc.ir import Unit
-from planc.memory import CATEGORIES, Estimate, estimate
+from planc.memory import CATEGORIES, Estimate, TraceError, estimate
 from planc.options import show_value
 
 LABELS = {"sharded_params": "sharded params", "sharded_grads": "sharded grads", "optimizer_state": "optimizer state",
@@ -296,7 +296,11 @@ def main(args) -> int:
     is_zoo = bool(ref and ref.startswith("planc.zoo:"))
     if args.simulate and shape is None and is_zoo:
         shape = (2, 16)  # the zoo's `example_input` default, so estimate and measurement agree
-    est = estimate(c, args.world_size, optimizer=args.optimizer, input_shape=shape)
+    try:
+        est = estimate(c, args.world_size, optimizer=args.optimizer, input_shape=shape)
+    except TraceError as err:
+        raise UsageError(f"--input-shape: {err}; the shape is batch x sequence of token ids "
+                         "(leave it out to estimate without activations)") from err
     measured = None
     if args.simulate:
         measured = _simulate(c, ref, args, shape)
@@ -321,5 +325,9 @@ def _simulate(compiled, ref: str, args, shape):
         raise UsageError("--simulate needs --input-shape BxS for a model outside planc.zoo")
     if len(shape) != 2:
         raise UsageError("--input-shape for --simulate is batch x sequence (token ids), e.g. 2x512")
-    return simulate(compiled.plan, lambda: build_model(ref, device="meta"), args.world_size, rank=args.rank,
-                    inputs=zoo_inputs(shape), optimizer=args.optimizer)
+    try:
+        return simulate(compiled.plan, lambda: build_model(ref, device="meta"), args.world_size, rank=args.rank,
+                        inputs=zoo_inputs(shape), optimizer=args.optimizer)
+    except Exception as err:  # the model's own code, under fake tensors: report, never a traceback
+        raise UsageError(f"--simulate: the step failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                         ) from err

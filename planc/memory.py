@@ -262,6 +262,10 @@ class _LiveBytes(TorchDispatchMode):
         return out
 
 
+class TraceError(Exception):
+    """The model could not run one step on the given inputs (the message says why)."""
+
+
 def _output_tensor(out: Any) -> torch.Tensor:
     for t in tree_flatten(out)[0]:
         if isinstance(t, torch.Tensor) and t.is_floating_point():
@@ -688,7 +692,15 @@ def trace_for(compiled, inputs: tuple | None) -> Trace:
     key = None if inputs is None else tuple(
         (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in inputs)
     if key not in cache:
-        cache[key] = synthetic_trace(compiled) if inputs is None else fake_trace(compiled, inputs)
+        if inputs is None:
+            cache[key] = synthetic_trace(compiled)
+        else:
+            try:
+                cache[key] = fake_trace(compiled, inputs)
+            except Exception as err:  # any model code can fail on unexpected inputs
+                shapes = " and ".join("x".join(map(str, t.shape)) for t in inputs if isinstance(t, torch.Tensor))
+                raise TraceError(f"the model did not run on inputs of shape {shapes}: "
+                                 f"{type(err).__name__}: {err}") from err
     return cache[key]
 
 

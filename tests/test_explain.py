@@ -17,6 +17,8 @@ import os
 import pathlib
 
 import pytest
+import torch
+from torch import nn
 
 from planc import cli
 
@@ -128,3 +130,27 @@ def test_plan_errors_exit_1(monkeypatch, tmp_path):
     bad.write_text("model planc.zoo:seed_transformer_tiny\nunit transformer_layerz.*\n")
     code, out, err = explain([str(bad), "--world-size", "2"], monkeypatch)
     assert code == 1 and "P" in err and out == ""
+
+
+class TwoInputs(nn.Module):
+    """A model that token ids alone cannot drive (like an encoder-decoder)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.float() + y)
+
+
+def two_inputs() -> nn.Module:
+    return TwoInputs()
+
+
+def test_a_model_that_cannot_run_on_token_ids_is_a_usage_error(monkeypatch, tmp_path):
+    plan = tmp_path / "two.plan"
+    plan.write_text("model test_explain:two_inputs\n")
+    code, out, err = explain([str(plan), "--world-size", "2", "--input-shape", "2x4"], monkeypatch)
+    assert code == 2 and "did not run on inputs of shape 2x4" in err and "Traceback" not in err
+    code, out, err = explain([str(plan), "--world-size", "2"], monkeypatch)  # without activations: fine
+    assert code == 0, err
