@@ -11,10 +11,12 @@ Two parts, both without torch.distributed and without a GPU:
 * **A replay of one training step.** FSDP2's schedule is replayed unit by unit: all-gather
   at pre-forward (and at pre-backward when resharded), the explicit or default backward
   prefetch (the next unit in reverse post-forward order), reshard after forward (`true`
-  frees, `false` keeps, `N` keeps a 1/N slice), reduce-scatter and reshard at post-backward,
-  the all-gather result kept until the next copy-out in forward, one reduce-scatter input
-  kept alive until the next one, then the optimizer step (foreach AdamW needs one temporary
-  the size of the sharded parameters). When an input is given, the replay is driven by a
+  frees, `false` keeps, `N` keeps a 1/N slice), reshard then reduce-scatter at post-backward
+  (a group unit does this per module, as torch 2.13 does, and is gathered again for the
+  next member), the all-gather output alive during each copy-out and kept until the next
+  copy-out in forward, one reduce-scatter input kept alive until the next one, extra
+  copies for `Shard(d != 0)` parameters, then the optimizer step (foreach AdamW needs one
+  temporary the size of the sharded parameters). When an input is given, the replay is driven by a
   forward and backward of the model on **fake CPU tensors** (shapes only, no memory): a
   dispatch mode records the live bytes of every tensor that is not a parameter
   (activations, temporaries, unsharded gradients until their unit's reduce-scatter), with
@@ -22,6 +24,8 @@ Two parts, both without torch.distributed and without a GPU:
   Without an input, activations are left out and the replay walks the units in module order.
 
 Counted: tensor bytes only (no CUDA context, NCCL or allocator workspaces, fragmentation).
+Checked against `planc.simulate` (FSDPMemTracker in a fake process group) and against real
+2-rank gloo runs: tests/test_memory.py, tests/test_memory_dist.py.
 """
 
 from __future__ import annotations

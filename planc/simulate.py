@@ -1,5 +1,6 @@
-"""Simulate one training step of a plan as rank r of N in this process: fake process group,
-fake tensors, FSDP2's own memory tracker. No GPUs, no real memory, any N.
+"""Simulate one training step of a plan as rank r of N, in this process, with no real memory.
+
+A fake process group, fake tensors and FSDP2's own memory tracker: no GPUs, any N.
 
 The recipe (see docs/fsdp2-facts.md): `init_process_group("fake", store=FakeStore(), ...)`;
 the device mesh is built outside `FakeTensorMode`; the model is built on meta, sharded by
