@@ -140,9 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{args.steps} steps in {elapsed:.1f} s")
         return 0
     except (planc.PlanError, ModelLoadError) as err:
-        log(f"error: {err}", file=sys.stderr)
+        log(f"error: {err}", file=sys.stderr)  # every rank compiles the same plan: all stop here
         return 2
     finally:
+        # NOTE: without this barrier a rank that is done first tears gloo down under a peer
+        # still finishing its last collective; the peer then aborts ("terminate called without
+        # an active exception", exit -6) in about half the runs on 2 CPU ranks.
+        if sys.exc_info()[0] is None:
+            dist.barrier()
         dist.destroy_process_group()
 
 
