@@ -525,6 +525,7 @@ class _Replay:
         self.rs_clone = backend == "gloo" and shard > 1
         self.units = compiled.units
         self.state = ["sharded"] * len(mem)     # sharded | unsharded | post_forward | prefetched
+        self.slices: set[int] = set()           # post-forward slices still alive while re-gathered
         self.reduced: dict[int, set[str]] = {i: set() for i in range(len(mem))}  # reduce-scattered params
         self.ag_kept = 0                        # forward: previous all-gather result, freed at next copy-out
         self.rs_kept = 0                        # last reduce-scatter input, freed at next reduce-scatter
@@ -554,6 +555,8 @@ class _Replay:
                 b["unsharded_params"] += self.mem[i].post_forward
             elif s == "prefetched":
                 b["all_gather"] += self.mem[i].unsharded
+        for i in self.slices:
+            b["unsharded_params"] += self.mem[i].post_forward
         b["all_gather"] += self.ag_kept
         b["reduce_scatter"] = self.rs_kept
         b["unsharded_grads"] = self.live_grads
@@ -564,11 +567,30 @@ class _Replay:
         self.timeline.append(Moment(label, self.phase, self.where, b))
 
     # --------------------------------------------------------------- FSDP2 actions
+    def issue(self, i: int, label: str) -> None:
+        """Start unit `i`'s all-gather: the output buffer, and the input copied into it.
+
+        The input is the local shard in param_dtype, or, after `reshard after_forward = N`,
+        the kept 1/N slice, which stays alive until the copy-out.
+        """
+        m = self.mem[i]
+        if self.state[i] == "post_forward":
+            self.slices.add(i)
+            copy_in = m.post_forward
+        else:
+            copy_in = m.unsharded // self.shard
+        self.state[i] = "prefetched"
+        self.transient = {"all_gather": copy_in}
+        self.snapshot(label)
+        self.transient = {}
+
     def unshard(self, i: int, label: str) -> None:
-        """All-gather unit `i` and copy it out (its all-gather output briefly coexists)."""
+        """All-gather unit `i` (unless prefetched) and copy it out."""
         s = self.state[i]
         if s == "unsharded":
             return
+        if s != "prefetched":
+            self.issue(i, label)
         m = self.mem[i]
         # the all-gather output (issued now or by a prefetch) lives until the copy-out is done
         self.transient = {"all_gather": m.unsharded + m.shard_dim_copy}
@@ -577,12 +599,13 @@ class _Replay:
         self.state[i] = "unsharded"
         self.snapshot(label)  # copy-out: all-gather output and unsharded parameters both alive
         self.transient = {}
+        self.slices.discard(i)
         if self.phase == "forward" and self.shard > 1:
             self.ag_kept = m.unsharded
 
     def prefetch(self, i: int) -> None:
         if self.state[i] in ("sharded", "post_forward"):
-            self.state[i] = "prefetched"
+            self.issue(i, f"all-gather {self.mem[i].name} (prefetch)")
 
     def reshard(self, i: int) -> None:
         self.state[i] = "sharded"
