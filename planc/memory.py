@@ -471,6 +471,13 @@ class Moment:
     def total(self) -> int:
         return sum(self.bytes.values())
 
+    @property
+    def gathered(self) -> str | None:
+        """The unit being all-gathered at this moment, if any."""
+        if self.label.startswith("all-gather "):
+            return self.label[len("all-gather "):self.label.rindex(" (")]
+        return None
+
 
 @dataclass
 class Estimate:

@@ -52,7 +52,7 @@ def plot_step(est, path: str, measured=None) -> None:
     top = max(max(m.total for m in est.timeline), est.lower_bound, measured.peak if measured else 0) / scale
     ax.set_ylim(0, top * 1.25)
     # Mark where units are gathered; at most ~20 labels so they stay readable.
-    marks = [(x, m.unit) for x, m in zip(xs, est.timeline) if m.label.startswith("all-gather")]
+    marks = [(x, m.gathered) for x, m in zip(xs, est.timeline) if m.gathered and "(prefetch)" not in m.label]
     step = max(1, len(marks) // 20)
     for j, (x, name) in enumerate(marks):
         ax.axvline(x, color="lightgrey", lw=0.4)

@@ -101,9 +101,9 @@ def test_reshard_rules_at_the_end_of_forward():
     assert _end_of_forward(false).bytes["unsharded_params"] == tail.unsharded + sum(b.unsharded for b in blocks)
     assert _end_of_forward(two).bytes["unsharded_params"] == tail.unsharded + sum(b.unsharded // 2 for b in blocks)
     # kept blocks need no all-gather in backward; resharded ones do
-    gathered = {m.unit for m in false.timeline if m.label.startswith("all-gather") and m.phase == "backward"}
+    gathered = {m.gathered for m in false.timeline if m.phase == "backward"}
     assert not gathered & {b.name for b in blocks}
-    gathered = {m.unit for m in true.timeline if m.label.startswith("all-gather") and m.phase == "backward"}
+    gathered = {m.gathered for m in true.timeline if m.phase == "backward"}
     assert {b.name for b in blocks} <= gathered
 
 
