@@ -154,3 +154,10 @@ def test_a_model_that_cannot_run_on_token_ids_is_a_usage_error(monkeypatch, tmp_
     assert code == 2 and "did not run on inputs of shape 2x4" in err and "Traceback" not in err
     code, out, err = explain([str(plan), "--world-size", "2"], monkeypatch)  # without activations: fine
     assert code == 0, err
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path):
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: import fails
+    code, _, err = explain(CASES["seed_hsdp_w4"] + ["--plot", str(tmp_path / "x.png")], monkeypatch)
+    assert code == 2 and 'pip install "planc[plot]"' in err and not (tmp_path / "x.png").exists()
