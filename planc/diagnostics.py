@@ -131,6 +131,10 @@ CODES: dict[str, Code] = {
                  "(`nn.MultiheadAttention` passes `out_proj.weight` to a functional op), so a unit there "
                  "is never gathered and the parent computes with a shard. Make the parent the unit.\n\n"
                  "    unit **.attention.out_proj   # error: make `**.attention` the unit"),
+    "P308": Code("ignored parameter in a mixed-precision unit", "FSDP2 neither shards nor casts ignored "
+                 "parameters, so under `precision param = bf16` an ignored fp32 weight meets bf16 "
+                 "activations (a dtype error in most ops). Cast it in the model, or do not ignore it.",
+                 "warning"),
     # --- mesh (P4xx)
     "P401": Code("mesh does not fit the world size", "The mesh dimensions do not multiply to the number "
                  "of ranks."),
@@ -140,6 +144,9 @@ CODES: dict[str, Code] = {
     "P404": Code("placement dim not divisible", "`Shard(d)` with d != 0 needs that dimension divisible by "
                  "the shard size (FSDP2 pads only dim 0)."),
     "P405": Code("mesh needs a world size", "Only one mesh dimension can be `*`."),
+    "P406": Code("reshard size is a boolean in disguise", "`reshard after_forward = 1` keeps parameters "
+                 "unsharded after forward (the same as `false`); a size equal to the shard size reshards "
+                 "fully (the same as `true`). Write the boolean.", "warning"),
     # --- expectations (P5xx)
     "P501": Code("expectation failed", "An `expect` statement does not hold for the resolved plan."),
     "P502": Code("memory expectation failed", "An `expect memory...` bound does not hold under planc's "

@@ -401,8 +401,10 @@ class Resolver:
                     continue
                 if isinstance(value, int):
                     targets = [u.name for u in order[k + 1:k + 1 + value] if not u.is_root]
-                    if value and not targets:
-                        continue  # end of the chain: leave FSDP2's implicit prefetching alone
+                    if not targets:
+                        # Depth 0, or the end of the chain. FSDP2 reads an empty list as "use
+                        # the implicit prefetch", so there is nothing to set.
+                        continue
                 else:
                     targets = []
                     for sel in value:

@@ -190,6 +190,33 @@ def check_precision(ctx: Context) -> Iterator[Diagnostic]:
                        f"{DTYPE_NAMES[du]}, output = {DTYPE_NAMES[do]}, cast_inputs = true`",
                        "or give both units the same param dtype"))
 
+    yield from _sibling_precision(ctx, model_dtype)
+
+
+def _sibling_precision(ctx: Context, model_dtype: torch.dtype) -> Iterator[Diagnostic]:
+    """P304 between neighbours: a unit's outputs feed the next unit in model order."""
+    g, res = ctx.graph, ctx.res
+
+    def outer_of(u: Unit):
+        return next((res.enclosing(a, g) for a in g.ancestors(u.modules[0]) if res.enclosing(a, g)), None)
+
+    inner = sorted(ctx.inner_units(), key=lambda u: g.pre(u.modules[0]))
+    found = []
+    for a, b in zip(inner, inner[1:]):
+        if outer_of(a) is not outer_of(b) or any(g.is_within(m, n) for m in b.modules for n in a.modules):
+            continue  # not neighbours at one level: nesting is checked above
+        sent = a["output_dtype"] or _dtype(a, model_dtype)
+        computes = _dtype(b, model_dtype)
+        if sent != computes and not (b["cast_inputs"] and b["param_dtype"] is not None):
+            setting = b.settings["cast_inputs"] if b.settings["cast_inputs"].span else b.settings["param_dtype"]
+            found.append(((setting.span or b.span, DTYPE_NAMES[sent], DTYPE_NAMES[computes]), (a.name, b.name)))
+    for (span, sent, computes), pairs in _by_key(found).items():
+        a, b = pairs[0]
+        more = f" (and {len(pairs) - 1} more pair{'s' * (len(pairs) > 2)})" if len(pairs) > 1 else ""
+        yield _err("P304", f"unit `{b}` receives {sent} outputs from `{a}` but computes in {computes}{more}",
+                   span, "inputs are not cast", (
+                       f"set `precision cast_inputs = true` on `{b}`, or `precision output = {computes}` on `{a}`",))
+
 
 def check_mesh(ctx: Context) -> Iterator[Diagnostic]:
     """P401: the mesh must multiply to the world size."""
@@ -221,10 +248,46 @@ def check_reshard_size(ctx: Context) -> Iterator[Diagnostic]:
             setting = u.settings["reshard_after_forward"]
             found.append(((setting.span or u.span, value), u.name))
     divisors = [d for d in range(1, shard + 1) if shard % d == 0]
+    yield from _degenerate_reshard(ctx, shard)
     for (span, value), units in _by_key(found).items():
         yield _err("P402", f"unit{'s' * (len(units) > 1)} {_names(units)} reshard{'s' * (len(units) == 1)} to "
                    f"groups of {value}, which does not divide the shard size {shard}", span,
                    f"{value} does not divide {shard}", ("choose one of " + ", ".join(map(str, divisors[:12])),))
+
+
+def _degenerate_reshard(ctx: Context, shard: int) -> Iterator[Diagnostic]:
+    """P406: an int reshard size of 1 or of the whole shard group is really a boolean."""
+    seen = set()
+    for u in ctx.res.units:
+        value = u["reshard_after_forward"]
+        if isinstance(value, bool) or not isinstance(value, int) or value not in (1, shard):
+            continue
+        span = u.settings["reshard_after_forward"].span or u.span
+        if span in seen:
+            continue
+        seen.add(span)
+        same = "false" if value == 1 else "true"
+        yield _err("P406", f"`reshard after_forward = {value}` on a shard group of {shard} is the same as "
+                   f"`{same}`", span, f"means {same}", (f"write `reshard after_forward = {same}`",),
+                   severity="warning")
+
+
+def check_ignored_precision(ctx: Context) -> Iterator[Diagnostic]:
+    """P308: an ignored parameter stays in its own dtype inside a unit that casts the others."""
+    g, res = ctx.graph, ctx.res
+    by_span: dict = {}
+    for name, span in res.ignored.items():
+        owner = res.enclosing(g.owners(name)[0], g)
+        if owner is None or owner["param_dtype"] is None or owner["param_dtype"] == g.params[name].dtype:
+            continue
+        by_span.setdefault(span, []).append((name, owner))
+    for span, hits in by_span.items():
+        name, owner = hits[0]
+        more = f" (and {len(hits) - 1} more)" if len(hits) > 1 else ""
+        yield _err("P308", f"ignored parameter `{name}`{more} stays {DTYPE_NAMES.get(g.params[name].dtype, '?')} "
+                   f"in unit `{owner.name}`, which computes in {DTYPE_NAMES[owner['param_dtype']]}", span,
+                   "FSDP2 does not cast ignored parameters",
+                   ("cast it in the model's forward, or do not ignore it",), severity="warning")
 
 
 def check_placements(ctx: Context) -> Iterator[Diagnostic]:
@@ -390,6 +453,7 @@ CHECKS: tuple[Callable[[Context], Iterator[Diagnostic]], ...] = (
     check_tied,
     check_unowned,
     check_scalar,
+    check_ignored_precision,
     check_precision,
     check_mesh,
     check_reshard_size,

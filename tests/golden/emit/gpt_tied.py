@@ -30,5 +30,4 @@ def apply_plan(model, mesh):
     model.set_modules_to_forward_prefetch([model.wte])
     model.wte.set_modules_to_forward_prefetch([model.blocks[0]])
     model.blocks[0].set_modules_to_forward_prefetch([model.blocks[1]])
-    model.blocks[1].set_modules_to_forward_prefetch([])
     return model

@@ -78,6 +78,4 @@ def apply_plan(model, mesh):
     model.layers[1].set_modules_to_backward_prefetch([model.layers[0].moe])
     model.layers[0].moe.set_modules_to_backward_prefetch([model.layers[0]])
     model.layers[0].set_modules_to_backward_prefetch([model.tok_embeddings])
-    model.tok_embeddings.set_modules_to_backward_prefetch([])
-    model.set_modules_to_backward_prefetch([])
     return model
