@@ -601,14 +601,14 @@ class _Replay:
         m = self.mem[i]
         # the all-gather output (issued now or by a prefetch) lives until the copy-out is done
         self.transient = {"all_gather": m.unsharded + m.shard_dim_copy}
-        if self.phase == "forward":
-            self.ag_kept = 0  # the previous all-gather result is freed at this copy-out
         self.state[i] = "unsharded"
         self.snapshot(label)  # copy-out: all-gather output and unsharded parameters both alive
         self.transient = {}
         self.slices.discard(i)
-        if self.phase == "forward" and self.shard > 1:
-            self.ag_kept = m.unsharded
+        if self.phase == "forward":
+            # NOTE: FSDP2 drops the previous all-gather result in this wait, but a local
+            # still holds it until the copy-out returns; this one is kept until the next
+            self.ag_kept = m.unsharded if self.shard > 1 else 0
 
     def prefetch(self, i: int) -> None:
         if self.state[i] in ("sharded", "post_forward"):
