@@ -311,14 +311,22 @@ def _bytes(n: int) -> str:
 # ===================================================================== apply
 
 
-def _already_sharded(model: nn.Module, span: Span | None) -> list[Diagnostic]:
-    """P601 when FSDP, DTensor parameters or composable checkpointing are already there."""
+def _already_sharded(graph: ModelGraph, span: Span | None) -> list[Diagnostic]:
+    """P601 when FSDP, DTensor parameters or composable checkpointing are already there.
+
+    One pass over the modules the compiled graph already holds (this runs on every `apply`).
+    """
     from torch.distributed._composable.contract import _get_registry
 
-    fsdp = [path or "<root>" for path, m in model.named_modules() if isinstance(m, FSDPModule)]
-    dtensors = [name for name, p in model.named_parameters() if isinstance(p, DTensor)]
-    checkpointed = [path or "<root>" for path, m in model.named_modules()
-                    if "checkpoint" in (_get_registry(m) or {})]
+    fsdp, dtensors, checkpointed = [], [], []
+    for path in graph.modules:
+        module = graph.module(path)
+        if isinstance(module, FSDPModule):
+            fsdp.append(path or "<root>")
+        if "checkpoint" in (_get_registry(module) or {}):
+            checkpointed.append(path or "<root>")
+        dtensors += [f"{path}.{local}" if path else local for local, p in module._parameters.items()
+                     if isinstance(p, DTensor)]
     found = [(fsdp, "FSDP modules"), (dtensors, "DTensor parameters"), (checkpointed, "checkpointed modules")]
     notes = tuple(f"{what}: " + ", ".join(f"`{n}`" for n in names[:3]) +
                   (f" and {len(names) - 3} more" if len(names) > 3 else "") for names, what in found if names)
@@ -329,12 +337,13 @@ def _already_sharded(model: nn.Module, span: Span | None) -> list[Diagnostic]:
                        help=("apply a plan once, to a freshly built model",))]
 
 
-def _non_contiguous(compiled: CompiledPlan, model: nn.Module) -> list[Diagnostic]:
-    ignored = compiled.resolution.ignored
+def _non_contiguous(compiled: CompiledPlan) -> list[Diagnostic]:
+    """P604 for parameters FSDP2 cannot shard (read from the graph: no parameter lookups)."""
+    ignored, params = compiled.resolution.ignored, compiled.graph.params
     out = []
     for unit in compiled.units:
         for name in unit.params:
-            if name not in ignored and not model.get_parameter(name).is_contiguous():
+            if name not in ignored and not params[name].contiguous:
                 out.append(Diagnostic(code="P604", severity="error", span=unit.span,
                                       message=f"parameter `{name}` of unit `{unit.name}` is not contiguous",
                                       label="this unit", help=(f"`ignore {name}`, or make it contiguous in the model",)))
@@ -359,11 +368,11 @@ def _compile_live(plan, model: nn.Module, mesh: DeviceMesh | None) -> tuple[Comp
                                       "the environment for it), or pass `mesh=`",)))
     compiled = compile_plan(parsed, model, world, strict=False)
     span = parsed.statements[0].span if parsed.statements else None
-    extra += _already_sharded(model, span)
+    extra += _already_sharded(compiled.graph, span)
     if mesh is not None:
         extra += check_mesh_fits(mesh, compiled.mesh)
     if not compiled.errors:
-        extra += _non_contiguous(compiled, model)
+        extra += _non_contiguous(compiled)
     return compiled, extra
 
 
