@@ -526,10 +526,8 @@ class _Replay:
     """FSDP2's per-unit memory state machine, driven by a trace's events."""
 
     def __init__(self, compiled, mem: list[UnitMemory], optimizer: str, replicated: int, trace: Trace,
-                 shard: int, backend: str = "nccl"):
+                 shard: int):
         self.c, self.mem, self.optimizer, self.trace, self.shard = compiled, mem, optimizer, trace, shard
-        # gloo's reduce-scatter clones its whole input (NCCL does not)
-        self.rs_clone = backend == "gloo" and shard > 1
         self.units = compiled.units
         self.state = ["sharded"] * len(mem)     # sharded | unsharded | post_forward | prefetched
         self.slices: set[int] = set()           # post-forward slices still alive while re-gathered
@@ -629,8 +627,9 @@ class _Replay:
             self.transient = {"reduce_scatter": rs, "unsharded_grads": m.shard_dim_copy}
             self.live_grads = max(grads_before, self.live_grads)
             self.snapshot(f"reduce-scatter {m.name}")
-            # the collective itself: unsharded gradients freed; gloo adds a clone of its input
-            self.transient = {"reduce_scatter": rs * (2 if self.rs_clone else 1)}
+            # the collective itself: unsharded gradients freed. (Stock gloo also clones its
+            # input, freed whenever its work object dies; NCCL does not: not modelled.)
+            self.transient = {"reduce_scatter": rs}
             live, grads = self.live, self.live_grads
             self.live, self.live_grads = live - grads, 0
             self.snapshot(f"reduce-scatter {m.name}")
@@ -739,8 +738,7 @@ def trace_for(compiled, inputs: tuple | None) -> Trace:
 
 
 def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
-             inputs: tuple | None = None, input_shape: tuple[int, ...] | None = None,
-             backend: str = "nccl") -> Estimate:
+             inputs: tuple | None = None, input_shape: tuple[int, ...] | None = None) -> Estimate:
     """The per-rank memory of one training step of `compiled` at `world` ranks.
 
     Args:
@@ -749,8 +747,6 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
         optimizer: "adamw", "sgd" (no momentum) or "none".
         inputs: model inputs for the activation trace (any device; only shapes are used).
         input_shape: (batch, seq) token ids for language models, if `inputs` is not given.
-        backend: "nccl" (default) or "gloo", whose reduce-scatter clones its input: a
-            transient copy of each unit's reduce-scatter buffer (CPU runs only).
 
     Returns:
         The `Estimate`: per-unit bytes, the peak with its breakdown and moment, the timeline,
@@ -769,7 +765,7 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
     mem = unit_memory(compiled, world, optimizer)
     replicated = sum(graph.params[n].nbytes for n in _replicated_params(compiled))
     host = sum(m.sharded + m.grads + m.optimizer for m in mem if m.offload)
-    timeline = _Replay(compiled, mem, optimizer, replicated, trace, shard, backend).run()
+    timeline = _Replay(compiled, mem, optimizer, replicated, trace, shard).run()
     peak = max(timeline, key=lambda m: m.total)
     activations = None if inputs is None else max((e.live - e.grads for e in trace.events), default=0)
     # Lower bound: every state sharded over all ranks, the largest single module's own
