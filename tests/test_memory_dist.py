@@ -10,7 +10,7 @@ For each plans/*.plan written for a planc.zoo model, applied to its `_tiny` buil
   group) at the same world size.
 
 Stock gloo's reduce-scatter clones its whole input and frees the clone whenever its work
-object dies, so stock CPU peaks run 0-13% above what NCCL would allocate, and vary between
+object dies, so stock CPU peaks ran 0-14% above what NCCL would allocate (seen here), and vary between
 ranks and runs. The real run is therefore measured twice: stock, and with FSDP's
 reduce-scatter done as an in-place all-reduce + slice (same values; `measure_real(...,
 nccl_like_reduce_scatter=True)`), which matches the fake-process-group simulation byte for
