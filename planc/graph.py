@@ -65,11 +65,6 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
-def _has_forward(module: nn.Module) -> bool:
-    """False for containers such as ModuleList/ModuleDict, whose forward is unimplemented."""
-    return type(module).forward is not nn.Module.forward
-
-
 class ModelGraph:
     """A read-only view of a module tree, built once from a model (see `from_module`).
 
@@ -90,20 +85,18 @@ class ModelGraph:
     def _index(self) -> None:
         """Children, own parameters, pre/post order and subtree extents, as dicts."""
         g = self.g
-        self._data: dict = dict(g.nodes(data=True))  # node -> attributes, without view overhead
-        mods = [n for n, d in self._data.items() if d["kind"] == "module"]
-        mods.sort(key=lambda p: g.nodes[p]["pre"])
+        self._data: dict = {n: d for n, d in g.nodes(data=True) if d["kind"] == "module"}
+        mods = sorted(self._data, key=lambda p: self._data[p]["pre"])
         self._children: dict[str, list[str]] = {m: [] for m in mods}
         self._child_names: dict[str, list[str]] = {m: [] for m in mods}
         self._own: dict[str, list[tuple[str, str]]] = {m: [] for m in mods}
-        for m in mods:
-            for n in g.successors(m):
-                local = g.edges[m, n]["name"]
-                if isinstance(n, tuple):
-                    self._own[m].append((local, n[1]))
-                else:
-                    self._children[m].append(n)
-                    self._child_names[m].append(local)
+        for m, n, local in g.edges(data="name"):
+            if isinstance(n, tuple):
+                self._own[m].append((local, n[1]))
+        for m in mods[1:]:  # registration order: children appear in the pre-order list in order
+            parent, _, local = m.rpartition(".")
+            self._children[parent].append(m)
+            self._child_names[parent].append(local)
         self._order = tuple(mods)
         self._pre = {m: i for i, m in enumerate(mods)}
         # subtree of m = _order[pre(m) : _end[m]]; post-order number from a reverse sweep
@@ -124,7 +117,7 @@ class ModelGraph:
         self._end = end
         self._post = post
         for m in mods:
-            g.nodes[m]["post"] = post[m]
+            self._data[m]["post"] = post[m]
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -134,20 +127,21 @@ class ModelGraph:
 
     @classmethod
     def _from_module(cls, model: nn.Module) -> "ModelGraph":
-        g = nx.DiGraph()
+        nodes: list = []
+        edges: list = []
         params: dict[str, ParamInfo] = {}
         aliases: dict[str, str] = {}
         seen: dict[int, str] = {}
-        order = 0
         # NOTE: named_modules() is pre-order in registration order; positions below depend on it.
-        for path, module in model.named_modules(remove_duplicate=True):
-            g.add_node(path, kind="module", cls=type(module).__name__,
-                       qualname=f"{type(module).__module__}.{type(module).__qualname__}",
-                       has_forward=_has_forward(module), pre=order, module=module)
-            order += 1
+        for order, (path, module) in enumerate(model.named_modules(remove_duplicate=True)):
+            kind = type(module)
+            nodes.append((path, {"kind": "module", "cls": kind.__name__,
+                                 "qualname": f"{kind.__module__}.{kind.__qualname__}",
+                                 "has_forward": kind.forward is not nn.Module.forward,
+                                 "pre": order, "module": module}))
             if path:
                 parent, _, local = path.rpartition(".")
-                g.add_edge(parent, path, name=local)
+                edges.append((parent, path, {"name": local}))
             for local, p in module._parameters.items():
                 if p is None:
                     continue
@@ -156,9 +150,12 @@ class ModelGraph:
                 if canon == full:
                     params[canon] = ParamInfo(canon, tuple(p.shape), p.dtype, p.requires_grad,
                                               p.is_contiguous())
-                    g.add_node(("param", canon), kind="param")
+                    nodes.append((("param", canon), {"kind": "param"}))
                 aliases[full] = canon
-                g.add_edge(path, ("param", canon), name=local)
+                edges.append((path, ("param", canon), {"name": local}))
+        g = nx.DiGraph()
+        g.add_nodes_from(nodes)  # bulk adds: a third of the per-call cost on large models
+        g.add_edges_from(edges)
         return cls(g, params, aliases, model)
 
     # ----------------------------------------------------------------- modules
