@@ -17,7 +17,7 @@ from planc.graph import ModelGraph, paused_gc
 from planc.ir import Mesh, Resolution, Unit
 from planc.parse import load
 from planc.resolve import resolve
-from planc.validate import Context, check_expects, check_mesh, validate
+from planc.validate import Context, check_mesh, validate
 
 
 class CompiledPlan:

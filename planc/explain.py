@@ -17,7 +17,8 @@ from typing import Any
 from planc import render
 from planc.cli import EXIT_ERRORS, EXIT_OK, EXIT_USAGE, ModelCache, UsageError, compile_for_cli, use_color
 from planc.ir import Unit
-from planc.memory import CATEGORIES, Estimate, TraceError, estimate
+from planc.memory import CATEGORIES, Estimate, estimate
+from planc.trace import TraceError
 from planc.options import show_value
 
 LABELS = {"sharded_params": "sharded params", "sharded_grads": "sharded grads", "optimizer_state": "optimizer state",
@@ -136,7 +137,7 @@ def _table(rows: list[list[str]], header: list[str], style: _Style) -> list[str]
 
 def _tree(compiled, style: _Style) -> list[str]:
     """The module tree folded to units: only unit modules and their ancestors are shown."""
-    g, res = compiled.graph, compiled.resolution
+    g = compiled.graph
     unit_mods = {m: u for u in compiled.units if not u.is_root for m in u.modules}
     keep = set()
     for m in unit_mods:

@@ -237,7 +237,6 @@ class Resolver:
         return keys, creators
 
     def _build_units(self, stmts, keys, creators, defaults, rules) -> None:
-        g = self.graph
         effects: dict[int, int] = defaultdict(int)
 
         def settle(is_root: bool, rule_idx: list[int]) -> dict[str, Setting]:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import threading
 from copy import deepcopy
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from planc.memory import loss_of
+from planc.trace import loss_of
 
 # Tracker categories -> planc.memory categories.
 _CATEGORY = {
