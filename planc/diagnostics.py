@@ -184,6 +184,9 @@ CODES: dict[str, Code] = {
                  "(e.g. `fsdp_state_dict_type`); keep it where the script sets it.", "note"),
     "P706": Code("unknown fsdp_config key", "A key under `fsdp_config` is not one accelerate reads; it is "
                  "probably misspelled and accelerate ignores it.", "warning"),
+    "P503": Code("memory expectation not checked", "An `expect memory...` line needs a world size: "
+                 "`at world = N` on the line, or `--world-size N` on the command line. Without one it "
+                 "cannot be checked, and planc says so rather than passing it silently.", "warning"),
     # --- notes (P9xx)
     "P901": Code("FSDP1 spelling", "An FSDP1 word was accepted and mapped to its FSDP2 meaning; the note "
                  "says what it became.", "note"),

@@ -437,13 +437,19 @@ def _expect_metric(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
     world = s.world or ctx.world_size
     if ctx.metrics is None:
         return
+    if world is None:
+        yield _err("P503", f"`expect {s.metric}` was not checked: no world size", s.span,
+                   "memory depends on the number of ranks",
+                   ("add `at world = N` to the line, or pass `--world-size N`",), severity="warning")
+        return
     actual = ctx.metrics(s.metric, world)
     if actual is None:
         return
     if not _OPS[s.op](actual, s.value.value):
         yield _err("P502", f"expected {s.metric} {s.op} {s.value} at world = {world}, but the estimate is "
                    f"{_show_bytes(actual)}", s.span, "bound does not hold",
-                   ("run `planc explain --world-size {} ...` for the breakdown".format(world),))
+                   (f"run `planc explain --world-size {world} ...` for the breakdown (activations are "
+                    "not counted in `planc check`: it has no input shape)",))
 
 
 CHECKS: tuple[Callable[[Context], Iterator[Diagnostic]], ...] = (
