@@ -11,6 +11,7 @@ peak, its breakdown and moment, the lower bound and the unsharded (DDP-like) bas
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -326,8 +327,10 @@ def _simulate(compiled, ref: str, args, shape):
         raise UsageError("--simulate needs --input-shape BxS for a model outside planc.zoo")
     if len(shape) != 2:
         raise UsageError("--input-shape for --simulate is batch x sequence (token ids), e.g. 2x512")
+    # a relative `hf:` path in the plan's `model` line starts from the plan's folder
+    base = None if args.model else os.path.dirname(os.path.abspath(args.plan))
     try:
-        return simulate(compiled.plan, lambda: build_model(ref, device="meta"), args.world_size, rank=args.rank,
+        return simulate(compiled.plan, lambda: build_model(ref, device="meta", base=base), args.world_size, rank=args.rank,
                         inputs=zoo_inputs(shape), optimizer=args.optimizer)
     except Exception as err:  # the model's own code, under fake tensors: report, never a traceback
         raise UsageError(f"--simulate: the step failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
