@@ -150,3 +150,19 @@ def llama405b(n_layers: int = 126) -> Llama:
             (for quick runs).
     """
     return Llama(Llama405BConfig(n_layers=n_layers))
+
+
+# torchtitan's FSDP recipe for these module names, as a plan (shared by the benchmarks).
+TORCHTITAN_PLAN = """\
+model benchmarks._llama405b:llama405b
+mesh (replicate = 1, shard = *)
+defaults {
+  precision param = bf16, reduce = fp32, cast_inputs = false
+  reshard after_forward = true
+}
+unit tok_embeddings
+unit layers.*
+unit [norm, output] { reshard after_forward = false }
+root { reshard after_forward = false }
+expect unit layers.*
+"""

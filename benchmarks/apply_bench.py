@@ -46,23 +46,9 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import planc  # noqa: E402
-from _llama405b import llama405b  # noqa: E402
+from _llama405b import TORCHTITAN_PLAN, llama405b  # noqa: E402
 from tests.distributed import run  # noqa: E402
 from tests.proof_workers import torchtitan_fsdp  # noqa: E402
-
-# torchtitan's recipe for its Llama names, as a plan.
-PLAN = """
-model benchmarks._llama405b:llama405b
-mesh (replicate = 1, shard = *)
-defaults {
-  precision param = bf16, reduce = fp32, cast_inputs = false
-  reshard after_forward = true
-}
-unit tok_embeddings
-unit layers.*
-unit [norm, output] { reshard after_forward = false }
-root { reshard after_forward = false }
-"""
 
 
 def _build(n_layers: int) -> torch.nn.Module:
@@ -98,7 +84,7 @@ def _shard_as_planned(compiled, model: torch.nn.Module, mesh) -> None:
 def bench_worker(rank: int, world_size: int, n_layers: int, reps: int, profile: bool) -> dict:
     """Per rank: `reps` interleaved timings of planc.apply and the hand-written loop."""
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("shard",))
-    plan = planc.loads(PLAN, filename="llama405b.plan")
+    plan = planc.loads(TORCHTITAN_PLAN, filename="llama405b.plan")
 
     # Warm-up (imports, first-call caches) on a small model, not timed.
     planc.apply(_build(2), plan, mesh=mesh)

@@ -40,19 +40,6 @@ import planc  # noqa: E402
 from planc.compiler import CompiledPlan  # noqa: E402
 from planc.graph import ModelGraph  # noqa: E402
 
-LLAMA_PLAN = """\
-model benchmarks._llama405b:llama405b
-mesh (replicate = 1, shard = *)
-defaults {
-  precision param = bf16, reduce = fp32, cast_inputs = false
-  reshard after_forward = true
-}
-unit tok_embeddings
-unit layers.*
-unit [norm, output] { reshard after_forward = false }
-root { reshard after_forward = false }
-expect unit layers.*
-"""
 
 # Rules for the synthetic tree, in the order plans of 1, 4 and 16 rules take them. Together
 # they use every selector form: `*`, `**`, slices, alternation, globs, class guards, regexes,
@@ -206,12 +193,12 @@ def main(argv=None) -> int:
     repeats = args.repeats or (3 if args.quick else 7)
     sizes = (1_000, 10_000) if args.quick else (1_000, 10_000, 100_000)
 
-    from benchmarks._llama405b import llama405b
+    from benchmarks._llama405b import TORCHTITAN_PLAN, llama405b
     t0 = time.perf_counter()
     with torch.device("meta"):
         llama = llama405b()
     build_ms = (time.perf_counter() - t0) * 1e3
-    rows = bench_model("llama405b", llama, {"torchtitan": LLAMA_PLAN}, 64, repeats)
+    rows = bench_model("llama405b", llama, {"torchtitan": TORCHTITAN_PLAN}, 64, repeats)
     del llama
     for n in sizes:
         model = synthetic(n)
