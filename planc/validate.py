@@ -160,11 +160,11 @@ def _dtype(u: Unit, model_dtype: torch.dtype) -> torch.dtype:
 
 def check_precision(ctx: Context) -> Iterator[Diagnostic]:
     """P304: an inner unit computing in another dtype than the unit around it, unbridged."""
-    g, res = ctx.graph, ctx.res
+    g = ctx.graph
     model_dtype = next(iter(g.params.values())).dtype if g.params else torch.float32
     found = []
     for u in ctx.inner_units():
-        outer = next((res.enclosing(a, g) for a in g.ancestors(u.modules[0]) if res.enclosing(a, g)), None)
+        outer = _outer(ctx, u)
         if outer is None:
             continue
         du, do = _dtype(u, model_dtype), _dtype(outer, model_dtype)
@@ -193,17 +193,19 @@ def check_precision(ctx: Context) -> Iterator[Diagnostic]:
     yield from _sibling_precision(ctx, model_dtype)
 
 
+def _outer(ctx: Context, u: Unit) -> Unit | None:
+    """The unit around `u`: the one that manages the parent of its first module."""
+    parent = next(ctx.graph.ancestors(u.modules[0]), None)
+    return None if parent is None else ctx.res.enclosing(parent, ctx.graph)
+
+
 def _sibling_precision(ctx: Context, model_dtype: torch.dtype) -> Iterator[Diagnostic]:
     """P304 between neighbours: a unit's outputs feed the next unit in model order."""
-    g, res = ctx.graph, ctx.res
-
-    def outer_of(u: Unit):
-        return next((res.enclosing(a, g) for a in g.ancestors(u.modules[0]) if res.enclosing(a, g)), None)
-
+    g = ctx.graph
     inner = sorted(ctx.inner_units(), key=lambda u: g.pre(u.modules[0]))
     found = []
     for a, b in zip(inner, inner[1:]):
-        if outer_of(a) is not outer_of(b) or any(g.is_within(m, n) for m in b.modules for n in a.modules):
+        if _outer(ctx, a) is not _outer(ctx, b) or any(g.is_within(m, n) for m in b.modules for n in a.modules):
             continue  # not neighbours at one level: nesting is checked above
         sent = a["output_dtype"] or _dtype(a, model_dtype)
         computes = _dtype(b, model_dtype)
