@@ -350,7 +350,19 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.dim)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.tie_weights()
+        self.reset_parameters()
         self.register_load_state_dict_post_hook(GPT._retie_after_load)
+
+    def reset_parameters(self) -> None:
+        """GPT-2's embedding init, N(0, 0.02), for the shared token/output weight and positions.
+
+        nn.Embedding's own N(0, 1) makes a tied output projection start with logits of
+        magnitude ~sqrt(dim) and losses far above log(vocab). Runs after the children's
+        own `reset_parameters` (materialisation initialises children first).
+        """
+        with torch.no_grad():
+            nn.init.normal_(self.wte.weight, std=0.02)
+            nn.init.normal_(self.wpe.weight, std=0.02)
 
     def tie_weights(self) -> None:
         """Makes ``lm_head`` use the token embedding's weight (``wte.weight`` wins)."""
