@@ -36,6 +36,7 @@ BENCHMARKS = [
         ("planc_apply_cpu_ms_median", "planc.apply CPU (ms)"),
         ("hand_written_cpu_ms_median", "hand-written loop CPU (ms)"),
         ("compile_cpu_ms_median", "of which compiling the plan (ms)"),
+        ("precompiled_cpu_ratio_median", "apply of a plan compiled beforehand / by hand, CPU time, median"),
     ]),
     ("step_bench.py", "training step time, plan-applied vs hand-written torchtitan sharding (2 ranks)", [
         ("ratio_median", "per-step ratio, median (target 1.00 +- noise)"),

@@ -158,6 +158,30 @@ class ModelGraph:
         g.add_edges_from(edges)
         return cls(g, params, aliases, model)
 
+    def describes(self, model: nn.Module) -> bool:
+        """True if this graph still describes `model`: built from it, and since then the same
+        module objects at the same paths, the same parameter names, shapes and dtypes, and the
+        same ties (names that shared one parameter still do, and no others)."""
+        if model is not self.model:
+            return False
+        modules = dict(model.named_modules(remove_duplicate=True))
+        if len(modules) != len(self._order) or any(modules.get(p) is not self._data[p]["module"] for p in self._order):
+            return False
+        canon_of_id: dict[int, str] = {}
+        names = 0
+        for path in self._order:
+            for local, p in self._data[path]["module"]._parameters.items():
+                if p is None:
+                    continue
+                names += 1
+                canon = self.aliases.get(f"{path}.{local}" if path else local)
+                info = self.params.get(canon) if canon else None
+                if info is None or tuple(p.shape) != info.shape or p.dtype != info.dtype:
+                    return False
+                if canon_of_id.setdefault(id(p), canon) != canon:
+                    return False  # a new tie
+        return names == len(self.aliases) and len(canon_of_id) == len(self.params)  # no broken tie
+
     # ----------------------------------------------------------------- modules
     @property
     def modules(self) -> tuple[str, ...]:

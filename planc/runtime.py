@@ -351,10 +351,13 @@ def _non_contiguous(compiled: CompiledPlan) -> list[Diagnostic]:
 
 
 def _compile_live(plan, model: nn.Module, mesh: DeviceMesh | None) -> tuple[CompiledPlan, list[Diagnostic]]:
-    """Compile against the live model at the live world size; collect every error."""
-    if isinstance(plan, CompiledPlan):
-        plan = plan.plan  # recompile: the live model or world size may differ from the original
-    parsed = as_plan(plan)  # raises PlanError itself on syntax errors
+    """Compile against the live model at the live world size; collect every error.
+
+    A `CompiledPlan` is reused as it is when it was compiled against this very model (same
+    modules, same parameter objects) at this world size; otherwise it is compiled again.
+    """
+    precompiled = plan if isinstance(plan, CompiledPlan) else None
+    parsed = as_plan(plan.plan if precompiled is not None else plan)  # raises PlanError on syntax errors
     extra: list[Diagnostic] = []
     if mesh is not None:
         world = mesh.size()
@@ -366,7 +369,11 @@ def _compile_live(plan, model: nn.Module, mesh: DeviceMesh | None) -> tuple[Comp
                                 message="`planc.apply` needs an initialised process group or a `mesh`",
                                 help=("call `torch.distributed.init_process_group()` first (torchrun sets "
                                       "the environment for it), or pass `mesh=`",)))
-    compiled = compile_plan(parsed, model, world, strict=False)
+    if (precompiled is not None and precompiled.world_size == world and precompiled.graph is not None
+            and precompiled.graph.describes(model)):
+        compiled = precompiled
+    else:
+        compiled = compile_plan(parsed, model, world, strict=False)
     span = parsed.statements[0].span if parsed.statements else None
     extra += _already_sharded(compiled.graph, span)
     if mesh is not None:
@@ -382,7 +389,8 @@ def apply(model: nn.Module, plan: st.Plan | CompiledPlan | str | os.PathLike, *,
 
     Args:
         model: the model, on meta, CPU or the mesh's device; not yet sharded.
-        plan: a path, a parsed `Plan` (`planc.load`/`loads`), or a `CompiledPlan` (recompiled
+        plan: a path, a parsed `Plan` (`planc.load`/`loads`), or a `CompiledPlan` (reused if it
+            was compiled against this model, unchanged, at this world size; else recompiled
             against the live model and world size).
         mesh: the device mesh; by default built from the plan's mesh over the default
             process group, on the device the backend drives (gloo: cpu, nccl: cuda).

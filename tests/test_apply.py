@@ -155,6 +155,25 @@ def test_compiled_plan_is_recompiled_for_the_live_model(one_rank):
     assert applied.compiled.world_size == 1
 
 
+def test_compiled_plan_for_this_model_is_reused(one_rank):
+    model = zoo.gpt_tiny()
+    compiled = planc.compile(ROOT / "plans/gpt.plan", model, 1)
+    assert compiled.graph.describes(model)
+    assert planc.apply(model, compiled).compiled is compiled  # no second compile
+
+
+def test_compiled_plan_for_a_changed_model_is_recompiled(one_rank):
+    model = zoo.gpt_tiny()
+    compiled = planc.compile(ROOT / "plans/gpt.plan", model, 1)
+    model.lm_head.weight = nn.Parameter(torch.zeros_like(model.lm_head.weight))  # the tie is broken
+    assert not compiled.graph.describes(model)
+    applied = planc.apply(model, compiled)
+    assert applied.compiled is not compiled  # recompiled: the untied copy is now a parameter of its own
+    group = "[wte, ln_f, lm_head]"
+    assert "lm_head.weight" in applied.compiled.unit(group).params
+    assert "lm_head.weight" not in compiled.unit(group).params
+
+
 def test_checkpoint_already_applied_is_refused(one_rank):
     from torch.distributed._composable import checkpoint
     model = zoo.gpt_tiny()
