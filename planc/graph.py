@@ -14,7 +14,7 @@ import gc
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import networkx as nx
 import torch
@@ -282,10 +282,6 @@ class ModelGraph:
     @property
     def numel(self) -> int:
         return sum(p.numel for p in self.params.values())
-
-    def param_children(self, path: str) -> Iterable[tuple[str, str]]:
-        """(local name, canonical name) pairs for selector matching on parameters."""
-        return self.own_params(path)
 
     def __len__(self) -> int:
         return len(self._order)

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from planc import syntax as st
-from planc.diagnostics import Diagnostic, Span, did_you_mean, suggestion
+from planc.diagnostics import Diagnostic, Span, suggestion
 from planc.graph import ModelGraph
 
 SIZE_FIELDS = ("size",)
@@ -333,8 +333,3 @@ def match_params(graph: ModelGraph, sel: st.Selector, *, optional: bool = False)
                                                     "run `planc tree --model ...` to see them",)))
     out.paths = sorted(canon)
     return out
-
-
-def nearest(word: str, graph: ModelGraph) -> list[str]:
-    """Module paths close to `word`, for messages that have no better context."""
-    return did_you_mean(word, [p for p in graph.modules if p], n=3)
