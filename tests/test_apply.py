@@ -18,7 +18,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import planc
 from planc import zoo
-from planc.ir import Mesh
 from planc.runtime import build_mesh, device_type, fully_shard_kwargs, materialize, unit_modules
 
 MOE = """model planc.zoo:moe_transformer

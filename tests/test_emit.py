@@ -10,7 +10,6 @@ and review the diff. tests/test_emit_dist.py runs the emitted code on real ranks
 
 from __future__ import annotations
 
-import argparse
 import ast
 import contextlib
 import io
@@ -27,7 +26,7 @@ from planc.models import build_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "emit"
-UPDATE = bool(os.environ.get("PLANC_UPDATE_GOLDENS"))
+from goldens import check_golden  # noqa: E402
 
 # golden name -> (plan path relative to the repo, model reference or None for the plan's own)
 CASES = {
@@ -63,10 +62,7 @@ def test_golden(name: str):
     code, out, err = run_emit(plan, ref)
     assert code == 0, err
     golden = GOLDEN / f"{name}.py"
-    if UPDATE:
-        golden.write_text(out, encoding="utf-8")
-    assert golden.exists(), f"no golden {golden.name}: run with PLANC_UPDATE_GOLDENS=1 and review it"
-    assert out == golden.read_text(encoding="utf-8")
+    check_golden(golden, out)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

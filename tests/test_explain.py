@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import pathlib
 
 import pytest
@@ -24,7 +23,7 @@ from planc import cli
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "explain"
-UPDATE = bool(os.environ.get("PLANC_UPDATE_GOLDENS"))
+from goldens import check_golden  # noqa: E402
 
 # case -> explain arguments (run from the repository root)
 CASES = {
@@ -44,14 +43,6 @@ def explain(args: list[str], monkeypatch) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = cli.main(["explain", *args])
     return code, out.getvalue(), err.getvalue()
-
-
-def check_golden(path: pathlib.Path, text: str) -> None:
-    if UPDATE:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-    assert path.exists(), f"no golden {path.name}: run with PLANC_UPDATE_GOLDENS=1 and review it"
-    assert text == path.read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

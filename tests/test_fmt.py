@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
 import pathlib
 
 import pytest
@@ -27,7 +26,7 @@ from planc.parse import parse_text
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "fmt"
-UPDATE = bool(os.environ.get("PLANC_UPDATE_GOLDENS"))
+from goldens import check_golden  # noqa: E402
 
 
 def tree(text: str):
@@ -243,11 +242,7 @@ GOLDEN_CASES = sorted(GOLDEN.glob("*.plan"))
 def test_golden(case: pathlib.Path):
     text = case.read_text(encoding="utf-8")
     out = assert_formats(text)
-    expected = case.with_suffix(".formatted")
-    if UPDATE:
-        expected.write_text(out, encoding="utf-8")
-    assert expected.exists(), f"no golden {expected.name}: run with PLANC_UPDATE_GOLDENS=1 and review it"
-    assert out == expected.read_text(encoding="utf-8")
+    check_golden(case.with_suffix(".formatted"), out)
 
 
 def test_goldens_exist():

@@ -33,7 +33,7 @@ from planc.selectors import _size_filter
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "resolve"
 CASES = sorted(FIXTURES.glob("*.plan"))
-UPDATE = bool(os.environ.get("PLANC_UPDATE_GOLDENS"))
+from goldens import check_golden  # noqa: E402
 _GRAPHS: dict[str, ModelGraph] = {}
 
 
@@ -87,12 +87,7 @@ def compile_fixture(path: pathlib.Path) -> CompiledPlan:
 @pytest.mark.parametrize("plan", CASES, ids=[p.stem for p in CASES])
 def test_fixture(plan: pathlib.Path):
     actual = describe(compile_fixture(plan))
-    expected = plan.with_suffix(".units")
-    if UPDATE:
-        expected.write_text(actual, encoding="utf-8")
-        return
-    assert expected.exists(), f"no {expected.name}; run with PLANC_UPDATE_GOLDENS=1"
-    assert actual == expected.read_text(encoding="utf-8")
+    check_golden(plan.with_suffix(".units"), actual)
 
 
 # ===================================================================== invariants on every fixture

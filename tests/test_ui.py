@@ -25,7 +25,7 @@ from planc.diagnostics import CODES
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 UI = ROOT / "tests" / "ui"
 CASES = sorted(UI.glob("*.plan"))
-UPDATE = bool(os.environ.get("PLANC_UPDATE_GOLDENS"))
+from goldens import check_golden  # noqa: E402
 WORLD = re.compile(r"#\s*world-size:\s*([0-9 ]+)")
 
 # Codes `planc check` cannot produce: P6xx are raised by `planc.apply` on a live model in a
@@ -70,12 +70,7 @@ def render_case(plan: pathlib.Path) -> str:
 def test_golden(plan: pathlib.Path, monkeypatch):
     monkeypatch.delenv("NO_COLOR", raising=False)
     actual = render_case(plan)
-    golden = plan.with_suffix(".stderr")
-    if UPDATE:
-        golden.write_text(actual, encoding="utf-8")
-        return
-    assert golden.exists(), f"no golden for {plan.name}; run with PLANC_UPDATE_GOLDENS=1"
-    assert actual == golden.read_text(encoding="utf-8")
+    check_golden(plan.with_suffix(".stderr"), actual)
 
 
 # Cases that cannot be a .plan file beside a golden: the plan file itself is missing or is
