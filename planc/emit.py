@@ -402,38 +402,35 @@ def _first_bracket(text: str) -> int | None:
     return None
 
 
-def _matching(text: str, open_at: int) -> int:
+def _scan(text: str, start: int = 0):
+    """Yield (index, char, bracket depth before it) for characters outside string literals."""
     depth, quote = 0, None
-    for i in range(open_at, len(text)):
+    for i in range(start, len(text)):
         ch = text[i]
         if quote:
             if ch == quote and text[i - 1] != "\\":
                 quote = None
-        elif ch in "'\"":
+            continue
+        if ch in "'\"":
             quote = ch
-        elif ch in "([{":
+            continue
+        yield i, ch, depth
+        if ch in "([{":
             depth += 1
         elif ch in ")]}":
             depth -= 1
-            if depth == 0:
-                return i
-    return len(text)
+
+
+def _matching(text: str, open_at: int) -> int:
+    """The index of the bracket closing the one at `open_at` (or the end of the text)."""
+    return next((i for i, ch, depth in _scan(text, open_at) if ch in ")]}" and depth == 1), len(text))
 
 
 def _split_args(text: str) -> list[str]:
     """Split at top-level commas (not inside brackets or strings)."""
-    out, depth, start, quote = [], 0, 0, None
-    for i, ch in enumerate(text):
-        if quote:
-            if ch == quote and text[i - 1] != "\\":
-                quote = None
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        elif ch == "," and depth == 0:
+    out, start = [], 0
+    for i, ch, depth in _scan(text):
+        if ch == "," and depth == 0:
             out.append(text[start:i].strip())
             start = i + 1
     out.append(text[start:].strip())
