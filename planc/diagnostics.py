@@ -188,6 +188,10 @@ CODES: dict[str, Code] = {
                  "`at world = N` on the line, or `--world-size N` on the command line. Without one it "
                  "cannot be checked, and planc says so rather than passing it silently.", "warning"),
     # --- notes (P9xx)
+    "P902": Code("root reshards after forward by default", "`defaults` apply to the root unit too. "
+                 "`reshard after_forward = true` there frees the root's parameters after forward, although "
+                 "backward needs them first: FSDP2's own default for the root is `false`. Add "
+                 "`root { reshard after_forward = false }` unless that is what you want.", "note"),
     "P901": Code("FSDP1 spelling", "An FSDP1 word was accepted and mapped to its FSDP2 meaning; the note "
                  "says what it became.", "note"),
 }

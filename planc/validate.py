@@ -312,6 +312,19 @@ def check_placements(ctx: Context) -> Iterator[Diagnostic]:
                    ("use `Shard(0)` (padded automatically) or a shard size that divides it",))
 
 
+def check_root_reshard(ctx: Context) -> Iterator[Diagnostic]:
+    """P902 (note): the root inherits `reshard after_forward = true` from `defaults`."""
+    root = next((u for u in ctx.res.units if u.is_root), None)
+    if root is None:
+        return
+    setting = root.settings["reshard_after_forward"]
+    if setting.rule == "defaults" and setting.value is True:
+        yield _err("P902", "the root unit reshards after forward: it inherits this from `defaults`",
+                   setting.span, "applies to the root too",
+                   ("add `root { reshard after_forward = false }` (FSDP2's default for the root): "
+                    "backward needs the root's parameters first",), severity="note")
+
+
 def check_shadowed(ctx: Context) -> Iterator[Diagnostic]:
     """P207 (warning): a rule whose every unit and option is set again later.
 
@@ -466,6 +479,7 @@ CHECKS: tuple[Callable[[Context], Iterator[Diagnostic]], ...] = (
     check_mesh,
     check_reshard_size,
     check_placements,
+    check_root_reshard,
     check_shadowed,
     check_expects,
 )
