@@ -17,7 +17,7 @@ from planc.graph import ModelGraph, paused_gc
 from planc.ir import Mesh, Resolution, Unit
 from planc.parse import load
 from planc.resolve import resolve
-from planc.validate import Context, check_mesh, validate
+from planc.validate import Context, check_mesh, metric_problems, validate
 
 
 class CompiledPlan:
@@ -111,7 +111,6 @@ def sort_diagnostics(diags: list[Diagnostic]) -> list[Diagnostic]:
 
 def check_expects_without_model(ctx: Context):
     """Metric names and units in `expect` lines can be checked without a model."""
-    from planc.validate import metric_problems
     for s in ctx.plan.statements:
         if isinstance(s, st.ExpectMetric):
             yield from metric_problems(s)

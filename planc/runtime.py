@@ -246,7 +246,7 @@ class AppliedPlan:
 
         Counts each parameter once (tied ones too) at its local, unpadded shard size.
         """
-        return sum(_local_bytes(p) for p in _unique_params(self.model))
+        return sum(_local_bytes(p) for p in self.model.parameters())  # tied parameters come once
 
     def unit_local_bytes(self, unit: Unit) -> int:
         """Bytes of the local shards of the parameters `unit` manages."""
@@ -255,7 +255,7 @@ class AppliedPlan:
     def summary(self) -> str:
         """A short human text: mesh, units, parameters and bytes held on this rank."""
         rank = dist.get_rank() if dist.is_initialized() else 0
-        total = sum(p.numel() for p in _unique_params(self.model))
+        total = sum(p.numel() for p in self.model.parameters())  # tied parameters come once
         lines = [f"planc: {self.compiled.plan.file}: {len(self.units)} units on mesh "
                  f"{dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape))} ({self.mesh.device_type}); "
                  f"{_count(total)} parameters, rank {rank} holds {_bytes(self.local_param_bytes())}"]
@@ -273,10 +273,6 @@ class AppliedPlan:
             codes = ", ".join(sorted({d.code for d in warnings}))
             lines.append(f"  {len(warnings)} warning(s) ({codes}): see `planc check` or `.compiled.diagnostics`")
         return "\n".join(lines)
-
-
-def _unique_params(model: nn.Module) -> Iterable[torch.Tensor]:
-    return model.parameters()  # nn.Module.parameters() already yields shared parameters once
 
 
 def _local_bytes(p: torch.Tensor) -> int:
