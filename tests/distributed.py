@@ -36,6 +36,11 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn, args) -> No
     except BaseException:
         torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
         raise
+    else:
+        # NOTE: a rank that is done first must not tear gloo down under a peer still in its
+        # last collective: the peer then aborts ("terminate called without an active
+        # exception", SIGABRT). Seen once in CI; examples/train.py guards its exit the same way.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -68,5 +73,6 @@ def run(fn, world_size: int, *args, timeout: float = 300.0) -> list:
                 raise AssertionError(f"rank {rank} failed:\n{record['error']}")
             results.append(record["result"])
         if failed is not None:
-            raise AssertionError(f"distributed run failed: {failed}")
+            done = [r for r in range(world_size) if results[r] is not None]
+            raise AssertionError(f"distributed run failed: {failed} (ranks that finished their body: {done})")
         return results
