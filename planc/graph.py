@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterator
+from typing import Callable, Iterator
 
 import networkx as nx
 import torch
@@ -61,6 +62,28 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
+class _Never:
+    """A class nothing is an instance of."""
+
+
+def _sharding_apis() -> tuple[type, type, Callable[[nn.Module], dict | None]]:
+    """`FSDPModule`, `DTensor` and the composable-API registry lookup, if loaded.
+
+    Only imported torch classes can have instances: when `torch.distributed.fsdp` was never
+    imported, no module is an `FSDPModule`, so `planc check` need not pay the second it takes
+    to import it just to learn that.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    tensor = sys.modules.get("torch.distributed.tensor")
+    contract = sys.modules.get("torch.distributed._composable.contract")
+    # NOTE: torch keeps a module's composable-API registry in its __dict__ under
+    # `contract.REGISTRY_KEY` (`contract._get_registry` reads it with getattr, which on a
+    # module without one goes through nn.Module.__getattr__ and costs 7 ms on 1,500 modules).
+    key = getattr(contract, "REGISTRY_KEY", None)
+    registry = (lambda module: module.__dict__.get(key)) if key else (lambda module: None)
+    return getattr(fsdp, "FSDPModule", _Never), getattr(tensor, "DTensor", _Never), registry
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
@@ -68,56 +91,55 @@ def _itemsize(dtype: torch.dtype) -> int:
 class ModelGraph:
     """A read-only view of a module tree, built once from a model (see `from_module`).
 
-    Queries run on plain dicts and a pre-order list built with the graph (`g` stays the
-    networkx view for callers that want graph algorithms): a subtree is a contiguous slice of
-    the pre-order, so `subtree` and `subtree_params` cost the size of the answer, never a
-    traversal of the whole tree. This keeps compiling linear in the model size.
+    One walk over the model fills plain dicts and a pre-order list, and every query the
+    compiler makes runs on them: a subtree is a contiguous slice of the pre-order, so
+    `subtree` and `subtree_params` cost the size of the answer, never a traversal of the
+    whole tree. This keeps compiling linear in the model size.
+
+    `g` is the same tree as a networkx `DiGraph` (module and parameter nodes, see the module
+    docstring), for graph algorithms and for callers who want one. It is built on first use:
+    the compile path never needs it, and building it cost more than half of compiling a
+    405B-shaped model (`benchmarks/compile_bench.py`).
     """
 
-    def __init__(self, graph: nx.DiGraph, params: dict[str, ParamInfo], aliases: dict[str, str],
-                 model: nn.Module | None = None):
-        self.g = graph
+    def __init__(self, order: list[str], data: dict[str, dict], own: dict[str, list[tuple[str, str]]],
+                 params: dict[str, ParamInfo], aliases: dict[str, str], owners: dict[str, list[str]],
+                 model: nn.Module | None = None, sharded: dict[str, list[str]] | None = None):
+        self._order = tuple(order)    # module paths, pre-order (registration order)
+        self._data = data             # path -> cls, qualname, has_forward, pre, post, module
+        self._own = own               # path -> (local name, canonical name) of its own parameters
         self.params = params          # canonical name -> info
         self.aliases = aliases        # every name (canonical or tied alias) -> canonical
+        self._owners = owners         # canonical name -> owner paths, pre-order
         self.model = model
+        # What was already sharded when the graph was built (see `already_sharded`).
+        self._sharded = sharded or {"fsdp": [], "dtensor": [], "checkpoint": []}
         self._index()
 
     def _index(self) -> None:
-        """Children, own parameters, pre/post order and subtree extents, as dicts."""
-        g = self.g
-        self._data: dict = {n: d for n, d in g.nodes(data=True) if d["kind"] == "module"}
-        mods = sorted(self._data, key=lambda p: self._data[p]["pre"])
+        """Children, pre/post order and subtree extents, as dicts."""
+        mods = self._order
+        self._pre = {m: i for i, m in enumerate(mods)}
         self._children: dict[str, list[str]] = {m: [] for m in mods}
         self._child_names: dict[str, list[str]] = {m: [] for m in mods}
-        self._own: dict[str, list[tuple[str, str]]] = {m: [] for m in mods}
-        for m, n, local in g.edges(data="name"):
-            if isinstance(n, tuple):
-                self._own[m].append((local, n[1]))
         for m in mods[1:]:  # registration order: children appear in the pre-order list in order
             parent, _, local = m.rpartition(".")
             self._children[parent].append(m)
             self._child_names[parent].append(local)
-        self._order = tuple(mods)
-        self._pre = {m: i for i, m in enumerate(mods)}
-        # subtree of m = _order[pre(m) : _end[m]]; post-order number from a reverse sweep
+        # subtree of m = _order[pre(m) : _end[m]], from a reverse sweep (children come later).
+        # Post-order number: the nodes finished before m are its subtree but itself, and every
+        # node entered before it except its ancestors (one per path segment).
+        pre, children = self._pre, self._children
         end: dict[str, int] = {}
         post: dict[str, int] = {}
-        counter = 0
-        stack = [(mods[0], False)] if mods else []
-        while stack:
-            node, done = stack.pop()
-            if done:
-                post[node] = counter
-                counter += 1
-                kids = self._children[node]
-                end[node] = end[kids[-1]] if kids else self._pre[node] + 1
-                continue
-            stack.append((node, True))
-            stack.extend((c, False) for c in reversed(self._children[node]))
+        for m in reversed(mods):
+            kids = children[m]
+            end[m] = end[kids[-1]] if kids else pre[m] + 1
+            depth = m.count(".") + 1 if m else 0
+            post[m] = pre[m] - depth + (end[m] - pre[m]) - 1
+            self._data[m]["post"] = post[m]
         self._end = end
         self._post = post
-        for m in mods:
-            self._data[m]["post"] = post[m]
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -127,21 +149,31 @@ class ModelGraph:
 
     @classmethod
     def _from_module(cls, model: nn.Module) -> "ModelGraph":
-        nodes: list = []
-        edges: list = []
+        fsdp_module, dtensor, registry = _sharding_apis()
+        order: list[str] = []
+        data: dict[str, dict] = {}
+        own: dict[str, list[tuple[str, str]]] = {}
         params: dict[str, ParamInfo] = {}
         aliases: dict[str, str] = {}
+        owners: dict[str, list[str]] = {}
         seen: dict[int, str] = {}
+        sharded: dict[str, list[str]] = {"fsdp": [], "dtensor": [], "checkpoint": []}
         # NOTE: named_modules() is pre-order in registration order; positions below depend on it.
-        for order, (path, module) in enumerate(model.named_modules(remove_duplicate=True)):
+        classes: dict[type, tuple[str, str, bool]] = {}  # a model has few classes and many modules
+        for pre, (path, module) in enumerate(model.named_modules(remove_duplicate=True)):
             kind = type(module)
-            nodes.append((path, {"kind": "module", "cls": kind.__name__,
-                                 "qualname": f"{kind.__module__}.{kind.__qualname__}",
-                                 "has_forward": kind.forward is not nn.Module.forward,
-                                 "pre": order, "module": module}))
-            if path:
-                parent, _, local = path.rpartition(".")
-                edges.append((parent, path, {"name": local}))
+            if kind not in classes:
+                classes[kind] = (kind.__name__, f"{kind.__module__}.{kind.__qualname__}",
+                                 kind.forward is not nn.Module.forward)
+            name, qualname, has_forward = classes[kind]
+            order.append(path)
+            data[path] = {"cls": name, "qualname": qualname, "has_forward": has_forward, "pre": pre,
+                          "module": module}
+            mine = own[path] = []
+            if isinstance(module, fsdp_module):
+                sharded["fsdp"].append(path)
+            if "checkpoint" in (registry(module) or {}):  # torch's composable checkpoint
+                sharded["checkpoint"].append(path)
             for local, p in module._parameters.items():
                 if p is None:
                     continue
@@ -150,27 +182,52 @@ class ModelGraph:
                 if canon == full:
                     params[canon] = ParamInfo(canon, tuple(p.shape), p.dtype, p.requires_grad,
                                               p.is_contiguous())
-                    nodes.append((("param", canon), {"kind": "param"}))
+                    owners[canon] = []
+                    if isinstance(p, dtensor):
+                        sharded["dtensor"].append(canon)
                 aliases[full] = canon
-                edges.append((path, ("param", canon), {"name": local}))
-        g = nx.DiGraph()
-        g.add_nodes_from(nodes)  # bulk adds: a third of the per-call cost on large models
-        g.add_edges_from(edges)
-        return cls(g, params, aliases, model)
+                mine.append((local, canon))
+                owners[canon].append(path)
+        return cls(order, data, own, params, aliases, owners, model, sharded)
+
+    @cached_property
+    def g(self) -> nx.DiGraph:
+        """The tree as a networkx `DiGraph`: module nodes keyed by path (with `kind="module"`,
+        `cls`, `qualname`, `has_forward`, `pre`, `post`, `module`), parameter nodes keyed by
+        `("param", canonical name)` (`kind="param"`), and edges parent -> child and module ->
+        parameter labelled with the local `name`. A tied parameter has two in-edges."""
+        graph = nx.DiGraph()
+        graph.add_nodes_from((path, {"kind": "module", **self._data[path]}) for path in self._order)
+        graph.add_nodes_from((("param", canon), {"kind": "param"}) for canon in self.params)
+        graph.add_edges_from((path.rpartition(".")[0], path, {"name": path.rpartition(".")[2]})
+                             for path in self._order[1:])
+        graph.add_edges_from((path, ("param", canon), {"name": local})
+                             for path in self._order for local, canon in self._own[path])
+        return graph
 
     def describes(self, model: nn.Module) -> bool:
         """True if this graph still describes `model`: built from it, and since then the same
-        module objects at the same paths, the same parameter names, shapes and dtypes, and the
-        same ties (names that shared one parameter still do, and no others)."""
+        module objects at the same paths, of the same classes (FSDP swaps a module's class),
+        with no composable API newly applied, the same parameter names, shapes and dtypes, no
+        parameter newly made a DTensor, and the same ties (names that shared one parameter
+        still do, and no others)."""
+        _, dtensor, registry = _sharding_apis()
         if model is not self.model:
             return False
         modules = dict(model.named_modules(remove_duplicate=True))
-        if len(modules) != len(self._order) or any(modules.get(p) is not self._data[p]["module"] for p in self._order):
+        if len(modules) != len(self._order):
             return False
+        sharded = set(self._sharded["dtensor"])
         canon_of_id: dict[int, str] = {}
         names = 0
         for path in self._order:
-            for local, p in self._data[path]["module"]._parameters.items():
+            data = self._data[path]
+            module = modules.get(path)
+            if module is not data["module"] or type(module).__name__ != data["cls"]:
+                return False
+            if "checkpoint" in (registry(module) or {}) and path not in self._sharded["checkpoint"]:
+                return False
+            for local, p in module._parameters.items():
                 if p is None:
                     continue
                 names += 1
@@ -178,9 +235,18 @@ class ModelGraph:
                 info = self.params.get(canon) if canon else None
                 if info is None or tuple(p.shape) != info.shape or p.dtype != info.dtype:
                     return False
+                if isinstance(p, dtensor) and canon not in sharded:
+                    return False
                 if canon_of_id.setdefault(id(p), canon) != canon:
                     return False  # a new tie
         return names == len(self.aliases) and len(canon_of_id) == len(self.params)  # no broken tie
+
+    @property
+    def already_sharded(self) -> dict[str, list[str]]:
+        """What of the model was already sharded when the graph was built: `fsdp` (module
+        paths that are `FSDPModule`s), `dtensor` (canonical names of DTensor parameters) and
+        `checkpoint` (module paths with torch's composable checkpoint applied)."""
+        return self._sharded
 
     # ----------------------------------------------------------------- modules
     @property
@@ -241,8 +307,8 @@ class ModelGraph:
 
     # ----------------------------------------------------------------- parameters
     def owners(self, canonical: str) -> list[str]:
-        """Every module that registers this parameter (two or more for tied weights)."""
-        return sorted(self.g.predecessors(("param", canonical)), key=self.pre)
+        """Every module that registers this parameter (two or more for tied weights), pre-order."""
+        return list(self._owners[canonical])
 
     @cached_property
     def tied(self) -> dict[str, list[str]]:
@@ -285,3 +351,7 @@ class ModelGraph:
 
     def __len__(self) -> int:
         return len(self._order)
+
+    def __contains__(self, path: object) -> bool:
+        """True if `path` is a module path of the model."""
+        return path in self._data

@@ -310,21 +310,13 @@ def _bytes(n: int) -> str:
 def _already_sharded(graph: ModelGraph, span: Span | None) -> list[Diagnostic]:
     """P601 when FSDP, DTensor parameters or composable checkpointing are already there.
 
-    One pass over the modules the compiled graph already holds (this runs on every `apply`).
+    Read from the graph, which records them in the walk that builds it (a reused graph is
+    reused only while `ModelGraph.describes` finds none of them added since).
     """
-    from torch.distributed._composable.contract import _get_registry
-
-    fsdp, dtensors, checkpointed = [], [], []
-    for path in graph.modules:
-        module = graph.module(path)
-        if isinstance(module, FSDPModule):
-            fsdp.append(path or "<root>")
-        if "checkpoint" in (_get_registry(module) or {}):
-            checkpointed.append(path or "<root>")
-        dtensors += [f"{path}.{local}" if path else local for local, p in module._parameters.items()
-                     if isinstance(p, DTensor)]
-    found = [(fsdp, "FSDP modules"), (dtensors, "DTensor parameters"), (checkpointed, "checkpointed modules")]
-    notes = tuple(f"{what}: " + ", ".join(f"`{n}`" for n in names[:3]) +
+    state = graph.already_sharded
+    found = [(state["fsdp"], "FSDP modules"), (state["dtensor"], "DTensor parameters"),
+             (state["checkpoint"], "checkpointed modules")]
+    notes = tuple(f"{what}: " + ", ".join(f"`{n or '<root>'}`" for n in names[:3]) +
                   (f" and {len(names) - 3} more" if len(names) > 3 else "") for names, what in found if names)
     if not notes:
         return []

@@ -137,7 +137,7 @@ def _no_match(graph: ModelGraph, sel: st.Selector, walk: _Walk, what: str) -> Di
     word = seg.pattern or (seg.alternatives[0] if seg.alternatives else "")
     if (seg.index is not None or seg.is_slice) and word in names:
         sizes = {len(graph.children(f"{p}.{word}" if p else word)) for p in parents
-                 if (f"{p}.{word}" if p else word) in graph.g}
+                 if (f"{p}.{word}" if p else word) in graph}
         help_.append(f"`{word}` has {', '.join(map(str, sorted(sizes)))} children; "
                      f"indices run from 0 (or -N from the end)")
     else:

@@ -183,6 +183,22 @@ def test_checkpoint_already_applied_is_refused(one_rank):
     assert "checkpointed modules: `blocks.0`" in str(err.value)
 
 
+def test_a_plan_compiled_before_sharding_by_hand_is_not_trusted(one_rank):
+    # At world size 1 sharding keeps every shape, so only the class swap and the DTensor
+    # parameters tell the compiled graph that the model changed under it.
+    from torch.distributed.fsdp import fully_shard
+    model = zoo.gpt_tiny()
+    compiled = planc.compile(ROOT / "plans/gpt.plan", model, 1)
+    assert compiled.graph.already_sharded == {"fsdp": [], "dtensor": [], "checkpoint": []}
+    fully_shard(model.blocks[1])
+    assert not compiled.graph.describes(model)
+    with pytest.raises(planc.PlanError) as err:
+        planc.apply(model, compiled)
+    assert [d.code for d in err.value.errors] == ["P601"]
+    assert "FSDP modules: `blocks.1`" in str(err.value)
+    assert "DTensor parameters: `blocks.1.ln_1.weight`" in str(err.value)
+
+
 def test_non_contiguous_parameter_is_refused(one_rank):
     model = zoo.gpt_tiny()
     w = model.blocks[0].mlp.w_in.weight

@@ -88,3 +88,17 @@ def test_shared_module_registered_twice_is_listed_once():
     g = ModelGraph.from_module(root)
     assert list(g.modules) == ["", "0", "1"]  # named_modules() drops the duplicate
     assert set(g.params) == {"0.weight", "0.bias"}
+
+
+def test_networkx_view_is_the_same_tree():
+    g = gpt()
+    nxg = g.g
+    modules = [n for n, d in nxg.nodes(data=True) if d["kind"] == "module"]
+    assert modules == list(g.modules)
+    assert {n[1] for n, d in nxg.nodes(data=True) if d["kind"] == "param"} == set(g.params)
+    for path in g.modules:
+        assert [c for c in nxg.successors(path) if isinstance(c, str)] == g.children(path)
+        assert nxg.nodes[path]["post"] == g.post(path) and nxg.nodes[path]["cls"] == g.cls(path)
+    assert sorted(nxg.predecessors(("param", "wte.weight")), key=g.pre) == g.owners("wte.weight")
+    assert nxg.edges["lm_head", ("param", "wte.weight")]["name"] == "weight"
+    assert "blocks.0.mlp" in g and "blocks.9" not in g and ("param", "wte.weight") not in g
