@@ -2,42 +2,20 @@
 
 Each worker returns plain data (picklable) read from the live FSDP states and DTensors, so
 the test process compares it with the compiled plan and with an unsharded reference run.
-`train` is shared by the workers and the unsharded reference, so both do the same steps.
+`train` (tests/training.py) is shared by the workers and the unsharded reference, so both
+do the same steps.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 import planc
 from planc import zoo
 
-STEPS = 3
-GLOBAL_BATCH = 4
-SEQ = 16
-LR = 1e-2
-MAX_NORM = 0.5  # small enough that clipping engages on these tiny models
-
-
-def batches(model: nn.Module, steps: int = STEPS) -> list[torch.Tensor]:
-    """The global batches of a run: the same on every rank and in the reference.
-
-    Counting sequences (`t, t+1, t+2, ...` mod vocab) from random starts: learnable within
-    a few steps, so a falling loss shows that the model really trains.
-    """
-    gen = torch.Generator().manual_seed(1234)
-    vocab = model.config.vocab_size
-    return [(torch.randint(0, vocab, (GLOBAL_BATCH, 1), generator=gen) + torch.arange(SEQ)) % vocab
-            for _ in range(steps)]
-
-
-def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens)
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+from training import batches, clip_grad_norm, next_token_loss, train
 
 
 def example_clip(model: nn.Module, max_norm: float, world: int) -> torch.Tensor:
@@ -49,36 +27,6 @@ def example_clip(model: nn.Module, max_norm: float, world: int) -> torch.Tensor:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.sync_and_clip(model, max_norm, world)
-
-
-def train(model: nn.Module, data: list[torch.Tensor], rank: int = 0, world: int = 1,
-          clip=None) -> dict:
-    """AdamW steps with gradient clipping; each rank takes its slice of every global batch.
-
-    FSDP averages gradients over ranks, so with equal slices the update equals the one of
-    the mean loss over the global batch, as in DDP. Returns the global losses and the total
-    gradient norms before clipping.
-    """
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    per_rank = GLOBAL_BATCH // world
-    losses, norms = [], []
-    for tokens in data:
-        local = tokens[rank * per_rank:(rank + 1) * per_rank]
-        loss = next_token_loss(model, local)
-        loss.backward()
-        if clip is None:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-        else:
-            norm = clip(model, MAX_NORM, world)
-        opt.step()
-        opt.zero_grad()
-        loss = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(loss)  # gloo has no AVG
-            loss /= world
-        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
-        losses.append(loss.item())
-    return {"losses": losses, "norms": norms}
 
 
 def read_back(applied) -> dict:
@@ -138,8 +86,8 @@ def zoo_plans(rank: int, world: int, cases: list[tuple[str, str, str]]) -> dict:
         model = zoo.ZOO[builder]()
         keys = list(model.state_dict().keys())
         applied = planc.apply(model, planc.loads(text, filename=case))
-        clip = example_clip if case.endswith("+example-clip") else None
-        run = train(model, batches(model), rank, world, clip)
+        clip = example_clip if case.endswith("+example-clip") else clip_grad_norm
+        run = train(model, batches(model), rank, world, clip=clip)
         out[case] = {**run, **read_back(applied), "state_dict_keys_kept": list(model.state_dict().keys()) == keys}
     return out
 
