@@ -1,10 +1,12 @@
-"""The model graph: an `nn.Module` tree as a networkx graph of modules and parameters.
+"""The model graph: an `nn.Module` tree of modules and parameters, walked once.
 
-Module nodes are keyed by their dotted path (`""` is the root) and parameter nodes by
-`("param", canonical_name)`. Edges run parent -> child module and module -> parameter, each
-labelled with the local attribute name. A tied parameter is one node with two owners, so
-`owners(name)` shows both modules. Works on meta-device models: only shapes and dtypes are
-read, never values.
+`ModelGraph` answers the compiler's questions (paths in pre-order, children, subtrees, own
+and tied parameters, sizes) from flat indices, and offers the same tree as a networkx graph
+(`ModelGraph.g`, built on first use): module nodes keyed by their dotted path (`""` is the
+root), parameter nodes by `("param", canonical_name)`, edges parent -> child module and
+module -> parameter, each labelled with the local attribute name. A tied parameter is one
+node with two owners, so `owners(name)` shows both modules. Works on meta-device models:
+only shapes and dtypes are read, never values.
 """
 
 from __future__ import annotations
