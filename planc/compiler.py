@@ -33,6 +33,7 @@ class CompiledPlan:
         self.plan = plan
         self.graph = graph
         self.world_size = world_size
+        self._estimates: dict = {}  # (world, input shape) -> Estimate, or the TraceError it raised
 
     # ----------------------------------------------------------------- phases
     @cached_property
@@ -59,9 +60,30 @@ class CompiledPlan:
         with paused_gc():
             return sort_diagnostics(diags + validate(ctx))
 
-    def _metric(self, name: str, world: int | None) -> float | None:
+    def _metric(self, name: str, world: int | None, input_shape: tuple[int, ...] | None = None) -> float | None:
         from planc.memory import metric  # the memory model is only built when a plan asks
-        return metric(self, name, world)
+        return metric(self, name, world, input_shape)
+
+    def memory_at(self, world: int | None = None, input_shape: tuple[int, ...] | None = None):
+        """The memory estimate at `world` ranks (default: this plan's world size), activations
+        traced for a (batch, seq) `input_shape` as `planc explain --input-shape` traces them,
+        or left out without one. Cached per (world, input shape), so several `expect` lines
+        trace the model once. Raises `planc.trace.TraceError` when the model cannot run on
+        that input.
+        """
+        from planc.memory import estimate
+        from planc.trace import TraceError
+        world = world or self.world_size or 1
+        key = (world, None if input_shape is None else tuple(input_shape))
+        if key not in self._estimates:
+            try:
+                self._estimates[key] = estimate(self, world, input_shape=key[1])
+            except TraceError as err:  # remembered too: each expect with this input reports it
+                self._estimates[key] = err
+        found = self._estimates[key]
+        if isinstance(found, TraceError):
+            raise found
+        return found
 
     @cached_property
     def memory(self):

@@ -150,7 +150,9 @@ CODES: dict[str, Code] = {
     # --- expectations (P5xx)
     "P501": Code("expectation failed", "An `expect` statement does not hold for the resolved plan."),
     "P502": Code("memory expectation failed", "An `expect memory...` bound does not hold under planc's "
-                 "analytic per-rank memory model."),
+                 "analytic per-rank memory model. With `input = BxS` on the line, activations for that "
+                 "input are counted, traced as `planc explain --input-shape BxS` traces them; without it "
+                 "they are left out.\n\n    expect memory.peak <= 70GiB at world = 64, input = 8x4096"),
     # --- applying to a live model (P6xx)
     "P601": Code("model already sharded", "`planc.apply` found FSDP (an `FSDPModule`), DTensor parameters "
                  "or activation checkpointing already applied to the model. FSDP2 cannot shard a module "
@@ -185,8 +187,14 @@ CODES: dict[str, Code] = {
     "P706": Code("unknown fsdp_config key", "A key under `fsdp_config` is not one accelerate reads; it is "
                  "probably misspelled and accelerate ignores it.", "warning"),
     "P503": Code("memory expectation not checked", "An `expect memory...` line needs a world size: "
-                 "`at world = N` on the line, or `--world-size N` on the command line. Without one it "
+                 "`at world = N` on the line, or `--world-size N` on the command line; "
+                 "`expect memory.activations` also needs an input shape (`input = BxS`). Without them it "
                  "cannot be checked, and planc says so rather than passing it silently.", "warning"),
+    "P504": Code("input does not fit the model", "`input = BxS` on an `expect memory...` line runs one "
+                 "forward and backward of the model (on fake tensors) with token ids of batch B and "
+                 "sequence length S, to count activations. The model did not run on them: it takes other "
+                 "inputs, or the sequence does not fit it. Fix the shape, or remove `input =` to check the "
+                 "bound without activations.\n\n    expect memory.peak <= 8GiB at world = 8, input = 2x512"),
     # --- notes (P9xx)
     "P902": Code("root reshards after forward by default", "`defaults` apply to the root unit too. "
                  "`reshard after_forward = true` there frees the root's parameters after forward, although "

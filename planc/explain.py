@@ -5,7 +5,9 @@ per rank sharded and unsharded, precision, offload, reshard, prefetch) and, for 
 setting, the plan line that set it; then the memory of one training step per rank: the
 peak, its breakdown and moment, the lower bound and the unsharded (DDP-like) baseline.
 `--simulate` adds one step measured in a fake process group next to the estimate;
-`--plot FILE` draws memory over the step. Text or JSON; colour only on a terminal.
+`--plot FILE` draws memory over the step. Text or JSON; colour only on a terminal. A plan
+whose `expect` lines fail is still explained (P502 sends people here for the breakdown):
+the failures go to stderr and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ LABELS = {"sharded_params": "sharded params", "sharded_grads": "sharded grads", 
           "reduce_scatter": "reduce-scatter buffers", "unsharded_grads": "unsharded grads",
           "activations": "activations", "optimizer_temp": "optimizer temporaries", "inputs": "inputs",
           "buffers": "module buffers"}
+# Failed `expect` lines (units, memory, the input of a memory bound): the plan itself is
+# sound, so `explain` still reports it, after the diagnostics, and exits 1.
+EXPECT_FAILURES = ("P501", "P502", "P504")
 SHOWN_SETTINGS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_inputs", "reshard_after_forward",
                   "offload", "prefetch_forward", "prefetch_backward", "checkpoint", "compile")
 
@@ -286,7 +291,9 @@ def main(args) -> int:
         raise UsageError(f"--rank {args.rank} is not a rank of {args.world_size}")
     shape = parse_shape(args.input_shape)
     compiled, diags, sources, io = compile_for_cli(args.plan, args.model, [args.world_size], ModelCache())
-    if io or not compiled or compiled[0].graph is None or any(d.is_error for d in diags):
+    # NOTE: a failed `expect` does not stop the report: P502 sends people here for the breakdown
+    blocking = [d for d in diags if d.is_error and d.code not in EXPECT_FAILURES]
+    if io or not compiled or compiled[0].graph is None or blocking:
         text = render.render_text(diags, sources, color=use_color(sys.stderr))
         if text:
             print(text, file=sys.stderr)
@@ -311,13 +318,15 @@ def main(args) -> int:
         from planc.plot import plot_step
         plot_step(est, args.plot, measured=measured)
     warnings = [d for d in diags if not d.is_error]
-    if warnings and args.format == "text":
-        print(render.render_text(warnings, sources, color=use_color(sys.stderr)), file=sys.stderr)
+    failed = [d for d in diags if d.is_error]  # expectations only (others stopped above)
+    if failed or (warnings and args.format == "text"):
+        shown = diags if args.format == "text" else failed
+        print(render.render_text(shown, sources, color=use_color(sys.stderr)), file=sys.stderr)
     if args.format == "json":
         print(json.dumps(data, indent=2, default=str))
     else:
         print(render_text(data, c, color=use_color(sys.stdout)))
-    return EXIT_OK
+    return EXIT_ERRORS if failed else EXIT_OK
 
 
 def _simulate(compiled, ref: str, args, shape):

@@ -103,8 +103,10 @@ def statement_head(s: st.Statement) -> str:
     if isinstance(s, st.ExpectUnit):
         return f"expect {'not ' if s.negated else ''}unit {s.target}"
     if isinstance(s, st.ExpectMetric):
-        world = f" at world = {s.world}" if s.world is not None else ""
-        return f"expect {s.metric} {s.op} {s.value}{world}"
+        # canonical order: world first, then input
+        at = ([f"world = {s.world}"] if s.world is not None else []) + \
+            ([f"input = {'x'.join(map(str, s.input_shape))}"] if s.input_shape is not None else [])
+        return f"expect {s.metric} {s.op} {s.value}" + (" at " + ", ".join(at) if at else "")
     raise TypeError(f"no format for {type(s).__name__}")
 
 

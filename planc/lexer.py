@@ -16,7 +16,7 @@ __all__ = ["PlanLexer"]
 
 STATEMENTS = ("model", "include", "mesh", "defaults", "unit", "root", "checkpoint", "compile", "ignore",
               "place", "expect")
-CLAUSES = ("optional", "except", "where", "not", "at", "world", "none", "units", "unit")
+CLAUSES = ("optional", "except", "where", "not", "at", "world", "input", "none", "units", "unit")
 CONSTANTS = ("true", "false", "yes", "no", "on", "off")
 DTYPES = ("fp32", "float32", "f32", "bf16", "bfloat16", "fp16", "float16", "half")
 # block options (planc/options.py), FSDP1 spellings included
@@ -61,6 +61,8 @@ class PlanLexer(RegexLexer):
             # `key = value` inside blocks and meshes (not `==`)
             (r"(" + _NAME + r")([ \t]*)(=)(?!=)", bygroups(Name.Attribute, Whitespace, Operator)),
             (r"[0-9]+(\.[0-9]+)?(KiB|MiB|GiB|TiB|KB|MB|GB|TB|K|M|B|T)\b", Number),
+            # an input shape, batch x sequence: `input = 8x4096`
+            (r"(?<![\w.*])[0-9]+([xX][0-9]+)+\b(?![.*])", Number),
             (r"-?[0-9]+\.[0-9]+", Number.Float),
             (r"-?[0-9]+(?![A-Za-z_*])", Number.Integer),
             (r"==|!=|<=|>=|<|>|=", Operator),

@@ -36,7 +36,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from planc.trace import Trace, default_input, trace_for
+from planc.trace import Trace, TraceError, default_input, trace_for
 
 OPTIMIZERS = ("adamw", "sgd", "none")
 CATEGORIES = ("sharded_params", "sharded_grads", "optimizer_state", "unsharded_params", "all_gather",
@@ -461,9 +461,17 @@ class _Whole:
         self.units = [Unit(("",), dict(DEFAULT_SETTINGS), tuple(compiled.graph.params), is_root=True)]
 
 
-def metric(compiled, name: str, world: int | None) -> float | None:
+def metric(compiled, name: str, world: int | None, input_shape: tuple[int, ...] | None = None) -> float | None:
     """A memory metric for `expect` lines, in bytes (None when it cannot be known: no model,
-    or no world size from `at world = N` or the command line)."""
+    or no world size from `at world = N` or the command line).
+
+    With `input_shape` (batch, seq: `at ..., input = 8x4096`), activations are traced for
+    that input exactly as `planc explain --input-shape` traces them; `TraceError` when the
+    model cannot run on it, or there is no model to run. Estimates are cached on the
+    compiled plan per (world, input shape) (`CompiledPlan.memory_at`).
+    """
     if compiled.graph is None or (world or compiled.world_size) is None:
         return None
-    return estimate(compiled, world).metric(name)
+    if input_shape is not None and compiled.graph.model is None:
+        raise TraceError("the model graph holds no model to run, so no input can be built")
+    return compiled.memory_at(world, input_shape).metric(name)

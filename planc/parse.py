@@ -48,7 +48,7 @@ _TERMINAL_NAMES = {
     "QUANTITY": "a size such as `100M` or `8GiB`", "STRING": "a quoted string",
     "MODEL_REF": "a model reference such as `package.module:builder`", "REGEX": 'a regex `re"..."`',
     "CMP": "a comparison (`==`, `<=`, ...)", "_NL": "end of line", "$END": "end of file",
-    "STAR": "`*`",
+    "STAR": "`*`", "SHAPE": "an input shape such as `2x512` (batch x sequence)",
 }
 
 
@@ -146,9 +146,22 @@ class _ToSyntax(Transformer):
 
     @v_args(meta=True)
     def expect_metric(self, meta, items):
-        (metric, metric_span), op, value, world = items
+        (metric, metric_span), op, value, at = items
+        where = dict(at or ())
+        world = where.get("world")
+        shape, shape_span = where.get("input", (None, None))
         return st.ExpectMetric(span=self._span(meta), metric=metric, metric_span=metric_span, op=str(op),
-                               value=value, world=int(world) if world is not None else None)
+                               value=value, world=world, input_shape=shape, input_span=shape_span)
+
+    def expect_at(self, items):
+        return tuple(i for i in items if i is not None)
+
+    def expect_world(self, items):
+        return "world", int(items[0])
+
+    def expect_input(self, items):
+        (tok,) = items
+        return "input", (tuple(int(n) for n in str(tok).lower().split("x")), self._tok(tok))
 
     @v_args(meta=True)
     def dotted(self, meta, items):

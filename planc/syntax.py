@@ -339,7 +339,12 @@ class ExpectUnit:
 
 @_node
 class ExpectMetric:
-    """`expect units == 27`, `expect memory.peak <= 70GiB at world = 64`."""
+    """`expect units == 27`, `expect memory.peak <= 70GiB at world = 64, input = 8x4096`.
+
+    `world` and `input_shape` are the `at` clause (either may be absent; written in either
+    order). `input_shape` holds the sizes as written (`8x4096` -> (8, 4096)); whether they
+    make a usable (batch, sequence) is for validation to say, at `input_span`.
+    """
 
     span: Span
     metric: str
@@ -347,6 +352,8 @@ class ExpectMetric:
     op: str
     value: Number
     world: int | None = None
+    input_shape: tuple[int, ...] | None = None
+    input_span: Span | None = None
 
 
 Statement = Union[

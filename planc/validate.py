@@ -27,7 +27,9 @@ class Context:
     graph: ModelGraph
     res: Resolution
     world_size: int | None
-    metrics: Callable[[str, int | None], float | None] | None = None  # memory metrics, if any
+    # memory metrics, if any: (metric, world, input shape) -> bytes; raises `TraceError` when
+    # the model cannot run on that input
+    metrics: Callable[[str, int | None, tuple[int, ...] | None], float | None] | None = None
 
     @property
     def mesh_sizes(self) -> tuple[int, int] | None:
@@ -422,9 +424,14 @@ def _expect_unit(ctx: Context, s: st.ExpectUnit, unit_names: set[str]) -> Iterat
                    f"{len(missing)} of {len(wanted)} not unit(s)", help_)
 
 
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))
+
+
 def metric_problems(s: st.ExpectMetric) -> list[Diagnostic]:
     """What is wrong with an `expect` metric line without looking at the model: an unknown
-    metric, or a bound in the wrong kind of unit (a unit count in bytes, memory without)."""
+    metric, a bound in the wrong kind of unit (a unit count in bytes, memory without), a
+    world size below 1, or an input that is not a batch x sequence of at least one token."""
     if s.metric not in METRICS:
         return [_err("P102", f"unknown metric `{s.metric}`", s.metric_span, "not a metric",
                      suggestion(s.metric, METRICS) or ("metrics are " + ", ".join(f"`{m}`" for m in METRICS),))]
@@ -435,6 +442,25 @@ def metric_problems(s: st.ExpectMetric) -> list[Diagnostic]:
     if not is_memory and s.value.is_bytes:
         return [_err("P103", f"`{s.metric}` is a count, not a size in bytes", s.value.span, "a byte size",
                      ("write a plain number such as `27`",))]
+    if s.world is not None and s.world < 1:
+        return [_err("P103", f"`at world = {s.world}`: a world has at least 1 rank", s.span, "no ranks",
+                     ("write the number of ranks the plan runs on, such as `at world = 8`",))]
+    if s.input_shape is None:
+        return []
+    shape, span = s.input_shape, s.input_span or s.span
+    if not is_memory:
+        return [_err("P104", f"`input = {_shape(shape)}` on `expect {s.metric}`: the input only changes "
+                     "memory", span, "no effect here",
+                     ("remove it; `input = BxS` belongs on `expect memory...` lines",))]
+    if len(shape) != 2:
+        return [_err("P103", f"`input = {_shape(shape)}` has {len(shape)} size{'s' * (len(shape) != 1)}; "
+                     "the input is batch x sequence", span, "expected two sizes",
+                     ("write the batch size and the sequence length in tokens, such as `input = "
+                      + (_shape(shape[:2]) if len(shape) > 2 else "2x512") + "`",))]
+    if 0 in shape:
+        which = "the batch size" if shape[0] == 0 else "the sequence length"
+        return [_err("P103", f"`input = {_shape(shape)}`: {which} is 0", span, "an empty input",
+                     ("sizes are at least 1: batch x sequence of token ids, such as `input = 2x512`",))]
     return []
 
 
@@ -457,14 +483,53 @@ def _expect_metric(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
                    "memory depends on the number of ranks",
                    ("add `at world = N` to the line, or pass `--world-size N`",), severity="warning")
         return
-    actual = ctx.metrics(s.metric, world)
+    shape = s.input_shape
+    if shape is None and s.metric == "memory.activations":
+        yield _err("P503", f"`expect {s.metric}` was not checked: no input shape", s.span,
+                   "activations depend on the input",
+                   (f"add the input to the line: `at {_at_clause(s, world, 'BxS')}`, with B the batch size "
+                    "and S the sequence length in tokens (e.g. `2x512`)",), severity="warning")
+        return
+    from planc.trace import TraceError
+    try:
+        actual = ctx.metrics(s.metric, world, shape)
+    except TraceError as err:
+        cause = err.__cause__
+        why = f"{type(cause).__name__}: {_first_line(cause)}" if cause is not None else str(err)
+        yield _err("P504", f"the model did not run on `input = {_shape(shape)}`: {why}",
+                   s.input_span or s.span, "cannot count activations for this input", (
+                       "`input = BxS` runs one forward and backward of the model on token ids of batch B and "
+                       "sequence length S; check that the model takes token ids and that S fits it, or remove "
+                       "`input =` to check the bound without activations",))
+        return
     if actual is None:
         return
-    if not _OPS[s.op](actual, s.value.value):
-        yield _err("P502", f"expected {s.metric} {s.op} {s.value} at world = {world}, but the estimate is "
-                   f"{_show_bytes(actual)}", s.span, "bound does not hold",
-                   (f"run `planc explain --world-size {world} ...` for the breakdown (activations are "
-                    "not counted in `planc check`: it has no input shape)",))
+    if _OPS[s.op](actual, s.value.value):
+        return
+    if shape is not None:
+        included = ", activations included," if s.metric == "memory.peak" else ""
+        yield _err("P502", f"expected {s.metric} {s.op} {s.value} at world = {world}, input = {_shape(shape)}, "
+                   f"but the estimate{included} is {_show_bytes(actual)}", s.span, "bound does not hold",
+                   (f"run `planc explain --world-size {world} --input-shape {_shape(shape)} ...` for the "
+                    "breakdown of this estimate",))
+        return
+    help_ = [f"run `planc explain --world-size {world} ...` for the breakdown"]
+    if s.metric == "memory.peak":
+        help_.append(f"activations are not counted without an input shape: write `at {_at_clause(s, world, 'BxS')}` "
+                     "with B the batch size and S the sequence length (e.g. `2x512`) to count them")
+    yield _err("P502", f"expected {s.metric} {s.op} {s.value} at world = {world}, but the estimate is "
+               f"{_show_bytes(actual)}", s.span, "bound does not hold", help_)
+
+
+def _first_line(err: BaseException, limit: int = 160) -> str:
+    text = (str(err).strip().splitlines() or [""])[0]
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _at_clause(s: st.ExpectMetric, world: int, shape: str) -> str:
+    """The line's `at` clause with an input added: `world = 8, input = BxS`, or `input = BxS`
+    when the world size comes from the command line."""
+    return (f"world = {world}, " if s.world is not None else "") + f"input = {shape}"
 
 
 CHECKS: tuple[Callable[[Context], Iterator[Diagnostic]], ...] = (

@@ -123,6 +123,15 @@ def test_plan_errors_exit_1(monkeypatch, tmp_path):
     assert code == 1 and "P" in err and out == ""
 
 
+def test_failed_expect_still_explains_exit_1(monkeypatch, tmp_path):
+    # P502 sends people to `planc explain` for the breakdown, so a failed bound must not stop it
+    plan = tmp_path / "tight.plan"
+    plan.write_text("model planc.zoo:gpt_tiny\nunit blocks.*\nexpect memory.peak <= 1MiB at world = 8, input = 8x64\n")
+    code, out, err = explain([str(plan), "--world-size", "8", "--input-shape", "8x64"], monkeypatch)
+    assert code == 1 and "error[P502]" in err and "--input-shape 8x64" in err
+    assert "memory per rank, one training step: peak 2.55 MiB" in out and "activations" in out
+
+
 class TwoInputs(nn.Module):
     """A model that token ids alone cannot drive (like an encoder-decoder)."""
 

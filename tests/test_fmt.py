@@ -131,6 +131,19 @@ def test_selectors_values_and_expects_round_trip():
     assert 'model "hf:my configs/llama.json"' in out
 
 
+@pytest.mark.parametrize("written,canonical,world,shape", [
+    ("at world=64,input=8x4096", "at world = 64, input = 8x4096", 64, (8, 4096)),
+    ("at input = 8X4096 ,  world = 64", "at world = 64, input = 8x4096", 64, (8, 4096)),  # world first, `x`
+    ("at  input=2x512", "at input = 2x512", None, (2, 512)),
+    ("at world=64", "at world = 64", 64, None),
+])
+def test_expect_at_clause_round_trips(written, canonical, world, shape):
+    out = assert_formats(f"expect memory.peak<=70GiB {written}  # why\n")
+    assert out == f"expect memory.peak <= 70GiB {canonical}  # why\n"
+    (e,), _, _ = parse_text(out, "<t>")
+    assert (e.world, e.input_shape) == (world, shape)
+
+
 def test_include_kept_as_written_not_spliced(tmp_path):
     # the included file does not exist: fmt must not care, it formats this file only
     out = assert_formats('include   "missing/base.plan"\nunit a\n')
@@ -378,7 +391,10 @@ def _statement(draw):
         return f"expect{draw(_sp)}" + draw(hs.sampled_from(["", "not "])) + f"unit{draw(_sp)}{target}"
     if kind == 10:
         return "expect units" + draw(hs.sampled_from(["==", " <= ", ">"])) + draw(hs.sampled_from(["27", "1.5", "3M"]))
-    return "expect memory.peak <= 70GiB" + draw(hs.sampled_from(["", " at world = 64"]))
+    world = f"world{draw(_osp)}={draw(_osp)}64"
+    shape = f"input{draw(_osp)}={draw(_osp)}" + draw(hs.sampled_from(["8x4096", "2X512", "0x1", "7", "1x2x3"]))
+    at = draw(hs.sampled_from(["", world, shape, f"{world},{draw(_osp)}{shape}", f"{shape}{draw(_osp)},{world}"]))
+    return "expect memory.peak <= 70GiB" + (f"{draw(_sp)}at{draw(_sp)}{at}" if at else "")
 
 
 @hs.composite

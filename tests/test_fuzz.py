@@ -139,7 +139,9 @@ OPTIONS = ["", " { reshard after_forward = false }", " { precision param = bf16,
            " { precision param = bf16, output = fp32, cast_inputs = true }", " { precison x = 1 }"]
 OTHER = ["root none", "root { reshard after_forward = false }", "mesh (replicate = 2, shard = *)",
          "mesh (replicate = *, shard = *)", "mesh HYBRID_SHARD (shard = 2)", "expect units == 4",
-         "expect memory.peak <= 1GiB at world = 8", "ignore lm_head.weight", "ignore **.bias",
+         "expect memory.peak <= 1GiB at world = 8", "expect memory.peak <= 1GiB at input = 2x16, world = 2",
+         "expect memory.activations <= 1MiB at input = 2x8", "expect memory.peak <= 1GiB at input = 0x9",
+         "expect memory.peak <= 1GiB at input = 1x4096", "ignore lm_head.weight", "ignore **.bias",
          "place blocks.*.mlp.w_in.weight Shard(1)", "place wte.weight Shard(3)", "checkpoint blocks.*",
          "compile blocks.* ", "expect not unit blocks.0", "defaults { precision param = bf16 }",
          "unit [wte, lm_head]", "unit [ln_f, lm_head] { reshard after_forward = false }", "unit re\"(\""]

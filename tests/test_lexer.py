@@ -34,6 +34,7 @@ ignore **.freqs_cis
 place **.experts.w* Shard(1)
 expect units == 27 ; expect unit transformer_layers.* ; expect not unit norm
 expect memory.peak <= 70GiB at world = 64
+expect memory.peak <= 3GiB at input = 8x4096, world = 64
 unit a \\
   .b
 '''
@@ -69,12 +70,12 @@ def test_every_construct_gets_its_token_type():
     def is_(value, ttype):
         return any(t in ttype for t in kinds[value])
     for kw in ("model", "include", "mesh", "defaults", "unit", "root", "checkpoint", "compile", "ignore",
-               "place", "expect", "optional", "except", "where", "not", "none", "at", "world"):
+               "place", "expect", "optional", "except", "where", "not", "none", "at", "world", "input"):
         assert is_(kw, Keyword), kw
     assert is_("planc.zoo:seed_transformer", Name.Namespace)
     assert is_("# a comment", Comment)
     assert is_('"base.plan"', String) and is_('re"layers\\.1\\..*"', String.Regex)
-    for number in ("2", "8", "27", "1.5M", "70GiB", "-1", "-2", "64"):
+    for number in ("2", "8", "27", "1.5M", "70GiB", "-1", "-2", "64", "8x4096"):
         assert is_(number, Number), number
     assert is_("MLP", Name.Class) and is_("Experts", Name.Class)
     assert is_("Shard", Name.Function)
@@ -168,6 +169,10 @@ def test_textmate_grammar_scopes_constructs(grammar):
     assert scope_of("unit layers.*", "unit") == ["keyword.control.statement.plan"]
     assert scope_of("unit layers.*", "layers.*") == ["variable.other.selector.plan"]
     assert scope_of("expect memory.peak <= 70GiB", "70GiB") == ["constant.numeric.quantity.plan"]
+    line = "expect memory.peak <= 3GiB at world = 64, input = 8x4096"
+    assert scope_of(line, "input") == scope_of(line, "world") == ["keyword.other.clause.plan"]
+    assert scope_of(line, "8x4096") == ["constant.numeric.shape.plan"]
+    assert scope_of("unit layers.2x3", "layers.2x3") == ["variable.other.selector.plan"]
     assert scope_of('include "base.plan"', '"base.plan"') == ["string.quoted.double.plan"]
     assert scope_of('ignore re"a\\.b"', 're"a\\.b"') == ["string.regexp.plan"]
     assert scope_of("model hf:llama-tiny", "hf:llama-tiny") == ["entity.name.namespace.model.plan"]

@@ -14,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 import planc
-from planc import memory, zoo
+from planc import memory, validate, zoo
+from planc.graph import ModelGraph
 from planc.simulate import simulate, zoo_inputs
+from planc.trace import TraceError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SEED = (ROOT / "plans" / "seed.plan").read_text()
@@ -141,6 +143,114 @@ def test_metric_values():
     assert memory.metric(c, "memory.peak", 8) == est.peak.total
     assert memory.metric(c, "memory.sharded", 8) == est.sharded_state
     assert memory.metric(c, "memory.activations", 8) is None
+    traced = memory.estimate(c, 8, input_shape=SHAPE)
+    assert memory.metric(c, "memory.peak", 8, SHAPE) == traced.peak.total > est.peak.total
+    assert memory.metric(c, "memory.activations", 8, SHAPE) == traced.activations > 0
+
+
+GPT_TINY = "model planc.zoo:gpt_tiny\nunit blocks.*\n"
+
+
+def test_an_input_makes_a_bound_that_holds_on_state_alone_fail():
+    # gpt_tiny on 8 ranks: 225.75 KiB without activations, 2.55 MiB with those of 8 x 64 tokens
+    text = GPT_TINY + "expect memory.peak <= 1MiB at world = 8\nexpect memory.peak <= 1MiB at world = 8, input = 8x64\n"
+    c = planc.compile(planc.loads(text, filename="m.plan"), tiny("gpt_tiny"), strict=False)
+    (d,) = c.errors
+    assert d.code == "P502" and d.span.line == 4
+    without, with_input = memory.estimate(c, 8), memory.estimate(c, 8, input_shape=(8, 64))
+    assert without.peak.total <= 2**20 < with_input.peak.total
+    assert with_input.peak.bytes["activations"] > 0
+    assert d.message == ("expected memory.peak <= 1MiB at world = 8, input = 8x64, but the estimate, activations "
+                         f"included, is {validate._show_bytes(with_input.peak.total)}")
+    assert "--input-shape 8x64" in d.help[0]
+
+
+def test_input_alone_takes_the_world_size_from_the_command_line():
+    text = GPT_TINY + "expect memory.peak <= 1MiB at input = 8x64\n"
+    for world, fails in ((8, True), (None, False)):
+        c = planc.compile(planc.loads(text, filename="m.plan"), tiny("gpt_tiny"), world, strict=False)
+        assert [d.code for d in c.diagnostics] == (["P502"] if fails else ["P503"])
+    (d,) = c.diagnostics
+    assert "no world size" in d.message
+
+
+def test_expects_use_the_estimate_explain_reports(monkeypatch, tmp_path):
+    """`expect ... input = BxS` is checked on exactly what `planc explain --input-shape BxS` shows."""
+    import contextlib
+    import io
+    import json
+
+    from planc import cli
+    plan = tmp_path / "p.plan"
+    plan.write_text("model planc.zoo:seed_transformer_tiny\nunit transformer_layers.*\n"
+                    + "checkpoint transformer_layers.0\n"
+                    + "expect memory.peak <= 1KiB at world = 8, input = 2x16\n"
+                    + "expect memory.activations <= 1GiB at input = 2x16, world = 8\n"
+                    + "expect memory.sharded <= 1GiB at world = 8, input = 2x16\n")
+    monkeypatch.chdir(ROOT)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = cli.main(["explain", str(plan), "--world-size", "8", "--input-shape", "2x16", "--format", "json"])
+    assert code == 1  # the 1 KiB bound fails, and explain still reports
+    reported = json.loads(out.getvalue())
+    assert reported["input_shape"] == [2, 16]
+
+    compiled, diags, _, _ = cli.compile_for_cli(str(plan), None, [None], cli.ModelCache())  # as `planc check`
+    (c,) = compiled
+    (p502,) = [d for d in diags if d.is_error]
+    assert p502.code == "P502" and validate._show_bytes(reported["memory"]["peak_bytes"]) in p502.message
+    # the three lines share one estimate (one trace), and it is the one explain printed
+    used = {k: v for k, v in c._estimates.items() if k[1] is not None}
+    assert list(used) == [(8, (2, 16))]
+    est = used[(8, (2, 16))]
+    assert est.peak.total == reported["memory"]["peak_bytes"]
+    assert est.activations == reported["memory"]["activations_bytes"]
+    assert est.sharded_state == reported["totals"]["sharded_state_bytes"]
+    from planc.trace import _TRACES
+    assert [k for k in _TRACES[c] if k is not None] == [(((2, 16), torch.long),)]
+
+
+def test_an_input_the_model_cannot_run_is_p504_on_the_shape():
+    # gpt_tiny's context is 64 tokens; two lines with the same input trace (and fail) once
+    text = GPT_TINY + ("expect memory.peak <= 1GiB at world = 8, input = 2x4096\n"
+                       "expect memory.activations <= 1GiB at input = 2x4096, world = 8\n")
+    c = planc.compile(planc.loads(text, filename="m.plan"), tiny("gpt_tiny"), strict=False)
+    assert [(d.code, d.span.line, d.span.column) for d in c.diagnostics] == [("P504", 3, 50), ("P504", 4, 46)]
+    assert "sequence length 4096 exceeds context_length 64" in c.diagnostics[0].message
+    assert isinstance(c._estimates[(8, (2, 4096))], TraceError)
+
+
+def test_no_input_can_be_built_without_the_model_object():
+    import copy
+    graph = copy.copy(ModelGraph.from_module(tiny("gpt_tiny")))
+    graph.model = None  # a graph of shapes alone: nothing to run
+    text = GPT_TINY + "expect memory.peak <= 1GiB at world = 8, input = 2x16\nexpect memory.peak <= 1GiB at world = 8\n"
+    c = planc.compile(planc.loads(text, filename="m.plan"), graph, strict=False)
+    (d,) = c.diagnostics
+    assert d.code == "P504" and d.span.line == 3 and "no model to run" in d.message
+
+
+@pytest.mark.parametrize("line,code,message", [
+    ("expect memory.peak <= 1GiB at world = 8, input = 512", "P103", "`input = 512` has 1 size"),
+    ("expect memory.peak <= 1GiB at world = 8, input = 2x512x4", "P103", "has 3 sizes"),
+    ("expect memory.peak <= 1GiB at input = 0x512, world = 8", "P103", "the batch size is 0"),
+    ("expect memory.peak <= 1GiB at world = 8, input = 2x0", "P103", "the sequence length is 0"),
+    ("expect units == 3 at input = 2x16", "P104", "the input only changes memory"),
+    ("expect memory.peak <= 1GiB at world = 0", "P103", "at least 1 rank"),
+])
+def test_bad_inputs_are_located_without_a_model(line, code, message):
+    plan = planc.loads(GPT_TINY + line + "\n", filename="m.plan")
+    for model in (None, tiny("gpt_tiny")):  # found by `planc check` with or without a model
+        (d,) = planc.compile(plan, model, 8, strict=False).errors
+        assert (d.code, d.span.line) == (code, 3) and message in d.message, d
+        if "input" in line:
+            assert line[d.span.column - 1:d.span.end_column - 1] == line.split("input = ")[1].split(",")[0]
+
+
+def test_activations_bound_without_input_is_not_checked_and_says_so():
+    c = compile_text(GPT_TINY + "expect memory.activations <= 1KiB at world = 8\n", 8, "gpt_tiny")
+    (d,) = c.diagnostics
+    assert (d.code, d.severity) == ("P503", "warning") and "no input shape" in d.message
 
 
 # ===================================================================== against the simulation

@@ -66,6 +66,47 @@ def test_expect_forms():
     assert isinstance(e, st.ExpectUnit) and e.negated
 
 
+@pytest.mark.parametrize("clause,world,shape,where", [
+    ("at world = 64, input = 8x4096", 64, (8, 4096), (52, 58)),
+    ("at input = 8x4096, world = 64", 64, (8, 4096), (40, 46)),
+    ("at input = 2x512", None, (2, 512), (40, 45)),
+    ("at world = 64", 64, None, None),
+    ("at input=8X4096 ,world=64", 64, (8, 4096), (38, 44)),  # spacing and an upper-case X
+    ("", None, None, None),
+])
+def test_expect_world_and_input_in_either_order(clause, world, shape, where):
+    e = one(f"expect memory.peak <= 70GiB {clause}")
+    assert (e.world, e.input_shape) == (world, shape)
+    # the span covers the shape token, for diagnostics about it
+    span = e.input_span
+    assert (None if span is None else (span.column, span.end_column)) == where
+
+
+def test_expect_input_of_any_arity_parses_validation_judges_it():
+    assert one("expect memory.peak <= 1GiB at input = 512").input_shape == (512,)
+    assert one("expect memory.peak <= 1GiB at input = 0x1x2").input_shape == (0, 1, 2)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("expect memory.peak <= 1GiB at input = 2x512, input = 2x3", "`world`"),  # each clause once
+    ("expect memory.peak <= 1GiB at world = 2, world = 3", "`input`"),
+    ("expect memory.peak <= 1GiB at input = -2x3", "an input shape such as `2x512`"),
+    ("expect memory.peak <= 1GiB at input = 2x", "end of line"),
+    ("expect memory.peak <= 1GiB at input = 2 x 512", "end of line"),
+    ("expect memory.peak <= 1GiB at input", "`=`"),
+])
+def test_bad_at_clauses_are_syntax_errors(text, expected):
+    (d,) = errors(text)
+    assert d.code == "P001" and expected in d.help[0], d
+
+
+def test_input_and_world_are_names_outside_the_at_clause():
+    plan = loads("unit input.world\nmesh (input = 2)\nunit x { input 2 }\n")
+    assert [seg.pattern for seg in plan.statements[0].target.base.segments] == ["input", "world"]
+    assert plan.statements[1].dims[0].name == "input"
+    assert plan.statements[2].block.options[0].name == "input"
+
+
 @pytest.mark.parametrize("text,value,is_bytes", [
     ("100M", 1e8, False), ("1.5B", 1.5e9, False), ("70GiB", 70 * 2**30, True), ("512MB", 512e6, True),
     ("2KiB", 2048, True), ("3T", 3e12, False)])
