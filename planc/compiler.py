@@ -29,10 +29,12 @@ class CompiledPlan:
         world_size: the number of ranks the plan was checked for, if known.
     """
 
-    def __init__(self, plan: st.Plan, graph: ModelGraph | None, world_size: int | None = None):
+    def __init__(self, plan: st.Plan, graph: ModelGraph | None, world_size: int | None = None, *,
+                 check_memory: bool = True):
         self.plan = plan
         self.graph = graph
         self.world_size = world_size
+        self.check_memory = check_memory  # evaluate memory `expect`s (see `compile`)
         self._estimates: dict = {}  # (world, input shape) -> Estimate, or the TraceError it raised
 
     # ----------------------------------------------------------------- phases
@@ -55,7 +57,8 @@ class CompiledPlan:
             diags += list(check_mesh(ctx))
             diags += [d for d in check_expects_without_model(ctx)]
             return sort_diagnostics(diags)
-        clean = not any(d.is_error for d in diags)  # estimate memory only for a valid plan
+        # memory is estimated only for a valid plan, and only when asked for
+        clean = self.check_memory and not any(d.is_error for d in diags)
         ctx = Context(self.plan, self.graph, res, self.world_size, metrics=self._metric if clean else None)
         with paused_gc():
             return sort_diagnostics(diags + validate(ctx))
@@ -148,7 +151,7 @@ def as_plan(plan: st.Plan | str | os.PathLike) -> st.Plan:
 
 
 def compile(plan: st.Plan | str | os.PathLike, model: nn.Module | ModelGraph | None,
-            world_size: int | None = None, *, strict: bool = True) -> CompiledPlan:
+            world_size: int | None = None, *, strict: bool = True, check_memory: bool = True) -> CompiledPlan:
     """Resolve and validate `plan` against `model`.
 
     Args:
@@ -157,6 +160,9 @@ def compile(plan: st.Plan | str | os.PathLike, model: nn.Module | ModelGraph | N
             the checks that need no model.
         world_size: number of ranks; enables mesh, reshard and placement size checks.
         strict: raise `PlanError` (carrying every diagnostic) if there is any error.
+        check_memory: evaluate memory `expect`s with the memory model (an `input =` clause
+            traces one step on fake tensors). `planc.apply` turns this off: the bounds are
+            for `planc check` in CI, and the job being sharded measures the real thing.
 
     Returns:
         The `CompiledPlan`, with `.units` in application order and `.diagnostics`.
@@ -165,7 +171,7 @@ def compile(plan: st.Plan | str | os.PathLike, model: nn.Module | ModelGraph | N
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     parsed = as_plan(plan)
     graph = model if isinstance(model, ModelGraph) or model is None else ModelGraph.from_module(model)
-    compiled = CompiledPlan(parsed, graph, world_size)
+    compiled = CompiledPlan(parsed, graph, world_size, check_memory=check_memory)
     if strict:
         compiled.raise_for_errors()
     return compiled

@@ -334,14 +334,27 @@ def default_input(model: nn.Module, input_shape: tuple[int, ...] | None) -> tupl
     return (torch.zeros(tuple(input_shape), dtype=torch.long, device="meta"),)
 
 
+# model graph -> {(step key, input key): Trace}. Keyed by the graph, not the compiled plan:
+# `planc check --world-size 8 64` compiles once per world size against one graph, and the
+# traced step does not depend on the world size.
 _TRACES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _step_key(compiled) -> tuple:
+    """What of a compiled plan one traced step depends on: the units (their modules,
+    parameters and precision casts), the checkpointed modules and the ignored parameters."""
+    res = compiled.resolution
+    units = tuple((u.modules, u.params, u.is_root, u["param_dtype"], u["output_dtype"], bool(u["cast_inputs"]))
+                  for u in compiled.units)
+    checkpointed = tuple(sorted(p for p, setting in res.checkpoint.items() if setting.value))
+    return units, checkpointed, frozenset(res.ignored)
 
 
 def trace_for(compiled, inputs: tuple | None) -> Trace:
     """The (cached) trace of one step of `compiled` with `inputs`."""
-    cache = _TRACES.setdefault(compiled, {})
-    key = None if inputs is None else tuple(
-        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in inputs)
+    cache = _TRACES.setdefault(compiled.graph, {})
+    key = (_step_key(compiled), None if inputs is None else tuple(
+        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in inputs))
     if key not in cache:
         if inputs is None:
             cache[key] = synthetic_trace(compiled)

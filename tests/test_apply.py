@@ -199,6 +199,15 @@ def test_a_plan_compiled_before_sharding_by_hand_is_not_trusted(one_rank):
     assert "DTensor parameters: `blocks.1.ln_1.weight`" in str(err.value)
 
 
+def test_memory_expects_are_for_check_not_apply(one_rank):
+    text = (ROOT / "plans/gpt.plan").read_text() + "expect memory.peak <= 1KiB at world = 1, input = 2x16\n"
+    with torch.device("meta"):
+        meta = zoo.gpt_tiny()
+    assert [d.code for d in planc.compile(planc.loads(text), meta, 1, strict=False).errors] == ["P502"]
+    applied = planc.apply(zoo.gpt_tiny(), planc.loads(text))  # the bound is not evaluated here
+    assert applied.compiled.ok and not applied.compiled.check_memory
+
+
 def test_non_contiguous_parameter_is_refused(one_rank):
     model = zoo.gpt_tiny()
     w = model.blocks[0].mlp.w_in.weight
