@@ -442,6 +442,10 @@ def metric_problems(s: st.ExpectMetric) -> list[Diagnostic]:
     if not is_memory and s.value.is_bytes:
         return [_err("P103", f"`{s.metric}` is a count, not a size in bytes", s.value.span, "a byte size",
                      ("write a plain number such as `27`",))]
+    if not is_memory and s.world is not None:
+        return [_err("P104", f"`at world = {s.world}` on `expect {s.metric}`: the units do not depend on the "
+                     "world size", s.span, "no effect here",
+                     ("remove `at world = ...`; it belongs on `expect memory...` lines",))]
     if s.world is not None and s.world < 1:
         return [_err("P103", f"`at world = {s.world}`: a world has at least 1 rank", s.span, "no ranks",
                      ("write the number of ranks the plan runs on, such as `at world = 8`",))]

@@ -252,6 +252,7 @@ def test_no_input_can_be_built_without_the_model_object():
     ("expect memory.peak <= 1GiB at world = 8, input = 2x0", "P103", "the sequence length is 0"),
     ("expect units == 3 at input = 2x16", "P104", "the input only changes memory"),
     ("expect memory.peak <= 1GiB at world = 0", "P103", "at least 1 rank"),
+    ("expect units == 3 at world = 8", "P104", "the units do not depend on the world size"),
 ])
 def test_bad_inputs_are_located_without_a_model(line, code, message):
     plan = planc.loads(GPT_TINY + line + "\n", filename="m.plan")
