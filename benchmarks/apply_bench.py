@@ -4,10 +4,9 @@ The model is the Llama-3-405B-shaped decoder of `benchmarks/_llama405b.py`, buil
 device (sharding on meta allocates nothing), on 2 gloo ranks with a CPU mesh. Both sides get
 the same mesh; each repetition builds two fresh models (building is not timed) and times
 `planc.apply(model, plan, mesh=mesh)` and torchtitan's `apply_fsdp` written by hand, in
-alternating order. The ratio is taken per repetition and the median reported (target <= 1.10),
-and so is the ratio of each side's best repetition (`*_best`): on a shared machine a slow
-repetition is slow because of something else running, so the best of N is the closest to
-the work itself (as `timeit` recommends).
+alternating order. The ratio is taken per repetition and the median reported (target <= 1.10).
+The ratio of each side's best repetition (`*_best`) is reported too; it rests on one lucky
+repetition a side, so on a shared machine it moves more between runs than the median does.
 
 `planc.apply` also compiles the plan against the live model (parse, graph, resolve, validate)
 and checks it (already sharded? contiguous?). To show where its time goes, each repetition also
@@ -64,9 +63,16 @@ def _timed(fn) -> tuple[float, float]:
     """(wall seconds, CPU seconds of this thread) taken by `fn()`."""
     gc.collect()
     dist.barrier()  # both ranks start together: fully_shard may talk to the mesh's groups
-    wall, cpu = time.perf_counter(), time.thread_time()
-    fn()
-    return time.perf_counter() - wall, time.thread_time() - cpu
+    # NOTE: no automatic collection inside a timed region, on either side: when one falls
+    # depends on allocations since the last, not on the code timed (planc pauses it while
+    # compiling; the hand-written loop cannot), and each walks every object on the heap.
+    gc.disable()
+    try:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        fn()
+        return time.perf_counter() - wall, time.thread_time() - cpu
+    finally:
+        gc.enable()
 
 
 def _fsdp_units(model: torch.nn.Module) -> int:
