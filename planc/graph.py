@@ -219,7 +219,7 @@ class ModelGraph:
         modules = dict(model.named_modules(remove_duplicate=True))
         if len(modules) != len(self._order):
             return False
-        sharded = set(self._sharded["dtensor"])
+        sharded, checkpointed = set(self._sharded["dtensor"]), set(self._sharded["checkpoint"])
         canon_of_id: dict[int, str] = {}
         names = 0
         for path in self._order:
@@ -227,7 +227,7 @@ class ModelGraph:
             module = modules.get(path)
             if module is not data["module"] or type(module).__name__ != data["cls"]:
                 return False
-            if "checkpoint" in (registry(module) or {}) and path not in self._sharded["checkpoint"]:
+            if "checkpoint" in (registry(module) or {}) and path not in checkpointed:
                 return False
             for local, p in module._parameters.items():
                 if p is None:
