@@ -18,6 +18,7 @@ import dataclasses
 import inspect
 import keyword
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -530,7 +531,9 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     imports = ["import torch"] if "torch." in uses else []
     if res.checkpoint:
         imports.append("from torch.distributed._composable import checkpoint")
-    fsdp = sorted({n for n in ("CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy") if n + "(" in uses})
+    # NOTE: whole names: `OffloadPolicy(` is also the tail of `CPUOffloadPolicy(`
+    fsdp = sorted({n for n in ("CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy")
+                   if re.search(rf"\b{n}\(", uses)})
     imports.append("from torch.distributed.fsdp import " + ", ".join(fsdp + ["fully_shard"]))
     if "placement_fn(" in uses:
         imports.append("from torch.distributed.tensor import Shard")

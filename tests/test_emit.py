@@ -76,6 +76,11 @@ def test_emitted_code_is_valid_python_with_apply_plan(name: str):
     namespace: dict = {}
     exec(compile(source, f"<emit {name}>", "exec"), namespace)  # imports resolve, no NameError at import
     assert callable(namespace["apply_plan"])
+    # every imported name is used (code people vendor should pass their linters)
+    imported = {(a.asname or a.name).split(".")[0] for n in ast.walk(tree)
+                if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    assert imported - {"annotations"} <= used, imported - used
 
 
 def test_order_checkpoint_compile_then_fully_shard_then_prefetch():
