@@ -107,7 +107,8 @@ def bench_worker(rank: int, world_size: int, n_layers: int, reps: int, profile: 
         compile_s.append(_timed(lambda: compiled.append(planc.compile(plan, model, world_size))))
         loop_s.append(_timed(lambda: planc.apply(model, compiled[0], mesh=mesh)))
         units.add(("planc_precompiled", _fsdp_units(model)))
-        del model, compiled
+        compiled.clear()
+        del model
 
     profile_text = None
     if profile and rank == 0:
