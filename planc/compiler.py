@@ -88,12 +88,6 @@ class CompiledPlan:
             raise found
         return found
 
-    @cached_property
-    def memory(self):
-        """The analytic per-rank memory estimate (see `planc.memory`)."""
-        from planc.memory import estimate
-        return estimate(self)
-
     # ----------------------------------------------------------------- results
     @property
     def units(self) -> list[Unit]:
