@@ -20,9 +20,10 @@ import pytest
 import torch
 
 import planc
-from planc import emit, runtime
-from planc.emit import emit_python, expression
-from planc.models import build_model
+from planc.backends import emit
+from planc.backends import runtime
+from planc.backends.emit import emit_python, expression
+from planc.model.build import build_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "emit"

@@ -22,8 +22,8 @@ from torch import nn
 
 import planc
 from planc import zoo
-from planc.emit import emit_python
-from planc.models import build_model
+from planc.backends.emit import emit_python
+from planc.model.build import build_model
 
 from distributed import run
 

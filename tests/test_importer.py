@@ -20,9 +20,9 @@ yaml = pytest.importorskip("yaml")
 
 import planc  # noqa: E402
 from planc import cli  # noqa: E402
-from planc.graph import ModelGraph  # noqa: E402
-from planc.importer import translate  # noqa: E402
-from planc.models import build_model  # noqa: E402
+from planc.model.graph import ModelGraph  # noqa: E402
+from planc.importers.accelerate import translate  # noqa: E402
+from planc.model.build import build_model  # noqa: E402
 
 HF = pytest.importorskip("transformers") is not None
 
@@ -179,7 +179,7 @@ def test_fsdp2_reshard_after_forward_and_the_other_settings():
 
 
 def _rendered(diags, src, file="acc.yaml"):
-    from planc.render import render_text
+    from planc.diagnostics.render import render_text
     return render_text(diags, {file: src})
 
 
@@ -241,7 +241,7 @@ def test_cli_writes_a_plan_that_checks(tmp_path, capsys):
      "mixed_precision: bf16\nnum_machines: 4\nnum_processes: 32\n"),
 ])
 def test_written_plans_are_already_formatted(fsdp, top):
-    from planc.fmt import format_plan
+    from planc.lang.fmt import format_plan
     for ref in (None, "hf:llama-tiny"):
         text, _ = translate(_config(fsdp, top="distributed_type: FSDP\n" + top), "a.yaml", model_ref=ref)
         assert format_plan(text) == text

@@ -23,12 +23,12 @@ from torch import nn
 
 import planc
 from planc.compiler import CompiledPlan
-from planc.graph import ModelGraph
-from planc.ir import DEFAULT_SETTINGS
-from planc.models import build_model
-from planc.options import show_value
-from planc.parse import loads
-from planc.selectors import _size_filter
+from planc.model.graph import ModelGraph
+from planc.resolve.ir import DEFAULT_SETTINGS
+from planc.model.build import build_model
+from planc.resolve.options import show_value
+from planc.lang.parse import loads
+from planc.resolve.selectors import _size_filter
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "resolve"
@@ -161,7 +161,7 @@ def test_size_filter_matches_fsdp1_reference(seed):
     ((None, 3), 8, None), ((2, 4), 8, (2, 4)), ((2, 4), 64, (2, 4)), ((1, None), None, None),
     ((None, None), 8, None), ((2, 4), None, (2, 4)), ((1, None), 0, None), ((None, 4), -8, None)])
 def test_mesh_sizes(mesh, world, sizes):
-    from planc.ir import Mesh
+    from planc.resolve.ir import Mesh
     assert Mesh(replicate=mesh[0], shard=mesh[1]).sizes(world) == sizes
 
 

@@ -3,7 +3,7 @@
 References are `package.module:callable` (called with no arguments under
 `torch.device("meta")`) or `hf:path/to/config.json` (a Hugging Face transformers model built
 from its config, no weights, no network; needs the `hf` extra; a relative path starts from the
-plan's folder, and a bare name such as `hf:llama-tiny` is a config shipped in `planc/configs/`).
+plan's folder, and a bare name such as `hf:llama-tiny` is a config shipped in `planc/model/configs/`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-
-class ModelLoadError(Exception):
-    """The reference could not be turned into a model; the message says why, in user terms."""
+from planc.model.errors import ModelLoadError
 
 
 def _import_callable(ref: str) -> Callable[[], nn.Module]:
@@ -51,7 +49,7 @@ def build_model(ref: str, *, device: str | torch.device = "meta", base: str | os
     folder for a ref read from a plan's `model` line (default: the working directory).
     """
     if ref.startswith("hf:"):
-        from planc.hf import build_hf_model  # optional extra: only imported when asked for
+        from planc.model.hf import build_hf_model  # optional extra: only imported when asked for
         return build_hf_model(ref[3:], device=device, base=base)
     builder = _import_callable(ref)
     try:

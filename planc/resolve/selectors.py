@@ -12,9 +12,9 @@ import fnmatch
 import re
 from dataclasses import dataclass, field
 
-from planc import syntax as st
+from planc.lang import syntax as st
 from planc.diagnostics import Diagnostic, Span, suggestion
-from planc.graph import ModelGraph
+from planc.model.graph import ModelGraph
 
 SIZE_FIELDS = ("size",)
 

@@ -12,7 +12,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from planc.diagnostics import Span
-from planc.options import SETTING_DEFAULTS, show_value
+from planc.resolve.options import SETTING_DEFAULTS, show_value
 
 
 @dataclass(frozen=True, slots=True)

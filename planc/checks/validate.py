@@ -13,12 +13,12 @@ from typing import Callable, Iterator
 
 import torch
 
-from planc import syntax as st
+from planc.lang import syntax as st
 from planc.diagnostics import Diagnostic, suggestion
-from planc.graph import ModelGraph
-from planc.ir import Resolution, Unit
-from planc.options import DTYPE_NAMES
-from planc.selectors import match_modules
+from planc.model.graph import ModelGraph
+from planc.resolve.ir import Resolution, Unit
+from planc.resolve.options import DTYPE_NAMES
+from planc.resolve.selectors import match_modules
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def check_containers(ctx: Context) -> Iterator[Diagnostic]:
 
 def check_never_called(ctx: Context) -> Iterator[Diagnostic]:
     """P307: a unit inside a module that reads its children's weights without calling them."""
-    from planc.selectors import FORCE_LEAF_MODULES
+    from planc.resolve.selectors import FORCE_LEAF_MODULES
     g = ctx.graph
     by_rule: dict = {}
     for u in ctx.inner_units():
@@ -494,7 +494,7 @@ def _expect_metric(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
                    (f"add the input to the line: `at {_at_clause(s, world, 'BxS')}`, with B the batch size "
                     "and S the sequence length in tokens (e.g. `2x512`)",), severity="warning")
         return
-    from planc.trace import TraceError
+    from planc.analysis.trace import TraceError
     try:
         actual = ctx.metrics(s.metric, world, shape)
     except TraceError as err:

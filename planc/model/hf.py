@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from planc.models import ModelLoadError
+from planc.model.errors import ModelLoadError
 
-CONFIG_PACKAGE = "planc"
+CONFIG_PACKAGE = "planc.model"
 CONFIG_DIR = "configs"
 
 
 def shipped_configs() -> dict[str, Path]:
-    """Name -> path of every config shipped inside the package (`planc/configs/*.json`)."""
+    """Name -> path of every config shipped inside the package (`planc/model/configs/*.json`)."""
     folder = resources.files(CONFIG_PACKAGE) / CONFIG_DIR
     return {Path(entry.name).stem: Path(str(entry)) for entry in folder.iterdir()
             if entry.name.endswith(".json")}

@@ -1,58 +1,11 @@
-"""Diagnostics: spans, the registry of codes, and `PlanError`.
-
-Every problem planc reports is a `Diagnostic` with a code from `CODES`, a severity, a terse
-message in the user's words, a primary span, and `help:` lines saying how to fix it. Stages
-collect diagnostics in lists; `PlanError` is raised only at the API boundary, carrying all
-of them. Rendering lives in `planc/render.py`.
-"""
+"""The registry of diagnostic codes: a title and an explanation with an example for each."""
 
 from __future__ import annotations
 
-import difflib
-from dataclasses import dataclass, field
-from typing import Iterable, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 Severity = Literal["error", "warning", "note"]
-
-
-@dataclass(frozen=True, slots=True)
-class Span:
-    """A region of a source file; lines and columns start at 1, `end_column` is exclusive."""
-
-    file: str
-    line: int
-    column: int
-    end_line: int
-    end_column: int
-
-    @classmethod
-    def point(cls, file: str, line: int = 1, column: int = 1) -> "Span":
-        return cls(file, line, column, line, column + 1)
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}:{self.column}"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Diagnostic:
-    """One finding: `code` from `CODES`, a message, where, and how to fix it."""
-
-    code: str
-    severity: Severity
-    message: str
-    span: Span | None = None
-    label: str = ""
-    help: tuple[str, ...] = ()
-    notes: tuple[str, ...] = ()
-    related: tuple[tuple[Span, str], ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.code not in CODES:
-            raise KeyError(f"unregistered diagnostic code {self.code}")
-
-    @property
-    def is_error(self) -> bool:
-        return self.severity == "error"
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,35 +156,3 @@ CODES: dict[str, Code] = {
     "P901": Code("FSDP1 spelling", "An FSDP1 word was accepted and mapped to its FSDP2 meaning; the note "
                  "says what it became.", "note"),
 }
-
-
-def did_you_mean(word: str, candidates: Iterable[str], n: int = 1) -> list[str]:
-    """Close matches for `word` among `candidates`, best first (difflib, as ruff does)."""
-    pool = sorted(set(candidates))
-    exact_case = [c for c in pool if c.lower() == word.lower() and c != word]
-    return (exact_case + difflib.get_close_matches(word, pool, n=n, cutoff=0.6))[:n]
-
-
-def suggestion(word: str, candidates: Iterable[str]) -> tuple[str, ...]:
-    """A `help:` line naming the closest candidate, or nothing."""
-    best = did_you_mean(word, candidates)
-    return (f"did you mean `{best[0]}`?",) if best else ()
-
-
-@dataclass
-class PlanError(Exception):
-    """A plan failed to load, compile or apply; carries every diagnostic, not only the first."""
-
-    diagnostics: list[Diagnostic] = field(default_factory=list)
-    sources: dict[str, str] = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        from planc.render import render_text
-
-        errors = [d for d in self.diagnostics if d.is_error]
-        head = f"plan has {len(errors)} error(s)"
-        return head + "\n" + render_text(self.diagnostics, self.sources, color=False)
-
-    @property
-    def errors(self) -> list[Diagnostic]:
-        return [d for d in self.diagnostics if d.is_error]

@@ -7,7 +7,7 @@ a `ModuleList` become loops (`for block in model.layers:`), and a comment before
 names the plan lines it came from.
 
 The `fully_shard` arguments are not re-derived here: they are read from
-`planc.runtime.fully_shard_kwargs`, the function `planc.apply` calls, evaluated on the
+`planc.backends.runtime.fully_shard_kwargs`, the function `planc.apply` calls, evaluated on the
 meta-built model, and each value is turned back into source. An argument this module does
 not know how to print is an error, not a silent omission, so the two cannot drift apart.
 """
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from planc.compiler import CompiledPlan
-from planc.ir import Setting, Unit
+from planc.resolve.ir import Setting, Unit
 
 LOOP_VAR = "block"
 WIDTH = 100  # wrap calls longer than this
@@ -125,7 +125,7 @@ class _Unit:
     """A unit's `fully_shard` call, built from `fully_shard_kwargs` on the meta model."""
 
     def __init__(self, unit: Unit, compiled: CompiledPlan, model: nn.Module, defaults: dict[str, str]):
-        from planc.runtime import fully_shard_kwargs
+        from planc.backends.runtime import fully_shard_kwargs
 
         self.unit = unit
         # Evaluated for an accelerator mesh and a CPU mesh: where they differ (pinned memory),
@@ -553,41 +553,3 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     text += "\n\n\ndef apply_plan(model, mesh):\n"
     text += f'    """Shard `model` in place on `mesh` ({mesh_doc}) and return it."""\n'
     return text + "\n".join(body) + "\n"
-
-
-# ===================================================================== command line
-
-
-def main(args) -> int:
-    """`planc emit PLAN [--model M:F]`: print the code; 1 if the plan has errors, 2 on I/O problems.
-
-    The plan is checked without a world size (the emitted code takes any mesh), so checks
-    that need one (mesh fit, reshard and placement divisibility) are left to `planc check`.
-    """
-    from planc import render
-    from planc.cli import UsageError, use_color
-    from planc.compiler import sort_diagnostics
-    from planc.graph import ModelGraph
-    from planc.models import ModelLoadError, build_model
-    from planc.parse import load_with_diagnostics
-
-    plan, diags = load_with_diagnostics(args.plan)
-    if plan is None or any(d.is_error for d in diags):
-        sources = dict(plan.sources) if plan is not None else {}
-        print(render.render_text(diags, sources, color=use_color(sys.stderr)), file=sys.stderr)
-        return 2 if plan is None else 1
-    ref = args.model or plan.model_ref
-    if ref is None:
-        raise UsageError("emit needs a model: a `model` line in the plan, or --model MODULE:CALLABLE")
-    try:
-        model = build_model(ref, base=None if args.model else os.path.dirname(os.path.abspath(args.plan)))
-    except ModelLoadError as err:
-        raise UsageError(f"cannot build `{ref}`: {err}") from err
-    compiled = CompiledPlan(plan, ModelGraph.from_module(model), None)
-    diags = sort_diagnostics(list(diags) + list(compiled.diagnostics))
-    if diags:  # warnings too, on stderr: stdout stays a clean Python module
-        print(render.render_text(diags, compiled.sources, color=use_color(sys.stderr)), file=sys.stderr)
-    if any(d.is_error for d in diags):
-        return 1
-    print(emit_python(compiled, plan_path=args.plan, model_ref=ref), end="")
-    return 0

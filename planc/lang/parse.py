@@ -17,7 +17,7 @@ from pathlib import Path as FsPath
 import lark
 from lark import Lark, Transformer, v_args
 
-from planc import syntax as st
+from planc.lang import syntax as st
 from planc.diagnostics import Diagnostic, PlanError, Span
 
 MAX_PLAN_BYTES = 1 << 20
@@ -53,7 +53,7 @@ _TERMINAL_NAMES = {
 
 
 class _ToSyntax(Transformer):
-    """Turns lark's parse tree into `planc.syntax` nodes, one method per grammar rule."""
+    """Turns lark's parse tree into `planc.lang.syntax` nodes, one method per grammar rule."""
 
     def __init__(self, file: str):
         super().__init__()

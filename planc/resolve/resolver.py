@@ -16,12 +16,12 @@ import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from planc import syntax as st
+from planc.lang import syntax as st
 from planc.diagnostics import Diagnostic, suggestion
-from planc.graph import ModelGraph
-from planc.ir import DEFAULT_SETTINGS, Mesh, Resolution, Setting, Unit
-from planc.options import MODULE_SETTINGS, Assignment, parse_option
-from planc.selectors import check_regexes, match_modules, match_params
+from planc.model.graph import ModelGraph
+from planc.resolve.ir import DEFAULT_SETTINGS, Mesh, Resolution, Setting, Unit
+from planc.resolve.options import MODULE_SETTINGS, Assignment, parse_option
+from planc.resolve.selectors import check_regexes, match_modules, match_params
 
 MESH_DIMS = {"replicate": "replicate", "shard": "shard", "dp_replicate": "replicate", "dp_shard": "shard"}
 DEFAULTS_ORDER = -(10**9)  # defaults sort below every rule, whatever their position

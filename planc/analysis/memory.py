@@ -24,7 +24,7 @@ Two parts, both without torch.distributed and without a GPU:
   Without an input, activations are left out and the replay walks the units in module order.
 
 Counted: tensor bytes only (no CUDA context, NCCL or allocator workspaces, fragmentation).
-Checked against `planc.simulate` (FSDPMemTracker in a fake process group) and against real
+Checked against `planc.analysis.simulate` (FSDPMemTracker in a fake process group) and against real
 2-rank gloo runs: tests/test_memory.py, tests/test_memory_dist.py.
 """
 
@@ -36,7 +36,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from planc.trace import Trace, TraceError, default_input, trace_for
+from planc.analysis.trace import Trace, TraceError, default_input, trace_for
 
 OPTIMIZERS = ("adamw", "sgd", "none")
 CATEGORIES = ("sharded_params", "sharded_grads", "optimizer_state", "unsharded_params", "all_gather",
@@ -196,7 +196,7 @@ class Estimate:
         return self.peak.total / self.lower_bound if self.lower_bound else float("inf")
 
     def metric(self, name: str) -> float | None:
-        """The value of a memory metric (`planc.validate.METRICS`) in bytes."""
+        """The value of a memory metric (`planc.checks.validate.METRICS`) in bytes."""
         if name == "memory.peak":
             return float(self.peak.total)
         if name == "memory.sharded":
@@ -454,7 +454,7 @@ class _Whole:
     """A view of a compiled plan as one unit holding every parameter (for the lower bound)."""
 
     def __init__(self, compiled):
-        from planc.ir import DEFAULT_SETTINGS, Mesh, Unit
+        from planc.resolve.ir import DEFAULT_SETTINGS, Mesh, Unit
         self.graph = compiled.graph
         self.resolution = compiled.resolution
         self.mesh = Mesh(replicate=1, shard=None)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from planc import syntax as st
+from planc.lang import syntax as st
 from planc.diagnostics import Diagnostic, Span, suggestion
 
 Context = Literal["defaults", "unit", "root"]

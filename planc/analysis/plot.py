@@ -6,7 +6,10 @@ when a plot is asked for.
 
 from __future__ import annotations
 
-from planc.cli import UsageError
+
+class PlotError(ValueError):
+    """A plot cannot be written (no matplotlib, or a file type it cannot make); the message says why."""
+
 
 
 def _pyplot():
@@ -15,7 +18,7 @@ def _pyplot():
         matplotlib.use("Agg")  # files only; never needs a display
         import matplotlib.pyplot as plt
     except ImportError as err:
-        raise UsageError('--plot needs matplotlib: pip install "planc[plot]"') from err
+        raise PlotError('--plot needs matplotlib: pip install "planc[plot]"') from err
     return plt
 
 
@@ -27,12 +30,12 @@ def plot_step(est, path: str, measured=None) -> None:
     the plan's split by category, against the same model unsharded (DDP-like).
 
     Args:
-        est: the analytic `planc.memory.Estimate`.
+        est: the analytic `planc.analysis.memory.Estimate`.
         path: output file, `.png` or `.svg`.
-        measured: a `planc.simulate.Measurement` to draw next to the estimate, if any.
+        measured: a `planc.analysis.simulate.Measurement` to draw next to the estimate, if any.
     """
     if not path.lower().endswith((".png", ".svg")):
-        raise UsageError(f"--plot {path}: write a .png or .svg file")
+        raise PlotError(f"--plot {path}: write a .png or .svg file")
     plt = _pyplot()
     scale, unit = _scale(est.unsharded_peak_baseline)
     fig, (ax, bars) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3.2, 1]})

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planc.trace import loss_of
+from planc.analysis.trace import loss_of
 
-# Tracker categories -> planc.memory categories.
+# Tracker categories -> planc.analysis.memory categories.
 _CATEGORY = {
     "Sharded Param": "sharded_params", "Unsharded Param": "unsharded_params", "Buffer": "buffers",
     "Sharded Grad": "sharded_grads", "Unsharded Grad": "unsharded_grads", "Activation": "activations",
@@ -132,7 +132,7 @@ def simulate(plan, build: Callable[[], nn.Module], world: int, *, rank: int = 0,
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from planc.runtime import apply, build_mesh
+    from planc.backends.runtime import apply, build_mesh
     import planc
 
     _skip_sharding_propagation()

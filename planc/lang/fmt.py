@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from planc import render
-from planc import syntax as st
+from planc.diagnostics import render
+from planc.lang import syntax as st
 from planc.diagnostics import Span
-from planc.parse import _read, parse_text
+from planc.lang.parse import _read, parse_text
 
 INDENT = "  "
 TRAILING = "  "  # two spaces before a comment that follows code, as PEP 8 does
@@ -265,70 +265,3 @@ def _check_same_meaning(statements, comments, result: str, filename: str) -> Non
         raise FormatError(f"formatting `{filename}` would change its meaning")
     if [_text(c) for c in again_comments] != [_text(c) for c in comments]:
         raise FormatError(f"formatting `{filename}` would lose or reorder comments")
-
-
-# ===================================================================== command line
-
-
-def _diff(path: str, old: str, new: str, limit: int = 40) -> str:
-    lines = list(difflib.unified_diff(old.splitlines(), new.splitlines(), f"{path} (now)",
-                                      f"{path} (formatted)", lineterm="", n=1))
-    if len(lines) > limit:
-        lines = lines[:limit] + [f"... ({len(lines) - limit} more diff lines)"]
-    return "\n".join(lines)
-
-
-def main(args) -> int:
-    """`planc fmt PLAN... [--check]`: rewrite plans in place (`-`: stdin to stdout).
-
-    Returns 0 when all is formatted (or was rewritten), 1 when `--check` finds a plan to
-    reformat or a plan has syntax errors (it is left alone), 2 when a plan is unreadable.
-    """
-    from planc.cli import use_color
-    from planc.diagnostics import PlanError
-
-    check = getattr(args, "check", False)
-    code = 0
-    changed: list[str] = []
-    unchanged = 0
-    for path in args.plans:
-        if path == "-":  # editors: plan on stdin, formatted plan on stdout
-            text, err = sys.stdin.read(), None
-        else:
-            text, err = _read(path, None)
-        if err is not None:
-            print(render.render_text([err], {}, color=use_color(sys.stderr)), file=sys.stderr)
-            code = max(code, 2)
-            continue
-        try:
-            new = format_plan(text, path)
-        except PlanError as perr:
-            print(render.render_text(perr.diagnostics, {path: text}, color=use_color(sys.stderr)), file=sys.stderr)
-            print(f"planc fmt: not formatting `{path}`: it has syntax errors", file=sys.stderr)
-            code = max(code, 1)
-            continue
-        except FormatError as ferr:
-            print(f"planc: internal error: {ferr}\nthis is a bug in planc; `{path}` was left as it was",
-                  file=sys.stderr)
-            code = max(code, 2)
-            continue
-        if path == "-" and not check:
-            sys.stdout.write(new)
-            continue
-        if new == text:
-            unchanged += 1
-            continue
-        changed.append(path)
-        if check:
-            print(f"would reformat {path}")
-            print(_diff(path, text, new))
-            code = max(code, 1)
-        else:
-            Path(path).write_text(new, encoding="utf-8")
-            print(f"reformatted {path}")
-    verb = "would be reformatted" if check else "reformatted"
-    if any(p != "-" for p in args.plans) or check:
-        print(f"{len(changed)} file{'s' * (len(changed) != 1)} {verb}, {unchanged} already formatted",
-              file=sys.stderr)
-    return code
-

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Mapping, Sequence
 
-from planc.diagnostics import Diagnostic, Span
+from planc.diagnostics.core import Diagnostic, Span
 
 _COLORS = {"error": "\x1b[1;31m", "warning": "\x1b[1;33m", "note": "\x1b[1;36m",
            "help": "\x1b[1;32m", "bold": "\x1b[1m", "blue": "\x1b[1;34m", "reset": "\x1b[0m"}
