@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-__all__ = ["materialize"]
+from planc.diagnostics import Diagnostic, PlanError
+
+__all__ = ["materialize", "initialiser_of"]
+
+_SHOWN = 5  # modules named in a P605 before "and N more"
 
 
 def materialize(model: nn.Module, device: torch.device | str,
@@ -17,11 +22,25 @@ def materialize(model: nn.Module, device: torch.device | str,
 
     The flow: build on meta, `apply` (shards on meta, allocates nothing), then this:
     `model.to_empty(device=device)` allocates each rank's local shards only (those of
-    units offloaded to the CPU on the CPU), then, under
-    `torch.no_grad()`, `init(model)` if given, else `reset_parameters()` on every module
-    that has one (and `nn.MultiheadAttention._reset_parameters()`, which has no public
-    one), children before parents as when the model was built; a tied parameter is initialised by its first owner only. Models with `tie_weights()` (the zoo GPT) are re-tied afterwards, as `to_empty`
-    makes one new tensor per registration.
+    units offloaded to the CPU on the CPU) and fills them with poison (NaN; the lowest
+    value for integer tensors). Then, under `torch.no_grad()`, `init(model)` if given,
+    else the model's own initialiser (`initialiser_of`):
+
+    * `model.init_states(buffer_device=device)` or `model.init_weights(buffer_device=device)`
+      (torchtitan's models: their init, and their RoPE caches rebuilt);
+    * Hugging Face models: `initialize_weights()` (each module's `_init_weights`, which
+      also recomputes rotary `inv_freq` buffers), then `tie_weights()`;
+    * otherwise `reset_parameters()` on every module that has one (and
+      `nn.MultiheadAttention._reset_parameters()`), children before parents as when the
+      model was built; a tied parameter is initialised by its first owner only. This is
+      the real init only for models built from torch modules without init code of their
+      own; anything it misses is caught below.
+
+    Models with `tie_weights()` are re-tied afterwards (`to_empty` makes one tensor per
+    registration). Finally every parameter and buffer is checked: one still holding the
+    poison was initialised by nothing, and `PlanError` P605 names its modules instead of
+    letting training start from garbage (boolean tensors cannot hold poison and are not
+    checked; on a rank whose shard of a parameter is empty there is nothing to check).
 
     Initialisation runs on local shards, so values differ from an unsharded build with the
     same seed (on a CPU mesh DTensor's random ops draw each shard from the rank's own
@@ -36,34 +55,127 @@ def materialize(model: nn.Module, device: torch.device | str,
 
     Returns:
         The same model.
+
+    Raises:
+        PlanError: P605 when some parameter or buffer was left uninitialised.
     """
     # Units offloaded to the CPU keep their local shards there (FSDP2 moves them back only
     # when pinning); everything else goes to `device`. This is `to_empty`, per parameter.
     offloaded = _offloaded_params(model)
     model._apply(lambda t: torch.empty_like(t, device="cpu" if id(t) in offloaded else device))
-    with torch.no_grad():
-        if init is not None:
-            init(model)
-        else:
-            done: set[int] = set()
-            # NOTE: post-order, as modules initialise when built: children first, then the
-            # parent (MultiheadAttention zeroes `out_proj.bias` after out_proj's own init).
-            for module in _post_order(model):
-                own = [id(p) for p in module._parameters.values() if p is not None]
-                # A tied parameter is initialised by its first owner only, as a model that
-                # ties after building (`lm_head.weight = wte.weight`) keeps the first one.
-                if own and all(i in done for i in own):
-                    continue
-                if isinstance(module, nn.MultiheadAttention):
-                    module._reset_parameters()
-                elif callable(getattr(module, "reset_parameters", None)):
-                    module.reset_parameters()
-                else:
-                    continue
-                done.update(own)
     if callable(getattr(model, "tie_weights", None)):
         model.tie_weights()
+    with torch.no_grad():
+        for _, t in _states(model):
+            _poison(t)
+        (init or initialiser_of(model, torch.device(device))[1])(model)
+    if callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()
+    left = [name for name, t in _states(model) if _poisoned(t)]
+    if left:
+        raise PlanError([_uninitialised(left, init is not None, initialiser_of(model, torch.device(device))[0])])
     return model
+
+
+def initialiser_of(model: nn.Module, device: torch.device) -> tuple[str, Callable[[nn.Module], None]]:
+    """The model's own initialiser, as (a name for messages, a function of the model)."""
+    for method in ("init_states", "init_weights"):
+        fn = getattr(model, method, None)
+        if callable(fn) and not _is_hf(model) and "buffer_device" in _parameters(fn):
+            return f"`{method}(buffer_device=...)`", lambda m, method=method: getattr(m, method)(buffer_device=device)
+    if _is_hf(model):
+        return "Hugging Face's `initialize_weights()`", _hf_init
+    return "`reset_parameters()` per module", _reset_parameters
+
+
+def _parameters(fn: Callable) -> set[str]:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _is_hf(model: nn.Module) -> bool:
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+               for c in type(model).__mro__)
+
+
+def _hf_init(model: nn.Module) -> None:
+    """Hugging Face's own init, forced: modules built on meta may carry `_is_hf_initialized`."""
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+        for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            t.__dict__.pop("_is_hf_initialized", None)
+    model.initialize_weights()
+
+
+def _reset_parameters(model: nn.Module) -> None:
+    done: set[int] = set()
+    # NOTE: post-order, as modules initialise when built: children first, then the
+    # parent (MultiheadAttention zeroes `out_proj.bias` after out_proj's own init).
+    for module in _post_order(model):
+        own = [id(p) for p in module._parameters.values() if p is not None]
+        # A tied parameter is initialised by its first owner only, as a model that
+        # ties after building (`lm_head.weight = wte.weight`) keeps the first one.
+        if own and all(i in done for i in own):
+            continue
+        if isinstance(module, nn.MultiheadAttention):
+            module._reset_parameters()
+        elif callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+        else:
+            continue
+        done.update(own)
+
+
+# ------------------------------------------------------------------ poison and its check
+
+
+def _states(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, local tensor) of every parameter and buffer, each storage once."""
+    from torch.distributed.tensor import DTensor
+    seen: set[int] = set()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        yield name, t.to_local() if isinstance(t, DTensor) else t
+
+
+def _sentinel(t: torch.Tensor):
+    if t.is_floating_point() or t.is_complex():
+        return float("nan")
+    if t.dtype == torch.bool:
+        return None
+    return torch.iinfo(t.dtype).min
+
+
+def _poison(t: torch.Tensor) -> None:
+    value = _sentinel(t)
+    if value is not None and t.numel():
+        t.detach().fill_(value)
+
+
+def _poisoned(t: torch.Tensor) -> bool:
+    value = _sentinel(t)
+    if value is None or not t.numel() or t.device.type == "meta":
+        return False
+    t = t.detach()
+    return bool(torch.isnan(t).any()) if isinstance(value, float) else bool((t == value).any())
+
+
+def _uninitialised(names: list[str], custom: bool, default: str) -> Diagnostic:
+    modules = list(dict.fromkeys(n.rpartition(".")[0] or "<root>" for n in names))
+    shown = ", ".join(f"`{m}`" for m in modules[:_SHOWN])
+    more = f" and {len(modules) - _SHOWN} more" if len(modules) > _SHOWN else ""
+    by = "your `init`" if custom else default
+    tensors = ", ".join(f"`{n}`" for n in names[:_SHOWN]) + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+    return Diagnostic(code="P605", severity="error", span=None,
+                      message=f"{len(names)} parameter(s) or buffer(s) left uninitialised by {by}",
+                      notes=(f"in modules {shown}{more}", f"uninitialised: {tensors}"),
+                      help=("pass `planc.materialize(model, device, init=fn)` with the model's real "
+                            "initialiser, covering these modules (buffers too: a RoPE cache or position ids "
+                            "must be recomputed)",))
 
 
 def _offloaded_params(model: nn.Module) -> set[int]:

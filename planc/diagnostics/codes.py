@@ -120,6 +120,14 @@ CODES: dict[str, Code] = {
     "P604": Code("non-contiguous parameter in a unit", "FSDP2 cannot shard non-contiguous parameters "
                  "(`NotImplementedError`). Make the parameter contiguous when building the model, or "
                  "`ignore` it."),
+    "P605": Code("initialisation unknown", "`planc.materialize` allocated the model's memory but could not "
+                 "tell how to initialise some parameters or buffers: after the initialiser ran they still held "
+                 "the poison planc writes into fresh memory (NaN, or the lowest integer), so training would "
+                 "start from garbage. planc uses the model's own initialiser when it has one (`init_states` / "
+                 "`init_weights(buffer_device=...)` as torchtitan's models have, Hugging Face's "
+                 "`initialize_weights`), else `reset_parameters()` per module. Pass `init=` with the model's "
+                 "real initialiser, covering every module named.\n\n"
+                 "    planc.materialize(model, \"cuda\", init=lambda m: m.init_rope_cache())"),
     # --- importing accelerate FSDP configs (P7xx; `planc import`, planc/importer.py)
     "P701": Code("not an accelerate FSDP config", "The file is not YAML, not a mapping, or has no "
                  "`fsdp_config` section (accelerate writes one with `accelerate config` when "
