@@ -209,7 +209,7 @@ def test_expects_use_the_estimate_explain_reports(monkeypatch, tmp_path):
     assert est.activations == reported["memory"]["activations_bytes"]
     assert est.sharded_state == reported["totals"]["sharded_state_bytes"]
     from planc.analysis.trace import _TRACES
-    assert [inputs for _, inputs in _TRACES[c.graph] if inputs is not None] == [(((2, 16), torch.long),)]
+    assert [key[1][1] for key in _TRACES[c.graph] if key[1] is not None] == [(((2, 16), torch.long),)]
 
 
 def test_the_traced_step_is_shared_across_world_sizes():
@@ -218,7 +218,7 @@ def test_the_traced_step_is_shared_across_world_sizes():
     plan = planc.loads(SEED.split("expect")[0] + "expect memory.peak <= 1GiB at input = 2x16\n", filename="t.plan")
     at8, at64 = planc.compile(plan, graph, 8), planc.compile(plan, graph, 64)
     est8, est64 = at8.memory_at(8, (2, 16)), at64.memory_at(64, (2, 16))
-    assert [inputs for _, inputs in _TRACES[graph] if inputs is not None] == [(((2, 16), torch.long),)]
+    assert [key[1][1] for key in _TRACES[graph] if key[1] is not None] == [(((2, 16), torch.long),)]
     assert est8.activations == est64.activations > 0  # one trace ...
     assert est8.sharded_state > est64.sharded_state    # ... two world sizes
     other = planc.loads(SEED.split("expect")[0] + "checkpoint transformer_layers.*\n", filename="t.plan")

@@ -242,8 +242,8 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
         v = mem["breakdown"].get(key)
         if v:
             out.append(f"  {LABELS[key]:<22} {gib(v):>12}")
-    out.append(f"  {'lower bound':<22} {gib(mem['lower_bound_bytes']):>12}  (all state sharded over {data['world_size']} "
-               f"ranks, one module gathered at a time; peak is {mem['ratio_to_lower_bound']:.2f}x)")
+    out.append(f"  {'lower bound':<22} {gib(mem['lower_bound_bytes']):>12}  (state kept on the device, plus the largest of: "
+               f"one module gathered, the activations, the sharded grads; peak is {mem['ratio_to_lower_bound']:.2f}x)")
     out.append(f"  {'unsharded (DDP-like)':<22} {gib(mem['unsharded_baseline_bytes']):>12}  (the same model, no sharding)")
     out.append(style.dim(f"  activations from: {mem['activations_from']}"))
     out.append(style.dim("  tensor bytes only: no CUDA context, NCCL workspaces or allocator fragmentation; "

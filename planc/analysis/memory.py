@@ -23,6 +23,14 @@ Two parts, both without torch.distributed and without a GPU:
   each unit's precision and checkpointing applied; FSDP2's buffers are added around it.
   Without an input, activations are left out and the replay walks the units in module order.
 
+The traced step is a training step: the model's forward on the given inputs, the loss
+(by default, for a language model, cross-entropy over the logits upcast to fp32, as
+torchtitan and Hugging Face take it: the fp32 logits, log-softmax and their gradients are
+counted; otherwise the output's sum; or the loss the caller gives), its backward, and the
+optimizer step (foreach or fused AdamW/Adam, SGD). Buffers (RoPE caches, position ids) are
+counted whole on every rank. `clip_grad_norm_` costs one scalar per gradient (measured: no
+visible change of the peak) and is not modelled.
+
 Counted: tensor bytes only (no CUDA context, NCCL or allocator workspaces, fragmentation).
 Checked against `planc.analysis.simulate` (FSDPMemTracker in a fake process group) and against real
 2-rank gloo runs: tests/test_memory.py, tests/test_memory_dist.py.
@@ -36,11 +44,22 @@ from typing import Iterable, Mapping
 
 import torch
 
-from planc.analysis.trace import Trace, TraceError, default_input, trace_for
+from planc.analysis.trace import Example, Trace, TraceError, default_input, trace_for
 
-OPTIMIZERS = ("adamw", "sgd", "none")
+# "adamw"/"adam": torch's foreach implementation (the default); "*_fused": fused=True.
+OPTIMIZERS = ("adamw", "adamw_fused", "adam", "adam_fused", "sgd", "none")
 CATEGORIES = ("sharded_params", "sharded_grads", "optimizer_state", "unsharded_params", "all_gather",
-              "reduce_scatter", "unsharded_grads", "activations", "optimizer_temp", "inputs")
+              "reduce_scatter", "unsharded_grads", "activations", "optimizer_temp", "inputs", "buffers")
+
+
+def has_moments(optimizer: str) -> bool:
+    """Adam and AdamW keep two states the size of the parameters (and a step counter)."""
+    return optimizer.startswith("adam")
+
+
+def foreach_temp(optimizer: str) -> bool:
+    """foreach Adam(W) materialises sqrt(exp_avg_sq) for all parameters at once; fused does not."""
+    return optimizer in ("adamw", "adam")
 STEP_COUNTER_BYTES = 4  # AdamW keeps a float32 `step` tensor per parameter
 
 
@@ -113,7 +132,7 @@ def unit_memory(compiled, world: int, optimizer: str = "adamw") -> list[UnitMemo
                 grad_unsharded += info.numel * _itemsize(pdt)
                 rs += per_rank * shard * _itemsize(rdt)
                 grads += per_rank * _itemsize(info.dtype)
-                if optimizer == "adamw":
+                if has_moments(optimizer):
                     opt += 2 * per_rank * _itemsize(info.dtype) + STEP_COUNTER_BYTES
         reshard = u.reshard_after_forward
         if reshard is True or (not isinstance(reshard, bool) and reshard >= shard):
@@ -222,6 +241,7 @@ class _Replay:
         self.rs_kept = 0                        # last reduce-scatter input, freed at next reduce-scatter
         self.post_forward_order: list[int] = []
         self.replicated = replicated
+        self.buffers = buffer_bytes(compiled)
         self.timeline: list[Moment] = []
         self.live = self.live_grads = 0
         self.phase = "forward"
@@ -234,7 +254,7 @@ class _Replay:
         b = dict.fromkeys(CATEGORIES, 0)
         b["sharded_params"] = sum(m.sharded for m in dev) + self.replicated
         b["optimizer_state"] = sum(m.optimizer for m in dev) + (
-            2 * self.replicated if self.optimizer == "adamw" else 0)
+            2 * self.replicated if has_moments(self.optimizer) else 0)
         b["sharded_grads"] = sum(self.mem[i].reduce_bytes(names)[1] for i, names in self.reduced.items()
                                  if not self.mem[i].offload)
         if self.phase == "optimizer":  # (in backward, unsharded parameters' gradients are in the trace)
@@ -253,6 +273,7 @@ class _Replay:
         b["unsharded_grads"] = self.live_grads
         b["activations"] = self.live - self.live_grads
         b["inputs"] = self.trace.input_bytes
+        b["buffers"] = self.buffers
         for k, v in self.transient.items():
             b[k] += v
         self.timeline.append(Moment(label, self.phase, self.where, b))
@@ -387,7 +408,7 @@ class _Replay:
         self.phase, self.where = "optimizer", "optimizer step"
         self.live = self.live_grads = 0
         temp = 0
-        if self.optimizer == "adamw":  # foreach AdamW: sqrt(exp_avg_sq) as one temporary
+        if foreach_temp(self.optimizer):  # foreach AdamW: sqrt(exp_avg_sq) as one temporary
             temp = sum(m.sharded for m in self.mem if not m.offload and m.grads) + self.replicated
         self.transient = {"optimizer_temp": temp}
         self.snapshot("optimizer step")
@@ -396,15 +417,19 @@ class _Replay:
 
 
 def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
-             inputs: tuple | None = None, input_shape: tuple[int, ...] | None = None) -> Estimate:
+             inputs=None, input_shape: tuple[int, ...] | None = None, loss=None) -> Estimate:
     """The per-rank memory of one training step of `compiled` at `world` ranks.
 
     Args:
         compiled: a `CompiledPlan` with a model graph.
         world: number of ranks (default: the plan's world size).
-        optimizer: "adamw", "sgd" (no momentum) or "none".
-        inputs: model inputs for the activation trace (any device; only shapes are used).
+        optimizer: one of `OPTIMIZERS`: "adamw"/"adam" (foreach), "adamw_fused"/"adam_fused",
+            "sgd" (no momentum) or "none".
+        inputs: model inputs for the activation trace: a tuple (positional), a dict
+            (keywords) or a `planc.analysis.trace.Example` (any device; only shapes are used).
         input_shape: (batch, seq) token ids for language models, if `inputs` is not given.
+        loss: the step's loss, `(output, example) -> tensor`; default the LM loss over fp32
+            logits for language models (`planc.analysis.trace.default_loss`).
 
     Returns:
         The `Estimate`: per-unit bytes, the peak with its breakdown and moment, the timeline,
@@ -419,28 +444,65 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
     graph = compiled.graph
     if inputs is None and input_shape is not None and graph.model is not None:
         inputs = default_input(graph.model, input_shape)
-    trace = trace_for(compiled, inputs)
+    example = None if inputs is None else Example.of(inputs)
+    trace = trace_for(compiled, example, loss)
     mem = unit_memory(compiled, world, optimizer)
     replicated = sum(graph.params[n].nbytes for n in _replicated_params(compiled))
     host = sum(m.sharded + m.grads + m.optimizer for m in mem if m.offload)
     timeline = _Replay(compiled, mem, optimizer, replicated, trace, shard).run()
     peak = max(timeline, key=lambda m: m.total)
-    activations = None if inputs is None else max((e.live - e.grads for e in trace.events), default=0)
-    # Lower bound: every state sharded over all ranks, the largest single module's own
-    # parameters gathered (the finest possible unit), and this plan's activations.
-    total = sum(m.sharded + m.grads + m.optimizer for m in unit_memory(_Whole(compiled), world, optimizer))
-    leaf = max((sum(graph.params[c].numel * _itemsize(_pdtype(compiled, c)) for _, c in graph.own_params(p))
-                for p in graph.modules), default=0)
-    lower = total + leaf + (activations or 0) + trace.input_bytes
+    activations = None if example is None else max((e.live - e.grads for e in trace.events), default=0)
+    lower = lower_bound(compiled, mem, replicated, optimizer, activations or 0, trace.input_bytes)
     full = sum(p.nbytes for p in graph.params.values())
     n_params = len(graph.params)
-    opt_full = (2 * full + STEP_COUNTER_BYTES * n_params) if optimizer == "adamw" else 0
-    baseline = 2 * full + opt_full + max(activations or 0, full if optimizer == "adamw" else 0) + trace.input_bytes
+    opt_full = (2 * full + STEP_COUNTER_BYTES * n_params) if has_moments(optimizer) else 0
+    temp_full = full if foreach_temp(optimizer) else 0
+    baseline = (2 * full + opt_full + max(activations or 0, temp_full) + trace.input_bytes
+                + buffer_bytes(compiled))
+    shape = tuple(example.tensors()[0].shape) if example is not None and example.tensors() else None
     est = Estimate(world, replicate, shard, optimizer, mem, replicated, host, peak, timeline, lower, baseline,
-                   activations, trace.source, tuple(inputs[0].shape) if inputs else None)
-    if inputs is None:
+                   activations, trace.source, shape)
+    if example is None:
         est.notes.append("activations not counted: give an input shape (--input-shape BxS)")
     return est
+
+
+def buffer_bytes(compiled) -> int:
+    """Bytes of the model's buffers (RoPE caches, position ids): FSDP2 leaves them whole on
+    every rank, in their own dtype."""
+    model = compiled.graph.model if compiled.graph is not None else None
+    if model is None:
+        return 0
+    seen: set[int] = set()
+    total = 0
+    for b in model.buffers():
+        if id(b) not in seen:
+            seen.add(id(b))
+            total += b.numel() * b.element_size()
+    return total
+
+
+def lower_bound(compiled, mem: list[UnitMemory], replicated: int, optimizer: str, activations: int,
+                input_bytes: int) -> int:
+    """What this plan's step cannot go below, whatever the units' schedule.
+
+    The state it keeps on the device in every moment (sharded parameters and optimizer state
+    of units not offloaded, replicated parameters with their state, buffers), plus the
+    largest of three things that must each be alive at some moment: the largest single
+    module's own parameters gathered (in its unit's param_dtype: the finest unit possible),
+    the traced activations with the inputs (at their peak no sharded gradient need exist yet),
+    and the sharded gradients (at the optimizer step). Each term is part of one moment of the
+    replay, so the bound never exceeds the peak.
+    """
+    graph = compiled.graph
+    dev = [m for m in mem if not m.offload]
+    always = (sum(m.sharded + m.optimizer for m in dev) + replicated
+              + (2 * replicated if has_moments(optimizer) else 0) + buffer_bytes(compiled))
+    grads = sum(m.grads for m in dev) + replicated
+    outside = set(_replicated_params(compiled))  # already in `always`
+    leaf = max((sum(graph.params[c].numel * _itemsize(_pdtype(compiled, c))
+                    for _, c in graph.own_params(p) if c not in outside) for p in graph.modules), default=0)
+    return always + max(leaf, activations + input_bytes, grads)
 
 
 def _pdtype(compiled, param: str) -> torch.dtype:
@@ -448,17 +510,6 @@ def _pdtype(compiled, param: str) -> torch.dtype:
         if param in u.params:
             return u["param_dtype"] or compiled.graph.params[param].dtype
     return compiled.graph.params[param].dtype
-
-
-class _Whole:
-    """A view of a compiled plan as one unit holding every parameter (for the lower bound)."""
-
-    def __init__(self, compiled):
-        from planc.resolve.ir import DEFAULT_SETTINGS, Mesh, Unit
-        self.graph = compiled.graph
-        self.resolution = compiled.resolution
-        self.mesh = Mesh(replicate=1, shard=None)
-        self.units = [Unit(("",), dict(DEFAULT_SETTINGS), tuple(compiled.graph.params), is_root=True)]
 
 
 def metric(compiled, name: str, world: int | None, input_shape: tuple[int, ...] | None = None) -> float | None:

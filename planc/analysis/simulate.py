@@ -5,8 +5,9 @@ A fake process group, fake tensors and FSDP2's own memory tracker: no GPUs, any 
 The recipe (see docs/fsdp2-facts.md): `init_process_group("fake", store=FakeStore(), ...)`;
 the device mesh is built outside `FakeTensorMode`; the model is built on meta, sharded by
 `planc.apply`, then `to_empty("cpu")` inside fake mode; `FSDPMemTracker` measures two steps
-(forward, `loss_of(output).backward()`, foreach AdamW or SGD step) and the second, steady
-step is reported. Ops that DTensor's sharding propagation runs on global-shape fake tensors
+(the faithful training step: forward, the loss as the analytic model takes it -- by default
+cross-entropy over fp32 logits for language models -- its backward, `clip_grad_norm_`, the
+optimizer step: foreach or fused AdamW/Adam, or SGD) and the second, steady step is reported. Ops that DTensor's sharding propagation runs on global-shape fake tensors
 are not counted: they are metadata work that a real run never allocates, and counting them
 inflates the optimizer-step peak 6-40x.
 """
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planc.analysis.trace import loss_of
+from planc.analysis.trace import Example, LossFn, default_loss
 
 # Tracker categories -> planc.analysis.memory categories.
 _CATEGORY = {
@@ -114,7 +115,7 @@ def init_fake(world: int, rank: int = 0) -> None:
 
 def simulate(plan, build: Callable[[], nn.Module], world: int, *, rank: int = 0,
              inputs: Callable[[nn.Module], tuple] | tuple | None = None, optimizer: str = "adamw",
-             steps: int = 2) -> Measurement:
+             steps: int = 2, loss: LossFn | None = None, clip: float | None = 1.0) -> Measurement:
     """Measure one steady training step of `plan` on rank `rank` of `world`, with fake tensors.
 
     Args:
@@ -122,10 +123,12 @@ def simulate(plan, build: Callable[[], nn.Module], world: int, *, rank: int = 0,
         build: builds the model (called under `torch.device("meta")`).
         world: number of ranks to pretend.
         rank: the rank this process plays.
-        inputs: the model's positional inputs, or a function of the model returning them;
-            only shapes and dtypes matter (zoo models: `zoo.example_input`).
-        optimizer: "adamw" (foreach), "sgd" (no momentum, foreach) or "none".
+        inputs: the model's inputs (a tuple, a dict of keywords or an `Example`), or a
+            function of the model returning them; only shapes and dtypes matter.
+        optimizer: one of `planc.analysis.memory.OPTIMIZERS`.
         steps: steps to run; the last is measured (the first allocates optimizer state).
+        loss: the step's loss, `(output, example) -> tensor` (default `default_loss`).
+        clip: `clip_grad_norm_` max norm before the optimizer step (None: no clipping).
 
     Returns:
         The `Measurement` of the last step.
@@ -147,17 +150,19 @@ def simulate(plan, build: Callable[[], nn.Module], world: int, *, rank: int = 0,
             model.to_empty(device="cpu")
             if callable(getattr(model, "tie_weights", None)):
                 model.tie_weights()
-            args = inputs(model) if callable(inputs) else inputs
-            args = tuple(fake.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args or ())
-            return _measure(model, args, optimizer, steps)
+            example = Example.of(inputs(model) if callable(inputs) else (inputs or ()))
+            example = example.map(fake.from_tensor)
+            return _measure(model, example, optimizer, steps, loss, clip)
     finally:
         dist.destroy_process_group()
 
 
 def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer | None:
     params = [p for p in model.parameters() if p.requires_grad]
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    if name in ("adamw", "adam", "adamw_fused", "adam_fused"):
+        cls = torch.optim.AdamW if name.startswith("adamw") else torch.optim.Adam
+        fused = name.endswith("_fused")
+        return cls(params, lr=1e-3, foreach=not fused, fused=fused or None)
     if name == "sgd":
         return torch.optim.SGD(params, lr=1e-3, foreach=True)
     return None
@@ -173,8 +178,9 @@ def zoo_inputs(input_shape: tuple[int, int] | None = None) -> Callable[[nn.Modul
     return make
 
 
-def measure_real(model: nn.Module, inputs: tuple, optimizer: str = "adamw", steps: int = 2,
-                 nccl_like_reduce_scatter: bool = False) -> Measurement:
+def measure_real(model: nn.Module, inputs, optimizer: str = "adamw", steps: int = 2,
+                 nccl_like_reduce_scatter: bool = False, loss: LossFn | None = None,
+                 clip: float | None = 1.0) -> Measurement:
     """The same measurement on a live (really sharded, real-tensor) model in a real process group.
 
     Args:
@@ -186,7 +192,7 @@ def measure_real(model: nn.Module, inputs: tuple, optimizer: str = "adamw", step
     _skip_sharding_propagation()
     if nccl_like_reduce_scatter:
         use_all_reduce_slice(model)
-    return _measure(model, inputs, optimizer, steps)
+    return _measure(model, Example.of(inputs), optimizer, steps, loss, clip)
 
 
 def use_all_reduce_slice(model: nn.Module) -> None:
@@ -208,16 +214,25 @@ def use_all_reduce_slice(model: nn.Module) -> None:
             module.set_custom_reduce_scatter(AllReduceSlice())
 
 
-def _measure(model: nn.Module, args: tuple, optimizer: str, steps: int) -> Measurement:
+def _measure(model: nn.Module, example: Example, optimizer: str, steps: int, loss: LossFn | None,
+             clip: float | None) -> Measurement:
     """Run `steps` training steps under the tracker; the last one is measured."""
     opt = _optimizer(model, optimizer)
     tracker = _tracker_class()(model, opt)
-    tracker.track_inputs(args)
+    tracker.track_inputs((example.args, example.kwargs))
+    step_loss = loss or default_loss(model)
     with tracker:
         for step in range(steps):
             tracker.recording = step == steps - 1
             tracker.reset_mod_stats()  # the tracker refuses a second iteration otherwise
-            loss_of(model(*args)).backward()
+            pred = model(*example.args, **example.kwargs)
+            value = step_loss(pred, example)
+            del pred  # as torchtitan's step: the output is not kept during backward
+            value.backward()
+            del value
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip,
+                                               foreach=True)
             if opt is not None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)

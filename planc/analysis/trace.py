@@ -11,8 +11,8 @@ from __future__ import annotations
 import copy
 import warnings
 import weakref
-from dataclasses import dataclass
-from typing import Any, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -142,6 +142,48 @@ class TraceError(Exception):
     """The model could not run one step on the given inputs (the message says why)."""
 
 
+@dataclass
+class Example:
+    """Example inputs of one step: positional and keyword arguments of `model(...)`.
+
+    Only shapes and dtypes matter (fake tensors, meta tensors or real ones). An input factory
+    (`planc explain --inputs pkg.module:fn`) returns one of these, a tuple (positional) or a
+    dict (keywords); anything else that the model takes (a flex-attention `BlockMask`, a
+    pixel tensor, decoder ids) goes through as given.
+    """
+
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, value: Any) -> "Example":
+        if isinstance(value, Example):
+            return value
+        if isinstance(value, dict):
+            return cls((), dict(value))
+        if isinstance(value, (tuple, list)):
+            return cls(tuple(value))
+        return cls((value,))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in tree_flatten((self.args, self.kwargs))[0] if isinstance(t, torch.Tensor)]
+
+    def key(self) -> tuple:
+        """What a cached trace depends on: the structure, shapes and dtypes."""
+        leaves, spec = tree_flatten((self.args, self.kwargs))
+        return (str(spec), tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
+                                 for t in leaves))
+
+    def map(self, fn) -> "Example":
+        from torch.utils._pytree import tree_map
+        args, kwargs = tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, (self.args, self.kwargs))
+        return Example(tuple(args), kwargs)
+
+
+# A step's loss: (model output, the example) -> scalar tensor. `--loss pkg.module:fn`.
+LossFn = Callable[[Any, Example], torch.Tensor]
+
+
 def _output_tensor(out: Any) -> torch.Tensor:
     for t in tree_flatten(out)[0]:
         if isinstance(t, torch.Tensor) and t.is_floating_point():
@@ -149,8 +191,52 @@ def _output_tensor(out: Any) -> torch.Tensor:
     raise TypeError("the model returned no floating-point tensor to take a loss of")
 
 
+def _labels(logits: torch.Tensor, example: Example, vocab: set[int]) -> torch.Tensor | None:
+    """The token ids an LM loss takes as labels: an integer input shaped like the logits
+    without their last dim, when that last dim is a vocabulary (an embedding's row count)."""
+    if logits.dim() < 2 or logits.shape[-1] not in vocab:
+        return None
+    for t in example.tensors():
+        if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool \
+                and tuple(t.shape) == tuple(logits.shape[:-1]):
+            return t
+    return None
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The language-model loss torchtitan and Hugging Face take: cross-entropy over the
+    logits upcast to float32, summed and divided by the token count."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(),
+                                             reduction="sum") / labels.numel()
+
+
+def vocab_sizes(model: nn.Module) -> set[int]:
+    return {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+
+
+def default_loss(model: nn.Module) -> LossFn:
+    """The loss of one training step as every planc measurement takes it by default: `lm_loss`
+    when the output is logits over an embedding's vocabulary and an integer input has their
+    shape (token ids as labels; only shapes matter), else the first float output's sum."""
+    vocab = vocab_sizes(model)
+
+    def loss(output: Any, example: Example) -> torch.Tensor:
+        out = _output_tensor(output)
+        labels = _labels(out, example, vocab)
+        return out.sum() if labels is None else lm_loss(out, labels)
+    return loss
+
+
+def loss_name(model: nn.Module, example: Example | None, loss: LossFn | None) -> str:
+    """How the traced step's loss is taken, in words (for `Trace.source`)."""
+    if loss is not None:
+        return f"loss {getattr(loss, '__qualname__', 'given')}"
+    return "loss: cross-entropy over fp32 logits" if example is not None and any(
+        not t.is_floating_point() for t in example.tensors()) and vocab_sizes(model) else "loss: output.sum()"
+
+
 def loss_of(output: Any) -> torch.Tensor:
-    """The loss of one training step, as every planc measurement takes it: the output's sum."""
+    """The first floating-point output's sum (the loss of steps with no labels)."""
     return _output_tensor(output).sum()
 
 
@@ -194,12 +280,17 @@ def _cast(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-def fake_trace(compiled, inputs: tuple) -> Trace:
+def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None = None) -> Trace:
     """Run one forward and backward on fake CPU tensors and record the events of the step.
+
+    The step is a training step: `loss(output, example)` (default `default_loss`: the LM
+    loss over fp32 logits for language models) and its backward, so the loss head's
+    temporaries (the fp32 logits, log-softmax and their gradients) are counted.
 
     Args:
         compiled: the compiled plan (its graph must hold the model).
-        inputs: positional inputs of the model (any device; only shapes and dtypes are used).
+        inputs: inputs of the model (any device; only shapes and dtypes are used).
+        loss: the step's loss; default `default_loss(model)`.
 
     Returns:
         The trace: unit hooks and live non-parameter bytes after every op.
@@ -292,29 +383,34 @@ def fake_trace(compiled, inputs: tuple) -> Trace:
         if p.requires_grad:
             handles.append(p.register_post_accumulate_grad_hook(grad_done))
 
+    example = Example.of(inputs)
     with fake_mode:
-        fake_inputs = tuple(torch.empty(t.shape, dtype=t.dtype, device="cpu") if isinstance(t, torch.Tensor)
-                            else t for t in inputs)
-    input_bytes = sum(t.nbytes for t in fake_inputs if isinstance(t, torch.Tensor))
-    mode.ignore([*model.parameters(), *model.buffers(), *(t for t in fake_inputs if isinstance(t, torch.Tensor))])
+        example = example.map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+    input_bytes = sum(t.nbytes for t in example.tensors())
+    mode.ignore([*model.parameters(), *model.buffers(), *example.tensors()])
+    step_loss = loss or default_loss(model)
     root_unit = units[root] if root is not None else None
+    labels = example
     if root_unit is not None and root_unit["cast_inputs"] and root_unit["param_dtype"] is not None:
-        fake_inputs = _cast(fake_inputs, root_unit["param_dtype"])
+        example = Example(*_cast((example.args, example.kwargs), root_unit["param_dtype"]))
     try:
         with fake_mode, mode:
             if root is not None:
                 events.append(Event("fwd_pre", root))
-            # NOTE: one expression, as in a training loop: the output is not kept during backward
-            loss = loss_of(_cast(model(*fake_inputs), root_unit["output_dtype"])
-                           if root_unit is not None and root_unit["output_dtype"] is not None
-                           else model(*fake_inputs))
+            # NOTE: as in a training loop (torchtitan: `pred = model(x); loss = loss_fn(pred, y);
+            # del pred`): the output lives while the loss is taken, not during backward
+            out = model(*example.args, **example.kwargs)
+            if root_unit is not None and root_unit["output_dtype"] is not None:
+                out = _cast(out, root_unit["output_dtype"])
+            value = step_loss(out, labels)
+            del out
             if root is not None:
                 events.append(Event("fwd_post", root, live=mode.live))
                 events.append(Event("bwd_pre", root, live=mode.live))
             with warnings.catch_warnings():  # full backward hooks warn on int inputs; harmless here
                 warnings.simplefilter("ignore")
-                loss.backward()
-            del loss
+                value.backward()
+            del value
             for i in range(len(units)):  # FSDP2's end-of-backward callback
                 if i != root:
                     post_backward(i, final=True)
@@ -324,7 +420,8 @@ def fake_trace(compiled, inputs: tuple) -> Trace:
     finally:
         for h in handles:
             h.remove()
-    return Trace(events, input_bytes, "live tensors of one forward and backward on fake CPU tensors, each unit's precision and checkpointing applied")
+    return Trace(events, input_bytes, "live tensors of one forward and backward on fake CPU tensors, each unit's "
+                 f"precision and checkpointing applied; {loss_name(model, labels, loss)}")
 
 
 def default_input(model: nn.Module, input_shape: tuple[int, ...] | None) -> tuple | None:
@@ -350,19 +447,19 @@ def _step_key(compiled) -> tuple:
     return units, checkpointed, frozenset(res.ignored)
 
 
-def trace_for(compiled, inputs: tuple | None) -> Trace:
-    """The (cached) trace of one step of `compiled` with `inputs`."""
+def trace_for(compiled, inputs: "tuple | dict | Example | None", loss: LossFn | None = None) -> Trace:
+    """The (cached) trace of one step of `compiled` with `inputs` and `loss`."""
     cache = _TRACES.setdefault(compiled.graph, {})
-    key = (_step_key(compiled), None if inputs is None else tuple(
-        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in inputs))
+    example = None if inputs is None else Example.of(inputs)
+    key = (_step_key(compiled), None if example is None else example.key(), loss)
     if key not in cache:
-        if inputs is None:
+        if example is None:
             cache[key] = synthetic_trace(compiled)
         else:
             try:
-                cache[key] = fake_trace(compiled, inputs)
+                cache[key] = fake_trace(compiled, example, loss)
             except Exception as err:  # any model code can fail on unexpected inputs
-                shapes = " and ".join("x".join(map(str, t.shape)) for t in inputs if isinstance(t, torch.Tensor))
+                shapes = " and ".join("x".join(map(str, t.shape)) for t in example.tensors())
                 raise TraceError(f"the model did not run on inputs of shape {shapes}: "
                                  f"{type(err).__name__}: {err}") from err
     return cache[key]
