@@ -7,8 +7,9 @@ the device mesh is built outside `FakeTensorMode`; the model is built on meta, s
 `planc.apply`, then `to_empty("cpu")` inside fake mode; `FSDPMemTracker` measures two steps
 (the faithful training step: forward, the loss as the analytic model takes it -- by default
 cross-entropy over fp32 logits for language models -- its backward, `clip_grad_norm_`, the
-optimizer step: foreach or fused AdamW/Adam, or SGD) and the second, steady step is reported. Ops that DTensor's sharding propagation runs on global-shape fake tensors
-are not counted: they are metadata work that a real run never allocates, and counting them
+optimizer step: foreach or fused AdamW/Adam, or SGD) and the second, steady step is
+reported. Ops that DTensor's sharding propagation runs on global-shape fake tensors are not
+counted: they are metadata work that a real run never allocates, and counting them
 inflates the optimizer-step peak 6-40x.
 """
 
@@ -23,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planc.analysis.trace import Example, LossFn, default_loss
+from planc.estimate.trace import Example, LossFn, default_loss
 
-# Tracker categories -> planc.analysis.memory categories.
+# Tracker categories -> planc.estimate.memory categories.
 _CATEGORY = {
     "Sharded Param": "sharded_params", "Unsharded Param": "unsharded_params", "Buffer": "buffers",
     "Sharded Grad": "sharded_grads", "Unsharded Grad": "unsharded_grads", "Activation": "activations",
@@ -125,7 +126,7 @@ def simulate(plan, build: Callable[[], nn.Module], world: int, *, rank: int = 0,
         rank: the rank this process plays.
         inputs: the model's inputs (a tuple, a dict of keywords or an `Example`), or a
             function of the model returning them; only shapes and dtypes matter.
-        optimizer: one of `planc.analysis.memory.OPTIMIZERS`.
+        optimizer: one of `planc.estimate.memory.OPTIMIZERS`.
         steps: steps to run; the last is measured (the first allocates optimizer state).
         loss: the step's loss, `(output, example) -> tensor` (default `default_loss`).
         clip: `clip_grad_norm_` max norm before the optimizer step (None: no clipping).
@@ -135,8 +136,8 @@ def simulate(plan, build: Callable[[], nn.Module], world: int, *, rank: int = 0,
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from planc.backends.runtime import apply, build_mesh
     import planc
+    from planc.backends.runtime import apply, build_mesh
 
     _skip_sharding_propagation()
     init_fake(world, rank)

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", metavar="MODULE:CALLABLE")
     e.add_argument("--world-size", type=_world_size, required=True, metavar="N")
     e.add_argument("--optimizer", choices=("adamw", "adamw_fused", "adam", "adam_fused", "sgd", "none"),
-                   default="adamw")  # planc.analysis.memory.OPTIMIZERS (not imported: torch is slow to load)
+                   default="adamw")  # planc.estimate.memory.OPTIMIZERS (not imported: torch is slow to load)
     e.add_argument("--format", choices=("text", "json"), default="text")
     e.add_argument("--simulate", action="store_true", help="also measure one step in a fake process group")
     e.add_argument("--rank", type=int, default=0, help="rank to simulate (default 0)")

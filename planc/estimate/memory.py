@@ -28,8 +28,8 @@ The traced step is a training step: the model's forward on the given inputs, the
 torchtitan and Hugging Face take it: the fp32 logits, log-softmax and their gradients are
 counted; otherwise the output's sum; or the loss the caller gives), its backward, and the
 optimizer step (foreach or fused AdamW/Adam, SGD). Buffers (RoPE caches, position ids) are
-counted whole on every rank. `clip_grad_norm_` costs one scalar per gradient (measured: no
-visible change of the peak) and is not modelled.
+counted whole on every rank. `clip_grad_norm_` costs one scalar per gradient and is not
+modelled (the simulation runs it).
 
 Counted: tensor bytes only (no CUDA context, NCCL or allocator workspaces, fragmentation).
 Checked against `planc.analysis.simulate` (FSDPMemTracker in a fake process group) and against real
@@ -44,7 +44,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-from planc.analysis.trace import Example, Trace, TraceError, default_input, trace_for
+from planc.estimate.trace import Example, Trace, TraceError, default_input, trace_for
+from planc.lower.program import Program
 
 # "adamw"/"adam": torch's foreach implementation (the default); "*_fused": fused=True.
 OPTIMIZERS = ("adamw", "adamw_fused", "adam", "adam_fused", "sgd", "none")
@@ -106,21 +107,21 @@ class UnitMemory:
         return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
 
-def unit_memory(compiled, world: int, optimizer: str = "adamw") -> list[UnitMemory]:
-    """Per-rank bytes of every unit of `compiled` at `world` ranks."""
-    graph, res = compiled.graph, compiled.resolution
-    replicate, shard = mesh_sizes(compiled, world)
+def unit_memory(program: Program, graph, world: int, optimizer: str = "adamw") -> list[UnitMemory]:
+    """Per-rank bytes of every `fully_shard` call of `program` at `world` ranks."""
+    replicate, shard = mesh_sizes(program, world)
     out = []
-    for i, u in enumerate(compiled.units):
-        names = [p for p in u.params if p not in res.ignored]
+    for i, op in enumerate(program.units):
+        names = list(op.params)
         infos = [graph.params[p] for p in names]
+        placed = dict(op.placements)
         orig = infos[0].dtype if infos else torch.float32
-        pdt = u["param_dtype"] or orig
-        rdt = u["reduce_dtype"] or pdt
+        precision = op.policy.precision
+        pdt, rdt = precision.compute_dtype(orig), precision.reduce(orig)
         sharded = unsharded = grad_unsharded = rs = grads = opt = count = dim_copy = 0
         reduce_of = {}
         for name, info in zip(names, infos):
-            dim = res.placements.get(name, (0, None))[0]
+            dim = placed.get(name, 0)
             per_rank = shard_numel(info.shape, shard, dim)
             sharded += per_rank * _itemsize(info.dtype)
             unsharded += per_rank * shard * _itemsize(pdt)
@@ -134,30 +135,27 @@ def unit_memory(compiled, world: int, optimizer: str = "adamw") -> list[UnitMemo
                 grads += per_rank * _itemsize(info.dtype)
                 if has_moments(optimizer):
                     opt += 2 * per_rank * _itemsize(info.dtype) + STEP_COUNTER_BYTES
-        reshard = u.reshard_after_forward
+        reshard = op.policy.reshard_after_forward
         if reshard is True or (not isinstance(reshard, bool) and reshard >= shard):
             post = 0
         elif reshard is False:
             post = unsharded
         else:
             post = unsharded // int(reshard)
-        out.append(UnitMemory(u.name, i, count, sharded, unsharded, grad_unsharded, rs, grads, opt, post,
-                              bool(u["offload"]), reshard, pdt, rdt, tuple(names), dim_copy, reduce_of))
+        out.append(UnitMemory(op.name, i, count, sharded, unsharded, grad_unsharded, rs, grads, opt, post,
+                              op.policy.offload.enabled, reshard, pdt, rdt, tuple(names), dim_copy, reduce_of))
     return out
 
 
-def mesh_sizes(compiled, world: int) -> tuple[int, int]:
+def mesh_sizes(program: Program, world: int) -> tuple[int, int]:
     """(replicate, shard) for `world` ranks; a mesh that cannot fill it shards over everything."""
-    sizes = compiled.mesh.sizes(world)
-    if sizes is None or sizes[0] is None or sizes[1] is None:
-        return 1, world
-    return sizes
+    return program.mesh.dp_sizes(world) or (1, world)
 
 
-def _replicated_params(compiled) -> list[str]:
+def _replicated_params(program: Program, graph) -> list[str]:
     """Parameters FSDP does not shard: ignored ones and, with `root none`, those of no unit."""
-    owned = set().union(*(u.params for u in compiled.units)) if compiled.units else set()
-    return [n for n in compiled.graph.params if n in compiled.resolution.ignored or n not in owned]
+    owned = set().union(*(op.params for op in program.units))
+    return [n for n in graph.params if n not in owned]
 
 
 # ===================================================================== the replay
@@ -230,10 +228,10 @@ class Estimate:
 class _Replay:
     """FSDP2's per-unit memory state machine, driven by a trace's events."""
 
-    def __init__(self, compiled, mem: list[UnitMemory], optimizer: str, replicated: int, trace: Trace,
-                 shard: int):
-        self.c, self.mem, self.optimizer, self.trace, self.shard = compiled, mem, optimizer, trace, shard
-        self.units = compiled.units
+    def __init__(self, program: Program, mem: list[UnitMemory], optimizer: str, replicated: int, trace: Trace,
+                 shard: int, buffers: int = 0):
+        self.program, self.mem, self.optimizer, self.trace, self.shard = program, mem, optimizer, trace, shard
+        self.units = program.units
         self.state = ["sharded"] * len(mem)     # sharded | unsharded | post_forward | prefetched
         self.slices: set[int] = set()           # post-forward slices still alive while re-gathered
         self.reduced: dict[int, set[str]] = {i: set() for i in range(len(mem))}  # reduce-scattered params
@@ -241,7 +239,7 @@ class _Replay:
         self.rs_kept = 0                        # last reduce-scatter input, freed at next reduce-scatter
         self.post_forward_order: list[int] = []
         self.replicated = replicated
-        self.buffers = buffer_bytes(compiled)
+        self.buffers = buffers
         self.timeline: list[Moment] = []
         self.live = self.live_grads = 0
         self.phase = "forward"
@@ -348,7 +346,7 @@ class _Replay:
     # --------------------------------------------------------------- driver
     def run(self) -> list[Moment]:
         units, names = self.units, [u.name for u in self.units]
-        res = self.c.resolution
+        prefetch_forward, prefetch_backward = self.program.prefetch("forward"), self.program.prefetch("backward")
         ev_list = self.trace.events
         last_bwd_pre = {ev.unit: k for k, ev in enumerate(ev_list) if ev.kind == "bwd_pre"}
         for k, ev in enumerate(ev_list):
@@ -373,7 +371,7 @@ class _Replay:
             if ev.kind == "fwd_pre":
                 self.phase = "forward"
                 self.unshard(i, f"all-gather {name} (forward)")
-                for j in res.prefetch_forward.get(name, ()):
+                for j in prefetch_forward.get(name, ()):
                     if j in names:
                         self.prefetch(names.index(j))
             elif ev.kind == "fwd_post":
@@ -393,7 +391,7 @@ class _Replay:
                 # one by one issues its backward prefetch when gathered for the last of them
                 if k != last_bwd_pre[i]:
                     continue
-                targets = res.prefetch_backward.get(name)
+                targets = prefetch_backward.get(name)
                 if targets is None:
                     order = [j for j in reversed(self.post_forward_order) if not units[j].is_root]
                     nxt = order[order.index(i) + 1:order.index(i) + 2] if i in order else order[:1]
@@ -426,10 +424,10 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
         optimizer: one of `OPTIMIZERS`: "adamw"/"adam" (foreach), "adamw_fused"/"adam_fused",
             "sgd" (no momentum) or "none".
         inputs: model inputs for the activation trace: a tuple (positional), a dict
-            (keywords) or a `planc.analysis.trace.Example` (any device; only shapes are used).
+            (keywords) or a `planc.estimate.trace.Example` (any device; only shapes are used).
         input_shape: (batch, seq) token ids for language models, if `inputs` is not given.
         loss: the step's loss, `(output, example) -> tensor`; default the LM loss over fp32
-            logits for language models (`planc.analysis.trace.default_loss`).
+            logits for language models (`planc.estimate.trace.default_loss`).
 
     Returns:
         The `Estimate`: per-unit bytes, the peak with its breakdown and moment, the timeline,
@@ -440,25 +438,26 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}")
     world = world or compiled.world_size or 1
-    replicate, shard = mesh_sizes(compiled, world)
+    program = compiled.program
+    replicate, shard = mesh_sizes(program, world)
     graph = compiled.graph
     if inputs is None and input_shape is not None and graph.model is not None:
         inputs = default_input(graph.model, input_shape)
     example = None if inputs is None else Example.of(inputs)
     trace = trace_for(compiled, example, loss)
-    mem = unit_memory(compiled, world, optimizer)
-    replicated = sum(graph.params[n].nbytes for n in _replicated_params(compiled))
+    mem = unit_memory(program, graph, world, optimizer)
+    replicated = sum(graph.params[n].nbytes for n in _replicated_params(program, graph))
+    buffers = buffer_bytes(graph)
     host = sum(m.sharded + m.grads + m.optimizer for m in mem if m.offload)
-    timeline = _Replay(compiled, mem, optimizer, replicated, trace, shard).run()
+    timeline = _Replay(program, mem, optimizer, replicated, trace, shard, buffers).run()
     peak = max(timeline, key=lambda m: m.total)
     activations = None if example is None else max((e.live - e.grads for e in trace.events), default=0)
-    lower = lower_bound(compiled, mem, replicated, optimizer, activations or 0, trace.input_bytes)
+    lower = lower_bound(program, graph, mem, replicated, optimizer, activations or 0, trace.input_bytes)
     full = sum(p.nbytes for p in graph.params.values())
     n_params = len(graph.params)
     opt_full = (2 * full + STEP_COUNTER_BYTES * n_params) if has_moments(optimizer) else 0
     temp_full = full if foreach_temp(optimizer) else 0
-    baseline = (2 * full + opt_full + max(activations or 0, temp_full) + trace.input_bytes
-                + buffer_bytes(compiled))
+    baseline = 2 * full + opt_full + max(activations or 0, temp_full) + trace.input_bytes + buffers
     shape = tuple(example.tensors()[0].shape) if example is not None and example.tensors() else None
     est = Estimate(world, replicate, shard, optimizer, mem, replicated, host, peak, timeline, lower, baseline,
                    activations, trace.source, shape)
@@ -467,10 +466,10 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
     return est
 
 
-def buffer_bytes(compiled) -> int:
+def buffer_bytes(graph) -> int:
     """Bytes of the model's buffers (RoPE caches, position ids): FSDP2 leaves them whole on
-    every rank, in their own dtype."""
-    model = compiled.graph.model if compiled.graph is not None else None
+    every rank, in their own dtype (0 when the graph holds no model object)."""
+    model = getattr(graph, "model", None)
     if model is None:
         return 0
     seen: set[int] = set()
@@ -482,34 +481,36 @@ def buffer_bytes(compiled) -> int:
     return total
 
 
-def lower_bound(compiled, mem: list[UnitMemory], replicated: int, optimizer: str, activations: int,
-                input_bytes: int) -> int:
+def lower_bound(program: Program, graph, mem: list[UnitMemory], replicated: int, optimizer: str,
+                activations: int, input_bytes: int) -> int:
     """What this plan's step cannot go below, whatever the units' schedule.
 
     The state it keeps on the device in every moment (sharded parameters and optimizer state
     of units not offloaded, replicated parameters with their state, buffers), plus the
     largest of three things that must each be alive at some moment: the largest single
-    module's own parameters gathered (in its unit's param_dtype: the finest unit possible),
-    the traced activations with the inputs (at their peak no sharded gradient need exist yet),
+    module's own parameters gathered (in its compute dtype: the finest unit possible), the
+    traced activations with the inputs (at their peak no sharded gradient need exist yet),
     and the sharded gradients (at the optimizer step). Each term is part of one moment of the
     replay, so the bound never exceeds the peak.
     """
-    graph = compiled.graph
     dev = [m for m in mem if not m.offload]
     always = (sum(m.sharded + m.optimizer for m in dev) + replicated
-              + (2 * replicated if has_moments(optimizer) else 0) + buffer_bytes(compiled))
+              + (2 * replicated if has_moments(optimizer) else 0) + buffer_bytes(graph))
     grads = sum(m.grads for m in dev) + replicated
-    outside = set(_replicated_params(compiled))  # already in `always`
-    leaf = max((sum(graph.params[c].numel * _itemsize(_pdtype(compiled, c))
-                    for _, c in graph.own_params(p) if c not in outside) for p in graph.modules), default=0)
+    outside = set(_replicated_params(program, graph))  # already in `always`
+    compute = _compute_dtypes(program, graph)
+    leaf = max((sum(graph.params[c].numel * _itemsize(compute[c]) for _, c in graph.own_params(p) if c not in outside)
+                for p in graph.modules), default=0)
     return always + max(leaf, activations + input_bytes, grads)
 
 
-def _pdtype(compiled, param: str) -> torch.dtype:
-    for u in compiled.units:
-        if param in u.params:
-            return u["param_dtype"] or compiled.graph.params[param].dtype
-    return compiled.graph.params[param].dtype
+def _compute_dtypes(program: Program, graph) -> dict[str, torch.dtype]:
+    """Each parameter's compute dtype under the plan (its stored dtype outside any unit)."""
+    out = {name: info.dtype for name, info in graph.params.items()}
+    for op in program.units:
+        for name in op.params:
+            out[name] = op.policy.precision.compute_dtype(graph.params[name].dtype)
+    return out
 
 
 def metric(compiled, name: str, world: int | None, input_shape: tuple[int, ...] | None = None) -> float | None:
