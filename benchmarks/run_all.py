@@ -53,6 +53,10 @@ BENCHMARKS = [
         ("simulated_peak_bytes", "simulated peak (bytes)"),
         ("estimate_over_simulated", "analytic / simulated"),
     ]),
+    ("memory_accuracy.py", "analytic peak vs FSDPMemTracker on the faithful step (loss head, optimizer, clipping)", [
+        ("worst_ratio_error", "worst |analytic / measured - 1| (target <= 0.03)"),
+        ("within_3_percent", "every case within 3%"),
+    ]),
 ]
 
 
@@ -111,6 +115,14 @@ def render(results: list[tuple[str, str, list, str, dict | None, str]], quick: b
         if data is None:
             out += ["Failed:", "", "```", error.strip(), "```", ""]
             continue
+        if "cases" in data and data["cases"] and "ratio" in data["cases"][0]:  # a ratio table
+            out += ["| model | plan | ranks | input | optimizer | analytic (GiB) | measured (GiB) | ratio |",
+                    "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            out += [f"| {c['model']} | {c['plan']} | {c['world_size']} | {'x'.join(map(str, c['input_shape']))} | "
+                    f"{c['optimizer']} | {c['estimated_peak_bytes'] / 2**30:.2f} | {c['measured_peak_bytes'] / 2**30:.2f} | "
+                    f"{c['ratio']:.4f} |" for c in data["cases"]]
+            out += [f"| {f['model']} | | {f['world_size']} | | | failed: {f['error']} | | |" for f in data.get("failed", [])]
+            out.append("")
         out += ["| figure | value |", "| --- | --- |"]
         for key, label in figures:
             value = data.get(key, "n/a")
