@@ -54,14 +54,21 @@ def main(args) -> int:
     is_zoo = bool(ref and ref.startswith("planc.zoo:"))
     if args.simulate and shape is None and is_zoo:
         shape = (2, 16)  # the zoo's `example_input` default, so estimate and measurement agree
+    factory, loss = _step_functions(args)
+    example = None
+    if factory is not None:
+        if shape is not None:
+            raise UsageError("--inputs and --input-shape name the inputs twice; give one")
+        example = _call(factory, c.graph.model, "--inputs")
     try:
-        est = estimate(c, args.world_size, optimizer=args.optimizer, input_shape=shape)
+        est = estimate(c, args.world_size, optimizer=args.optimizer, input_shape=shape, inputs=example, loss=loss)
     except TraceError as err:
-        raise UsageError(f"--input-shape: {err}; the shape is batch x sequence of token ids "
-                         "(leave it out to estimate without activations)") from err
+        what = "--inputs" if factory is not None else "--input-shape"
+        raise UsageError(f"{what}: {err}" + ("" if factory is not None else "; the shape is batch x sequence of "
+                         "token ids (leave it out to estimate without activations)")) from err
     measured = None
     if args.simulate:
-        measured = _simulate(c, ref, args, shape)
+        measured = _simulate(c, ref, args, shape, factory, loss)
     data = report(c, est, measured, ref)
     if args.plot:
         from planc.analysis.plot import PlotError, plot_step
@@ -81,8 +88,35 @@ def main(args) -> int:
     return EXIT_ERRORS if failed else EXIT_OK
 
 
-def _simulate(compiled, ref: str, args, shape):
+def _step_functions(args):
+    """The `--inputs` factory and the `--loss` function, imported (None when not given)."""
+    from planc.model.build import load_callable
+    from planc.model.errors import ModelLoadError
+    out = []
+    for flag, ref in (("--inputs", getattr(args, "inputs", None)), ("--loss", getattr(args, "loss", None))):
+        try:
+            out.append(None if ref is None else load_callable(ref))
+        except ModelLoadError as err:
+            raise UsageError(f"{flag}: {err}") from err
+    return tuple(out)
+
+
+def _call(factory, model, flag: str):
+    try:
+        return factory(model)
+    except Exception as err:  # the user's code: report, never a traceback
+        raise UsageError(f"{flag}: the input factory failed: {type(err).__name__}: {err}") from err
+
+
+def _simulate(compiled, ref: str, args, shape, factory=None, loss=None):
     from planc.analysis.simulate import simulate, zoo_inputs
+    if factory is not None:
+        base = None if args.model else os.path.dirname(os.path.abspath(args.plan))
+        try:
+            return simulate(compiled.plan, lambda: build_model(ref, device="meta", base=base), args.world_size,
+                            rank=args.rank, inputs=factory, optimizer=args.optimizer, loss=loss)
+        except Exception as err:  # the model's own code, under fake tensors
+            raise UsageError(f"--simulate: the step failed: {type(err).__name__}: {err}") from err
     if shape is None:
         raise UsageError("--simulate needs --input-shape BxS for a model outside planc.zoo")
     if len(shape) != 2:
@@ -91,7 +125,7 @@ def _simulate(compiled, ref: str, args, shape):
     base = None if args.model else os.path.dirname(os.path.abspath(args.plan))
     try:
         return simulate(compiled.plan, lambda: build_model(ref, device="meta", base=base), args.world_size, rank=args.rank,
-                        inputs=zoo_inputs(shape), optimizer=args.optimizer)
+                        inputs=zoo_inputs(shape), optimizer=args.optimizer, loss=loss)
     except Exception as err:  # the model's own code, under fake tensors: report, never a traceback
         raise UsageError(f"--simulate: the step failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
                          ) from err

@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--simulate", action="store_true", help="also measure one step in a fake process group")
     e.add_argument("--rank", type=int, default=0, help="rank to simulate (default 0)")
     e.add_argument("--input-shape", metavar="BxS", help="input batch x sequence for activations")
+    e.add_argument("--inputs", metavar="MODULE:FN", help="input factory: fn(model) -> args tuple, kwargs dict "
+                   "or planc.estimate.trace.Example (encoder-decoder, vision, flex-attention masks)")
+    e.add_argument("--loss", metavar="MODULE:FN", help="the step's loss: fn(output, example) -> scalar "
+                   "(default: cross-entropy over fp32 logits for language models, else output.sum())")
     e.add_argument("--plot", metavar="FILE", help="write memory over one step (PNG or SVG)")
     e.set_defaults(func=explain.main)
 

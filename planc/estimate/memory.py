@@ -284,6 +284,8 @@ class _Replay:
         the kept 1/N slice, which stays alive until the copy-out.
         """
         m = self.mem[i]
+        if self.phase == "backward":
+            self.ag_kept = 0  # measured: backward's first all-gather releases forward's last one
         if self.state[i] == "post_forward":
             self.slices.add(i)
             copy_in = m.post_forward
@@ -308,10 +310,11 @@ class _Replay:
         self.snapshot(label)  # copy-out: all-gather output and unsharded parameters both alive
         self.transient = {}
         self.slices.discard(i)
-        if self.phase == "forward":
-            # NOTE: FSDP2 drops the previous all-gather result in this wait, but a local
-            # still holds it until the copy-out returns; this one is kept until the next
-            self.ag_kept = m.unsharded if self.shard > 1 else 0
+        # NOTE: FSDP2 drops the previous all-gather result in this wait, but a local
+        # still holds it until the copy-out returns; in forward this one is kept until the
+        # next. The last forward one so lives through the loss and its backward, until the
+        # first all-gather of backward (measured: the peak of an LM step is often there)
+        self.ag_kept = m.unsharded if self.shard > 1 and self.phase == "forward" else 0
 
     def prefetch(self, i: int) -> None:
         if self.state[i] in ("sharded", "post_forward"):
@@ -383,8 +386,6 @@ class _Replay:
                 elif self.mem[i].post_forward < self.mem[i].unsharded:
                     self.state[i] = "post_forward"
             elif ev.kind == "bwd_pre":
-                if self.phase == "forward":
-                    self.ag_kept = 0  # the last forward all-gather result is released
                 self.phase = "backward"
                 self.unshard(i, f"all-gather {name} (backward)")
                 # NOTE: measured on torch 2.13: a group unit whose modules finish backward

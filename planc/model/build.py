@@ -42,6 +42,11 @@ def _import_callable(ref: str) -> Callable[[], nn.Module]:
     return obj
 
 
+def load_callable(ref: str) -> Callable:
+    """`package.module:fn` -> the function (an input factory or a loss: `planc explain --inputs`)."""
+    return _import_callable(ref)
+
+
 def build_model(ref: str, *, device: str | torch.device = "meta", base: str | os.PathLike | None = None) -> nn.Module:
     """Build the model `ref` names, on `device` (meta by default: no memory, no init cost).
 
