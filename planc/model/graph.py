@@ -164,15 +164,17 @@ class ModelGraph:
             if info is None:
                 info = classes[kind] = (kind.__name__, f"{kind.__module__}.{kind.__qualname__}",
                                         kind.forward is not forward)
-            if path:
-                children[parent].append(path)
-                child_names[parent].append(local_name)
+            if path:  # leaves get no lists (most modules are leaves): see `children`
+                if parent in children:
+                    children[parent].append(path)
+                    child_names[parent].append(local_name)
+                else:
+                    children[parent] = [path]
+                    child_names[parent] = [local_name]
             order.append(path)
             depths.append(depth)
             data[path] = (*info, module)
-            children[path] = []
-            child_names[path] = []
-            mine = own[path] = []
+            mine = None
             if isinstance(module, fsdp_module):
                 sharded["fsdp"].append(path)
             if "checkpoint" in (registry(module) or {}):  # torch's composable checkpoint
@@ -189,6 +191,8 @@ class ModelGraph:
                     if isinstance(p, dtensor):
                         sharded["dtensor"].append(canon)
                 aliases[full] = canon
+                if mine is None:
+                    mine = own[path] = []
                 mine.append((local, canon))
                 owners[canon].append(path)
             kids = [(name, child) for name, child in module._modules.items() if child is not None]
@@ -202,7 +206,7 @@ class ModelGraph:
         post: dict[str, int] = {}
         for pre in range(len(order) - 1, -1, -1):
             m = order[pre]
-            kids = children[m]
+            kids = children.get(m)
             e = end[kids[-1]] if kids else pre + 1
             end[m] = e
             post[m] = pre - depths[pre] + (e - pre) - 1
@@ -223,7 +227,7 @@ class ModelGraph:
         graph.add_edges_from((path.rpartition(".")[0], path, {"name": path.rpartition(".")[2]})
                              for path in self._order[1:])
         graph.add_edges_from((path, ("param", canon), {"name": local})
-                             for path in self._order for local, canon in self._own[path])
+                             for path in self._order for local, canon in self.own_params(path))
         return graph
 
     def describes(self, model: nn.Module) -> bool:
@@ -276,14 +280,14 @@ class ModelGraph:
 
     def children(self, path: str) -> list[str]:
         """Child module paths in registration order."""
-        return self._children[path]
+        return self._children.get(path) or []
 
     def child_names(self, path: str) -> list[str]:
-        return self._child_names[path]
+        return self._child_names.get(path) or []
 
     def own_params(self, path: str) -> list[tuple[str, str]]:
         """(local name, canonical name) of parameters registered directly on the module."""
-        return self._own[path]
+        return self._own.get(path) or []
 
     def cls(self, path: str) -> str:
         return self._data[path][0]
@@ -345,15 +349,15 @@ class ModelGraph:
     def subtree_params(self, path: str) -> set[str]:
         """Canonical names of all parameters in the subtree of `path`."""
         own = self._own
-        return {c for m in self.subtree(path) for _, c in own[m]}
+        return {c for m in self.subtree(path) for _, c in own.get(m, ())}
 
     @cached_property
     def subtree_numel(self) -> dict[str, int]:
         """Parameter count of each module's subtree (tied parameters counted once)."""
         result: dict[str, int] = {}
         for path in sorted(self._order, key=self._post.__getitem__):
-            own = {c for _, c in self._own[path]}
-            result[path] = sum(self.params[c].numel for c in own) + sum(result[c] for c in self._children[path])
+            own = {c for _, c in self.own_params(path)}
+            result[path] = sum(self.params[c].numel for c in own) + sum(result[c] for c in self.children(path))
         for canon, owners in self.tied.items():  # undo double counts above the meeting point
             numel = self.params[canon].numel
             seen_paths: dict[str, int] = {}
