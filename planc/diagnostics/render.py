@@ -13,6 +13,7 @@ One pure function per format. Text output looks like rustc and ruff:
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Mapping, Sequence
 
@@ -26,20 +27,31 @@ def _paint(text: str, style: str, color: bool) -> str:
     return f"{_COLORS[style]}{text}{_COLORS['reset']}" if color else text
 
 
+@functools.lru_cache(maxsize=16)
+def _lines(text: str) -> tuple[str, ...]:
+    """A source's lines, split once per source ("\n" ends a line, as for the parser)."""
+    return tuple(row.rstrip("\r") for row in text.split("\n"))
+
+
 def _snippet(span: Span, label: str, sources: Mapping[str, str], color: bool,
              caret: str = "^", width: int = 0) -> list[str]:
     text = sources.get(span.file)
     if text is None:
         return []
-    lines = [row.rstrip("\r") for row in text.split("\n")]  # "\n" ends a line, as for the parser
+    lines = _lines(text)
     if not 1 <= span.line <= len(lines):
         return []
     raw = lines[span.line - 1]
     # columns are counted in the raw text; carets go under the text as shown (tabs expanded)
-    start = len(raw[:span.column - 1].expandtabs(4))
     end_raw = span.end_column if span.end_line == span.line else len(raw) + 1
-    end = len(raw[:max(end_raw - 1, span.column - 1)].expandtabs(4))
-    line = raw.expandtabs(4)
+    if "\t" in raw:
+        start = len(raw[:span.column - 1].expandtabs(4))
+        end = len(raw[:max(end_raw - 1, span.column - 1)].expandtabs(4))
+        line = raw.expandtabs(4)
+    else:  # no tabs: columns are offsets (no copy of a huge line per diagnostic)
+        start = min(span.column - 1, len(raw))
+        end = min(max(end_raw - 1, span.column - 1), len(raw))
+        line = raw
     if len(line) > 200:  # a huge line: show a window around the span
         first = max(0, start - 60)
         lead = "... " if first else ""
