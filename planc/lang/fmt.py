@@ -28,7 +28,7 @@ from typing import Any, Sequence
 from planc.diagnostics import render
 from planc.lang import syntax as st
 from planc.diagnostics import Span
-from planc.lang.parse import _read, parse_text
+from planc.lang.parse import parse_text
 
 INDENT = "  "
 TRAILING = "  "  # two spaces before a comment that follows code, as PEP 8 does
