@@ -101,29 +101,35 @@ def render_text(diags: Sequence[Diagnostic], sources: Mapping[str, str], *, colo
     return "\n".join(parts)
 
 
+JSON_VERSION = 1
+
+
+def _position(s: Span | None) -> dict:
+    return {"file": s.file if s else None, "line": s.line if s else None, "column": s.column if s else None,
+            "end_line": s.end_line if s else None, "end_column": s.end_column if s else None}
+
+
 def to_dict(d: Diagnostic) -> dict:
-    """The JSON shape of one diagnostic (stable: CI tools read it)."""
-    s = d.span
+    """The JSON shape of one diagnostic (stable: CI tools read it; docs/ci.md documents it).
+
+    Version 1: positions are 1-based, `end_column` exclusive, all null without a span;
+    `help` and `notes` are lists of strings; each `related` entry has a full position and a label.
+    """
     return {
         "code": d.code,
         "severity": d.severity,
         "message": d.message,
-        "file": s.file if s else None,
-        "line": s.line if s else None,
-        "column": s.column if s else None,
-        "end_line": s.end_line if s else None,
-        "end_column": s.end_column if s else None,
+        **_position(d.span),
         "label": d.label,
-        "help": "\n".join(d.help) if d.help else None,
+        "help": list(d.help),
         "notes": list(d.notes),
-        "related": [{"file": r.file, "line": r.line, "column": r.column, "label": label}
-                    for r, label in d.related],
+        "related": [{**_position(r), "label": label} for r, label in d.related],
     }
 
 
 def render_json(diags: Sequence[Diagnostic], **extra) -> str:
-    """One JSON object with a `diagnostics` list (and whatever `extra` adds)."""
-    return json.dumps({"diagnostics": [to_dict(d) for d in diags], **extra}, indent=2)
+    """One JSON object: `version`, a `diagnostics` list (and whatever `extra` adds)."""
+    return json.dumps({"version": JSON_VERSION, "diagnostics": [to_dict(d) for d in diags], **extra}, indent=2)
 
 
 def _escape_data(text: str) -> str:
@@ -142,8 +148,11 @@ def render_github(diags: Sequence[Diagnostic]) -> str:
         props = [f"title={_escape_prop(d.code + ' ' + d.message.split(':')[0])}"]
         if d.span:
             s = d.span
-            props = [f"file={_escape_prop(s.file)}", f"line={s.line}", f"col={s.column}",
-                     f"endLine={s.end_line}", f"endColumn={s.end_column}"] + props
+            if s.end_line == s.line:
+                where = [f"line={s.line}", f"col={s.column}", f"endLine={s.end_line}", f"endColumn={s.end_column}"]
+            else:  # GitHub misplaces columns of multi-line spans (ruff omits them too)
+                where = [f"line={s.line}", f"endLine={s.end_line}"]
+            props = [f"file={_escape_prop(s.file)}", *where] + props
         body = f"[{d.code}] {d.message}" + "".join(f"\nhelp: {h}" for h in d.help)
         lines.append(f"::{kinds[d.severity]} {','.join(props)}::{_escape_data(body)}")
     return "\n".join(lines)

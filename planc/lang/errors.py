@@ -146,7 +146,7 @@ def habit_help(row: str, col: int, tok_text: str, tok_type: str) -> str | None:
         return "write the plan's word for it, not a Python expression (dtypes are `fp32`, `bf16`, `fp16`)"
     call = re.search(r"([A-Za-z_]\w*)\(([^()]*)$", before)
     if tok_text == "=" and call:
-        args = re.sub(r"[A-Za-z_]\w*\s*=\s*", "", call.group(2) + at[1:].split(")", 1)[0])
+        args = re.sub(r"[A-Za-z_]\w*\s*=\s*", "", call.group(2) + at.split(")", 1)[0])
         return f"placement arguments are positional: write `{call.group(1)}({args.strip()})`"
     if tok_text == ":" and prev:
         return f"`{prev}: value` is YAML; plan options are `name value` or `name key = value` " \
