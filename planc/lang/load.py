@@ -178,7 +178,7 @@ def loads_with_diagnostics(text: str, filename: str = "<string>") -> tuple[st.Pl
     if not statements and not any(d.is_error for d in diags):
         diags.append(Diagnostic(
             code="P209", severity="warning", message="plan does nothing: it has no statements",
-            span=Span.point(filename), label="empty plan" if not text.strip() else "only comments",
+            span=Span.point(filename), label="only comments" if comments else "empty plan",
             help=("add statements such as `unit layers.*`; an empty plan shards the model as one root unit",)))
     return plan, diags
 
