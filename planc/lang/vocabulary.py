@@ -6,13 +6,14 @@ and the TextMate grammar (`editors/plan.tmLanguage.json`) read their word lists 
 needs torch for the dtypes) and the keywords of `grammar/plan.lark`. A new option is named
 in `OPTIONS` here and specified in `options.OPTIONS`; then regenerate the editor grammar:
 
-    python -m planc.lang.vocabulary --tmlanguage > editors/plan.tmLanguage.json
+    python -m planc.lang.vocabulary --tmlanguage   # rewrites editors/plan.tmLanguage.json
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 # Statement keywords of the grammar, in the order the grammar lists them.
 STATEMENTS = ("model", "include", "mesh", "defaults", "unit", "root", "checkpoint", "compile", "ignore",
@@ -61,19 +62,26 @@ def tmlanguage_text(template_text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m planc.lang.vocabulary --tmlanguage [PATH]`: print the regenerated grammar."""
+    """`python -m planc.lang.vocabulary --tmlanguage [PATH]`: regenerate the editor grammar in place.
+
+    With `--check`, write nothing and exit 1 if the file is stale.
+    """
     args = list(sys.argv[1:] if argv is None else argv)
+    check = "--check" in args
+    args = [a for a in args if a != "--check"]
     if not args or args[0] != "--tmlanguage":
-        print("usage: python -m planc.lang.vocabulary --tmlanguage [editors/plan.tmLanguage.json]",
-              file=sys.stderr)
+        print("usage: python -m planc.lang.vocabulary --tmlanguage [--check] [PATH]", file=sys.stderr)
         return 2
-    path = args[1] if len(args) > 1 else None
-    if path is None:
-        from pathlib import Path
-        path = str(Path(__file__).resolve().parents[2] / "editors" / TMLANGUAGE)
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    sys.stdout.write(tmlanguage_text(text))
+    path = Path(args[1]) if len(args) > 1 else Path(__file__).resolve().parents[2] / "editors" / TMLANGUAGE
+    text = path.read_text(encoding="utf-8")
+    fresh = tmlanguage_text(text)
+    if check:
+        if fresh != text:
+            print(f"{path}: stale; run python -m planc.lang.vocabulary --tmlanguage", file=sys.stderr)
+            return 1
+        return 0
+    if fresh != text:
+        path.write_text(fresh, encoding="utf-8")
     return 0
 
 
