@@ -14,6 +14,8 @@ from torch import nn
 from planc.lang import syntax as st
 from planc.diagnostics import Diagnostic, PlanError
 from planc.model.graph import ModelGraph, paused_gc
+from planc.lower.lowering import lower
+from planc.lower.program import Program
 from planc.resolve.ir import Mesh, Resolution, Unit
 from planc.lang.parse import load
 from planc.resolve.resolver import resolve
@@ -87,6 +89,20 @@ class CompiledPlan:
         if isinstance(found, TraceError):
             raise found
         return found
+
+    @cached_property
+    def program(self) -> Program:
+        """The lowered program every backend runs (`planc/lower/`).
+
+        Only a plan without errors lowers to a meaningful program: callers check `ok` (or
+        `raise_for_errors()`) first, as `planc.apply` and `planc emit` do.
+
+        Raises:
+            ValueError: the plan was compiled without a model.
+        """
+        if self.graph is None:
+            raise ValueError("a plan is lowered against a model: compile it with one")
+        return lower(self.resolution, self.graph)
 
     # ----------------------------------------------------------------- results
     @property

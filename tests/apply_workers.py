@@ -124,7 +124,7 @@ def refusals(rank: int, world: int, cases: list[tuple[str, str, str, bool]]) -> 
         torch.manual_seed(0)
         model = zoo.ZOO[builder]()
         before = _snapshot(model)
-        mesh = build_mesh(Mesh(1, None)) if pass_mesh else None
+        mesh = build_mesh(Mesh.data_parallel(1, None)) if pass_mesh else None
         try:
             planc.apply(model, planc.loads(text, filename=case), mesh=mesh)
             codes, message = None, ""

@@ -155,8 +155,8 @@ def test_sharding_strategies(strategy, shape, reshard):
     compiled = _compile(text, "hf:llama-tiny", 16)
     assert compiled.ok
     assert (compiled.mesh.replicate, compiled.mesh.shard) == shape
-    assert compiled.mesh.sizes(16) == ((16, 1) if shape == (None, 1) else (1, 16) if shape[0] == 1 else (2, 8))
-    layer = compiled.unit("model.layers.0")
+    assert compiled.mesh.dp_sizes(16) == ((16, 1) if shape == (None, 1) else (1, 16) if shape[0] == 1 else (2, 8))
+    layer = compiled.program.unit("model.layers.0").policy
     assert layer.reshard_after_forward is (True if reshard is None else reshard)
 
 
@@ -173,7 +173,7 @@ def test_fsdp2_reshard_after_forward_and_the_other_settings():
         assert unit.settings["param_dtype"].value == torch.bfloat16
         assert unit.settings["reduce_dtype"].value == torch.bfloat16  # accelerate: MixedPrecision(bf16, bf16)
         assert unit.settings["offload"].value is True
-        assert unit.reshard_after_forward is False
+        assert compiled.program.unit(unit.name).policy.reshard_after_forward is False
     assert sorted(compiled.resolution.checkpoint) == ["model.layers.0", "model.layers.1"]
     assert compiled.unit("model.layers.0").settings["prefetch_forward"].value == 1
 

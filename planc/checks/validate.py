@@ -33,7 +33,7 @@ class Context:
 
     @property
     def mesh_sizes(self) -> tuple[int, int] | None:
-        return self.res.mesh.sizes(self.world_size)
+        return self.res.mesh.dp_sizes(self.world_size)
 
     def inner_units(self) -> Iterator[Unit]:
         return (u for u in self.res.units if not u.is_root)
