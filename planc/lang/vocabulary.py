@@ -25,7 +25,7 @@ OPTIONAL_STATEMENTS = ("unit", "checkpoint", "compile", "ignore", "place")
 # Keywords inside statements.
 CLAUSES = ("optional", "except", "where", "not", "at", "world", "input", "none", "units", "unit")
 # Block option names (`options.OPTIONS`), FSDP1 spellings included.
-OPTIONS = ("precision", "reshard", "offload", "prefetch", "checkpoint", "compile", "strategy",
+OPTIONS = ("precision", "reshard", "offload", "prefetch", "reduction", "checkpoint", "compile", "strategy",
            "sharding_strategy", "mixed_precision", "cpu_offload")
 # Dtype words (`options.DTYPES`, without `none`, which is a clause word).
 DTYPES = ("fp32", "float32", "f32", "bf16", "bfloat16", "fp16", "float16", "half")
