@@ -1,4 +1,4 @@
-"""The `planc` command line: check, tree, explain, emit, fmt, import, codes.
+"""The `planc` command line: check, tree, explain, emit, fmt, import, lsp, codes.
 
 Exit codes (CI relies on them): 0 no errors (warnings allowed), 1 the plan has errors,
 2 usage or I/O problems (a missing plan file, a model that cannot be built from `--model`).
@@ -264,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--model", metavar="MODULE:CALLABLE")
     i.add_argument("-o", "--output", help="write the plan here (default: stdout)")
     i.set_defaults(func=_delegate("planc.importer"))
+
+    s = sub.add_parser("lsp", help="serve the language server over stdio, for editors (needs the lsp extra)")
+    s.add_argument("--stdio", action="store_true", help="talk over stdin/stdout (the default, and the only transport)")
+    s.set_defaults(func=_delegate("planc.lsp"))
 
     k = sub.add_parser("codes", help="list diagnostic codes, or explain one")
     k.add_argument("code", nargs="?")
