@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import planc  # noqa: E402
 from planc.compiler import CompiledPlan  # noqa: E402
-from planc.graph import ModelGraph  # noqa: E402
+from planc.model.graph import ModelGraph  # noqa: E402
 
 
 # Rules for the synthetic tree, in the order plans of 1, 4 and 16 rules take them. Together

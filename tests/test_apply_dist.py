@@ -147,7 +147,7 @@ def test_units_and_settings_read_back(zoo_runs, case):
             assert all(g == mp for g in u["mp"])
             offload = ("CPUOffloadPolicy", False) if unit["offload"] else ("OffloadPolicy", None)
             assert all(g == offload for g in u["offload"])  # pin_memory: off on a CPU mesh
-            want = _effective_reshard(unit.reshard_after_forward, result[case]["mesh_shape"][-1])
+            want = _effective_reshard(compiled.program.unit(unit.name).policy.reshard_after_forward, result[case]["mesh_shape"][-1])
             assert all(g == want and type(g) is type(want) for g in u["reshard"]), (u["reshard"], want)
             assert u["prefetch_forward"] == list(res.prefetch_forward.get(unit.name, ()))
             assert u["prefetch_backward"] == list(res.prefetch_backward.get(unit.name, ()))

@@ -54,7 +54,7 @@ def build(config: str) -> torch.nn.Module:
     copy in a temporary folder (build_hf_model takes a path as well as a shipped name).
     """
     os.environ["HF_HUB_OFFLINE"] = "1"
-    from planc.hf import build_hf_model, shipped_configs
+    from planc.model.hf import build_hf_model, shipped_configs
     with tempfile.TemporaryDirectory() as folder:
         ref = config
         if config in NO_DROPOUT:

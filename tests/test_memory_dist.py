@@ -25,8 +25,9 @@ import pytest
 import torch
 
 import planc
-from planc import memory, zoo
-from planc.simulate import measure_real, simulate, zoo_inputs
+from planc import zoo
+from planc.analysis import memory
+from planc.analysis.simulate import measure_real, simulate, zoo_inputs
 
 from distributed import run
 

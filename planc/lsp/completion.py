@@ -11,11 +11,11 @@ import fnmatch
 import re
 from dataclasses import dataclass
 
-from planc.explain import count
-from planc.graph import ModelGraph
+from planc.analysis.explain import count
+from planc.checks.validate import METRICS
 from planc.lsp.hover import values_of
-from planc.options import DTYPES, FSDP1_MESH, OPTIONS
-from planc.validate import METRICS
+from planc.model.graph import ModelGraph
+from planc.resolve.options import DTYPES, FSDP1_MESH, OPTIONS
 
 STATEMENTS = ("model", "include", "mesh", "defaults", "unit", "root", "checkpoint", "compile", "ignore",
               "place", "expect", "optional")

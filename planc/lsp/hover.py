@@ -11,15 +11,16 @@ import os
 from collections import Counter
 from typing import Any
 
-from planc import syntax as st
+from planc.analysis.explain import SHOWN_SETTINGS, count, gib
+from planc.analysis.explain import _setting as setting_data
+from planc.checks.validate import METRICS
 from planc.diagnostics import CODES, Span
-from planc.explain import SHOWN_SETTINGS, count, gib
+from planc.lang import syntax as st
 from planc.lsp.analysis import Analysis
 from planc.lsp.locate import chain_at
 from planc.lsp.positions import contains
-from planc.options import DTYPES, OPTIONS, Param
-from planc.selectors import match_modules, match_params
-from planc.validate import METRICS
+from planc.resolve.options import DTYPES, OPTIONS, Param
+from planc.resolve.selectors import match_modules, match_params
 
 SHOW_PATHS = 5   # matched module paths listed before "... and N more"
 SHOW_UNITS = 3
@@ -94,7 +95,7 @@ def _safe(f, default: str = "?"):
 
 def values_of(param: Param) -> list[str]:
     """The words a parameter accepts, for hover and completion."""
-    from planc import options as o
+    from planc.resolve import options as o
     if param.convert is o.dtype:
         return list(DTYPES)
     if param.convert is o.boolean:
@@ -172,8 +173,13 @@ def _units_of(analysis: Analysis, paths: list[str]) -> str | None:
         names = ", ".join(f"`{u.name}`" for u in units[:SHOW_UNITS])
         head = f"in {len(units)} units: {names}" + (", ..." if len(units) > SHOW_UNITS else "")
     u = units[0]
-    rows = [f"{key:<22} {u.settings[key].show():<10} {u.settings[key].origin}" for key in SHOWN_SETTINGS
-            if key in u.settings]
+    policy = _safe(lambda: analysis.compiled.program.unit(u.name).policy, None)
+    rows = []
+    for key in SHOWN_SETTINGS:
+        if key in u.settings:  # the effective value (FSDP2's defaults applied), as `planc explain` shows it
+            shown = setting_data(u, key, policy)["value"] if policy is not None else u.settings[key].show()
+            origin = u.settings[key].origin.replace(analysis.folder + os.sep, "")
+            rows.append(f"{key:<22} {shown:<10} {origin}")
     return f"{head}\n\nunit `{u.name}` ({count(sum(graph.params[c].numel for c in u.params))} params):\n```\n" \
            + "\n".join(rows) + "\n```"
 
@@ -196,7 +202,7 @@ def _expect_hover(analysis: Analysis, s: st.ExpectMetric) -> str:
     world = s.world or compiled.world_size
     if world is None:
         return text + "\n\nno world size: write `at world = N` to estimate it"
-    from planc.trace import TraceError
+    from planc.analysis.trace import TraceError
     try:
         est = compiled.memory_at(world, s.input_shape)
     except TraceError as err:

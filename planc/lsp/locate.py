@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from planc import syntax as st
+from planc.lang import syntax as st
 from planc.lsp.positions import contains
 
 

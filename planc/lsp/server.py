@@ -24,8 +24,8 @@ from pygls.lsp.server import LanguageServer
 from pygls.uris import from_fs_path, to_fs_path
 
 from planc import __version__
-from planc.cli import ModelCache
-from planc.diagnostics import Diagnostic, Span
+from planc.cli.common import ModelCache
+from planc.diagnostics import Span
 from planc.lsp import completion, positions
 from planc.lsp.analysis import Analysis, analyze
 from planc.lsp.hover import hover
@@ -149,8 +149,8 @@ def _location(a: Analysis, span: Span, encoding: str) -> T.Location:
 
 def _include_span(a: Analysis, file: str) -> Span | None:
     """Where the top file includes `file` (or the include that leads to it)."""
-    from planc import syntax as st
-    from planc.parse import parse_text
+    from planc.lang import syntax as st
+    from planc.lang.parse import parse_text
     includes = [s for s in parse_text(a.text, a.filename)[0] if isinstance(s, st.IncludeStmt)]
     for s in includes:
         if os.path.normpath(os.path.join(os.path.dirname(a.filename), s.path)) == os.path.normpath(file):
@@ -245,8 +245,8 @@ def build_server() -> PlanServer:
     @server.feature(T.TEXT_DOCUMENT_DEFINITION)
     @safe()
     def on_definition(ls: PlanServer, params: T.DefinitionParams):
-        from planc import syntax as st
-        from planc.parse import parse_text
+        from planc.lang import syntax as st
+        from planc.lang.parse import parse_text
         a = ls.analysis(params.text_document.uri)
         line, col = positions.from_lsp(a.lines, params.position.line, params.position.character, ls.encoding)
         for s in parse_text(a.text, a.filename)[0]:
@@ -260,7 +260,7 @@ def build_server() -> PlanServer:
     @safe()
     def on_formatting(ls: PlanServer, params: T.DocumentFormattingParams):
         from planc.diagnostics import PlanError
-        from planc.fmt import FormatError, format_plan
+        from planc.lang.fmt import FormatError, format_plan
         uri = params.text_document.uri
         text = ls.workspace.get_text_document(uri).source
         try:
