@@ -19,7 +19,9 @@ pytest_lsp = pytest.importorskip("pytest_lsp")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
 from lsprotocol import types as T  # noqa: E402
+from pygls.protocol import default_converter  # noqa: E402
 from pytest_lsp import ClientServerConfig, LanguageClient  # noqa: E402
+from pytest_lsp.client import DEFAULT_CLIENT_FEATURES, register_lsp_features  # noqa: E402
 
 import planc  # noqa: E402
 from planc.analysis.explain import gib  # noqa: E402
@@ -32,7 +34,20 @@ SERVER = [sys.executable, "-c", "import sys; from planc.cli.main import main; sy
 TIMEOUT = 30
 
 
-@pytest_lsp.fixture(scope="module", config=ClientServerConfig(server_command=SERVER))
+def make_client() -> LanguageClient:
+    """pytest-lsp's test client, also keeping every publishDiagnostics (uri, version) it gets."""
+    client = LanguageClient(converter_factory=default_converter)
+    client.published = []
+
+    def published(client: LanguageClient, params: T.PublishDiagnosticsParams):
+        client.published.append((params.uri, params.version))
+        DEFAULT_CLIENT_FEATURES[T.TEXT_DOCUMENT_PUBLISH_DIAGNOSTICS](client, params)
+
+    register_lsp_features(client, {**DEFAULT_CLIENT_FEATURES, T.TEXT_DOCUMENT_PUBLISH_DIAGNOSTICS: published})
+    return client
+
+
+@pytest_lsp.fixture(scope="module", config=ClientServerConfig(server_command=SERVER, client_factory=make_client))
 async def client(lsp_client: LanguageClient, tmp_path_factory):
     root = tmp_path_factory.mktemp("ws")
     await lsp_client.initialize_session(T.InitializeParams(
@@ -119,7 +134,11 @@ async def test_diagnostics_after_change_are_debounced_to_the_last_text(client):
         client.text_document_did_change(T.DidChangeTextDocumentParams(
             T.VersionedTextDocumentIdentifier(uri=uri, version=version),
             [T.TextDocumentContentChangeWholeDocument(text=text)]))
+    before = len(client.published)
     assert await diagnostics(client, uri) == []
+    await asyncio.sleep(0.3)  # 6x the debounce: nothing else comes
+    # three changes in quick succession: one compile, for the last version
+    assert [p for p in client.published[before:] if p[0] == uri] == [(uri, 4)]
 
 
 @ASYNC
@@ -232,6 +251,7 @@ async def test_completion(client):
     assert {"unit", "defaults", "mesh", "expect"} <= set(await at_end(""))
     assert {"memory.peak", "units", "unit"} <= set(await at_end("expect "))
     assert {"wte", "ln_f", "lm_head", "blocks"} <= set(await at_end("unit [wte, l"))
+    assert {"planc.zoo:gpt_tiny", "hf:llama-tiny"} <= set(await labels(client, uri, 0, len("model ")))
 
 
 # ===================================================================== formatting

@@ -54,6 +54,8 @@ def complete(lines: list[str], line: int, column: int, graph: ModelGraph | None)
     if re.fullmatch(r"mesh\s+\w*", head):
         return ([Item("(replicate = 1, shard = *)", "value", "1-D mesh over every rank")]
                 + [Item(w, "value", "FSDP1 sharding strategy") for w in sorted(FSDP1_MESH)])
+    if re.fullmatch(r"model\s+\S*", head):
+        return _models()
     if re.fullmatch(r"root\s+\w*", head):
         return [Item("none", "keyword", "the root is no unit"), Item("{ }", "value", "root options")]
     if re.search(r"\bexpect\s+[\w.]+\s*(==|!=|<=|>=|<|>)\s*\S+\s+\w*$", head):
@@ -198,4 +200,16 @@ def _children_items(graph: ModelGraph, nodes: set[str]) -> list[Item]:
     if items:
         items += [Item("*", "module", f"every child ({numbered} numbered)" if numbered else "every child"),
                   Item("**", "module", "any depth")]
+    return items
+
+
+def _models() -> list[Item]:
+    """The built-in models (`planc.zoo:NAME`) and the Hugging Face configs planc ships (`hf:NAME`)."""
+    from importlib import resources
+
+    from planc import zoo
+    items = [Item(f"planc.zoo:{name}", "module", (fn.__doc__ or "").strip().split("\n")[0]) for name, fn in zoo.ZOO.items()]
+    configs = resources.files("planc.model").joinpath("configs")
+    items += [Item(f"hf:{f.name[:-5]}", "module", "Hugging Face config shipped with planc (needs the hf extra)")
+              for f in sorted(configs.iterdir(), key=lambda f: f.name) if f.name.endswith(".json")]
     return items

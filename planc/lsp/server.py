@@ -12,6 +12,7 @@ compiling, default 0.3), `worldSize` (the world size checks and `expect`s defaul
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import os
@@ -49,6 +50,9 @@ class PlanServer(LanguageServer):
     def __init__(self):
         super().__init__("planc", __version__)
         self.cache = ModelCache()
+        # Compiling (and building a model, the first time) runs off the event loop, one plan at
+        # a time, so the server keeps reading messages meanwhile and no two compiles overlap.
+        self.compiler = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="planc-compile")
         self.analyses: dict[str, Analysis] = {}
         self.pending: dict[str, asyncio.Task] = {}
         self.debounce = 0.3
@@ -64,24 +68,25 @@ class PlanServer(LanguageServer):
         path = to_fs_path(uri) if uri.startswith("file:") else None
         return path or "<untitled>"
 
-    def analysis(self, uri: str) -> Analysis:
-        """The analysis of the document's current text (compiled now if the text changed)."""
+    async def analysis(self, uri: str) -> Analysis:
+        """The analysis of the document's text as it is now (compiled if the text changed)."""
         text = self.workspace.get_text_document(uri).source
         found = self.analyses.get(uri)
         if found is None or found.text != text:
-            found = analyze(text, self.filename(uri), self.cache, self.world_size)
+            found = await asyncio.get_running_loop().run_in_executor(
+                self.compiler, analyze, text, self.filename(uri), self.cache, self.world_size)
             self.analyses[uri] = found
         return found
 
-    def publish(self, uri: str) -> None:
-        doc = self.workspace.get_text_document(uri)
+    async def publish(self, uri: str) -> None:
+        version = self.workspace.get_text_document(uri).version  # the version these diagnostics are for
         try:
-            diags = to_lsp_diagnostics(self.analysis(uri), self.encoding)
+            diags = to_lsp_diagnostics(await self.analysis(uri), self.encoding)
         except Exception:  # never silent and never fatal: the client hears about it
             self.log_exception("diagnostics")
             diags = []
         self.text_document_publish_diagnostics(T.PublishDiagnosticsParams(uri=uri, diagnostics=diags,
-                                                                          version=doc.version))
+                                                                          version=version))
 
     def schedule(self, uri: str) -> None:
         """Publish after `debounce` seconds of quiet (each change restarts the wait)."""
@@ -91,7 +96,7 @@ class PlanServer(LanguageServer):
         async def later():
             await asyncio.sleep(self.debounce)
             self.pending.pop(uri, None)
-            self.publish(uri)
+            await self.publish(uri)
 
         self.pending[uri] = asyncio.get_running_loop().create_task(later())
 
@@ -196,8 +201,8 @@ def build_server() -> PlanServer:
 
     @server.feature(T.TEXT_DOCUMENT_DID_OPEN)
     @safe()
-    def did_open(ls: PlanServer, params: T.DidOpenTextDocumentParams):
-        ls.publish(params.text_document.uri)
+    async def did_open(ls: PlanServer, params: T.DidOpenTextDocumentParams):
+        await ls.publish(params.text_document.uri)
 
     @server.feature(T.TEXT_DOCUMENT_DID_CHANGE)
     @safe()
@@ -206,8 +211,8 @@ def build_server() -> PlanServer:
 
     @server.feature(T.TEXT_DOCUMENT_DID_SAVE)
     @safe()
-    def did_save(ls: PlanServer, params: T.DidSaveTextDocumentParams):
-        ls.publish(params.text_document.uri)
+    async def did_save(ls: PlanServer, params: T.DidSaveTextDocumentParams):
+        await ls.publish(params.text_document.uri)
 
     @server.feature(T.TEXT_DOCUMENT_DID_CLOSE)
     @safe()
@@ -220,8 +225,8 @@ def build_server() -> PlanServer:
 
     @server.feature(T.TEXT_DOCUMENT_HOVER)
     @safe()
-    def on_hover(ls: PlanServer, params: T.HoverParams):
-        a = ls.analysis(params.text_document.uri)
+    async def on_hover(ls: PlanServer, params: T.HoverParams):
+        a = await ls.analysis(params.text_document.uri)
         line, col = positions.from_lsp(a.lines, params.position.line, params.position.character, ls.encoding)
         found = hover(a, line, col)
         if found is None:
@@ -232,10 +237,10 @@ def build_server() -> PlanServer:
 
     @server.feature(T.TEXT_DOCUMENT_COMPLETION, T.CompletionOptions(trigger_characters=TRIGGERS))
     @safe(default=[])
-    def on_completion(ls: PlanServer, params: T.CompletionParams):
+    async def on_completion(ls: PlanServer, params: T.CompletionParams):
         uri = params.text_document.uri
         # the model of the last analysis: completing must not recompile a plan per keystroke
-        a = ls.analyses.get(uri) or ls.analysis(uri)
+        a = ls.analyses.get(uri) or await ls.analysis(uri)
         lines = ls.workspace.get_text_document(uri).source.split("\n")
         line, col = positions.from_lsp(lines, params.position.line, params.position.character, ls.encoding)
         return T.CompletionList(is_incomplete=False, items=[
@@ -244,10 +249,10 @@ def build_server() -> PlanServer:
 
     @server.feature(T.TEXT_DOCUMENT_DEFINITION)
     @safe()
-    def on_definition(ls: PlanServer, params: T.DefinitionParams):
+    async def on_definition(ls: PlanServer, params: T.DefinitionParams):
         from planc.lang import syntax as st
         from planc.lang.parse import parse_text
-        a = ls.analysis(params.text_document.uri)
+        a = await ls.analysis(params.text_document.uri)
         line, col = positions.from_lsp(a.lines, params.position.line, params.position.character, ls.encoding)
         for s in parse_text(a.text, a.filename)[0]:
             if isinstance(s, st.IncludeStmt) and contains(s.span, line, col):
