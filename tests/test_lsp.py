@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -30,7 +31,11 @@ from planc.resolve.options import OPTIONS  # noqa: E402
 from test_fuzz import KEYWORDS, PUNCT, WORDS, plans  # noqa: E402  (the parser's fuzz corpus)
 
 ASYNC = pytest.mark.asyncio(loop_scope="module")  # every test shares the module's server
-SERVER = [sys.executable, "-c", "import sys; from planc.cli.main import main; sys.exit(main(['lsp', '--stdio']))"]
+# the `planc` console script `pip install -e ".[lsp]"` made, as an editor starts it
+SCRIPT = pathlib.Path(sys.executable).with_name("planc")
+SERVER = ([str(SCRIPT), "lsp", "--stdio"] if SCRIPT.is_file() else
+          [sys.executable, "-c", "import sys; from planc.cli.main import main; sys.exit(main(['lsp', '--stdio']))"])
+PLANC = [sys.executable, "-c", "import sys; from planc.cli.main import main; sys.exit(main(sys.argv[1:]))"]
 TIMEOUT = 30
 
 
@@ -157,8 +162,7 @@ async def test_model_that_does_not_build_is_p106_at_the_model_line(client):
     # the same wording as `planc check`
     path = client.root / "p106.plan"
     path.write_text(text)
-    out = subprocess.run(SERVER[:2] + ["import sys; from planc.cli.main import main; sys.exit(main(sys.argv[1:]))",
-                                       "check", str(path)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(PLANC + ["check", str(path)], capture_output=True, text=True, timeout=120)
     assert p106.message.split("\n")[0] in out.stdout
 
 
@@ -311,6 +315,9 @@ async def test_fuzz_corpus_replayed_through_the_server(client, text, points):
 async def test_server_still_answers_after_the_replay(client):
     uri, diags = await open_doc(client, GPT)
     assert diags == [] and "matches **2** modules" in await hover(client, uri, GPT, "blocks.*", 2)
+    # no internal error in the whole session but the one test_formatting provokes on purpose
+    errors = [m.message for m in client.log_messages if m.type == T.MessageType.Error]
+    assert [e for e in errors if "never-opened.plan" not in e] == []
 
 
 def test_without_the_extra_planc_lsp_says_how_to_install_it(tmp_path):
