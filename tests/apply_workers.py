@@ -11,11 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from training import batches, clip_grad_norm, next_token_loss, train
 
 import planc
 from planc import zoo
-
-from training import batches, clip_grad_norm, next_token_loss, train
 
 
 def example_clip(model: nn.Module, max_norm: float, world: int) -> torch.Tensor:

@@ -12,20 +12,18 @@ every parameter's DTensor placements, local shard shape, dtype and device. Cases
 from __future__ import annotations
 
 import pathlib
-
-import pytest
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
+from distributed import run
 from torch import nn
 
 import planc
 from planc import zoo
 from planc.backends.emit import emit_python
 from planc.model.build import build_model
-
-from distributed import run
 
 pytestmark = pytest.mark.dist
 
@@ -98,7 +96,7 @@ def read_back(model: torch.nn.Module) -> dict:
             state = module._get_fsdp_state()
             states.setdefault(id(state), (state, []))[1].append(name)
     key_of = {sid: tuple(sorted(names)) for sid, (_, names) in states.items()}
-    for sid, (state, names) in states.items():
+    for sid, (state, _names) in states.items():
         groups = state._fsdp_param_groups
         units[key_of[sid]] = {
             "state_modules": tuple(module_name[id(m)] for m in state._modules),

@@ -7,12 +7,12 @@ steps on 2 gloo ranks; the structure FSDP2 actually built is read back from its 
 
 from __future__ import annotations
 
+import proof_workers
 import pytest
 import torch
+from distributed import run
 
 import planc
-import proof_workers
-from distributed import run
 from planc import zoo
 
 STEPS = 3

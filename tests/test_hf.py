@@ -19,8 +19,8 @@ pytest.importorskip("transformers")
 
 import planc  # noqa: E402
 from planc import cli  # noqa: E402
-from planc.model.hf import build_hf_model, shipped_configs  # noqa: E402
 from planc.model.build import ModelLoadError, build_model  # noqa: E402
+from planc.model.hf import build_hf_model, shipped_configs  # noqa: E402
 
 # plan -> (realistic config, its unit count, tiny config, its unit count)
 PLANS = {

@@ -12,17 +12,21 @@ import os
 
 import pytest
 import torch
-from torch.distributed.fsdp.wrap import (_or_policy, _recursive_wrap, size_based_auto_wrap_policy,
-                                         transformer_auto_wrap_policy)
+from torch.distributed.fsdp.wrap import (
+    _or_policy,
+    _recursive_wrap,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 yaml = pytest.importorskip("yaml")
 
 import planc  # noqa: E402
 from planc import cli  # noqa: E402
-from planc.model.graph import ModelGraph  # noqa: E402
 from planc.importers.accelerate import translate  # noqa: E402
 from planc.model.build import build_model  # noqa: E402
+from planc.model.graph import ModelGraph  # noqa: E402
 
 HF = pytest.importorskip("transformers") is not None
 

@@ -7,8 +7,16 @@ import inspect
 import torch
 
 import planc
-from planc.lower.program import (CPU_OFFLOAD_DEFAULTS, FULLY_SHARD_DEFAULTS, MP_DEFAULTS, Checkpoint, Compile,
-                                 FullyShard, SetPrefetch, UnitMethod)
+from planc.lower.program import (
+    CPU_OFFLOAD_DEFAULTS,
+    FULLY_SHARD_DEFAULTS,
+    MP_DEFAULTS,
+    Checkpoint,
+    Compile,
+    FullyShard,
+    SetPrefetch,
+    UnitMethod,
+)
 from planc.model.build import build_model
 
 MOE = "tests/golden/emit/moe_everything.plan"

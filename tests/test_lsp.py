@@ -23,12 +23,12 @@ from lsprotocol import types as T  # noqa: E402
 from pygls.protocol import default_converter  # noqa: E402
 from pytest_lsp import ClientServerConfig, LanguageClient  # noqa: E402
 from pytest_lsp.client import DEFAULT_CLIENT_FEATURES, register_lsp_features  # noqa: E402
+from test_fuzz import KEYWORDS, PUNCT, WORDS, plans  # noqa: E402  (the parser's fuzz corpus)
 
 import planc  # noqa: E402
 from planc.analysis.explain import gib  # noqa: E402
 from planc.lang.fmt import format_plan  # noqa: E402
 from planc.resolve.options import OPTIONS  # noqa: E402
-from test_fuzz import KEYWORDS, PUNCT, WORDS, plans  # noqa: E402  (the parser's fuzz corpus)
 
 ASYNC = pytest.mark.asyncio(loop_scope="module")  # every test shares the module's server
 # the `planc` console script `pip install -e ".[lsp]"` made, as an editor starts it

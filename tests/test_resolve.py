@@ -23,17 +23,18 @@ from torch import nn
 
 import planc
 from planc.compiler import CompiledPlan
+from planc.lang.parse import loads
+from planc.model.build import build_model
 from planc.model.graph import ModelGraph
 from planc.resolve.ir import DEFAULT_SETTINGS
-from planc.model.build import build_model
 from planc.resolve.options import show_value
-from planc.lang.parse import loads
 from planc.resolve.selectors import _size_filter
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "resolve"
 CASES = sorted(FIXTURES.glob("*.plan"))
 from goldens import check_golden  # noqa: E402
+
 _GRAPHS: dict[str, ModelGraph] = {}
 
 

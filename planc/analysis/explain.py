@@ -13,14 +13,11 @@ the failures go to stderr and the exit status is 1.
 from __future__ import annotations
 
 import json
-import os
-import sys
 from typing import Any
 
+from planc.estimate.memory import CATEGORIES, Estimate
 from planc.lower.program import Policy
 from planc.resolve.ir import Unit
-from planc.analysis.memory import CATEGORIES, Estimate, estimate
-from planc.analysis.trace import TraceError
 from planc.resolve.options import show_value
 
 LABELS = {"sharded_params": "sharded params", "sharded_grads": "sharded grads", "optimizer_state": "optimizer state",

@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planc.analysis.trace import loss_of
+from planc.estimate.trace import loss_of
 
-# Tracker categories -> planc.analysis.memory categories.
+# Tracker categories -> planc.estimate.memory categories.
 _CATEGORY = {
     "Sharded Param": "sharded_params", "Unsharded Param": "unsharded_params", "Buffer": "buffers",
     "Sharded Grad": "sharded_grads", "Unsharded Grad": "unsharded_grads", "Activation": "activations",
@@ -132,8 +132,8 @@ def simulate(plan, build: Callable[[], nn.Module], world: int, *, rank: int = 0,
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from planc.backends.runtime import apply, build_mesh
     import planc
+    from planc.backends.runtime import apply, build_mesh
 
     _skip_sharding_propagation()
     init_fake(world, rank)

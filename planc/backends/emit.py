@@ -13,12 +13,8 @@ operation this module cannot print is an error (`EmitError`), never a silent omi
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import keyword
-import os
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,8 +22,16 @@ import torch
 from torch import nn
 
 from planc.compiler import CompiledPlan
-from planc.lower.program import (FULLY_SHARD_DEFAULTS, Checkpoint, Compile, FullyShard, Offload, Precision,
-                                 SetPrefetch, UnitMethod)
+from planc.lower.program import (
+    FULLY_SHARD_DEFAULTS,
+    Checkpoint,
+    Compile,
+    FullyShard,
+    Offload,
+    Precision,
+    SetPrefetch,
+    UnitMethod,
+)
 from planc.resolve.ir import Setting
 
 LOOP_VAR = "block"

@@ -32,16 +32,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
-                                    fully_shard)
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from planc.lang import syntax as st
-from planc.compiler import CompiledPlan, as_plan, sort_diagnostics
+from planc.compiler import CompiledPlan, as_plan
 from planc.compiler import compile as compile_plan
-from planc.diagnostics import Diagnostic, PlanError, Span
-from planc.model.graph import ModelGraph
+from planc.diagnostics import Diagnostic, PlanError, Span, sort_diagnostics
+from planc.lang import syntax as st
 from planc.lower.program import Checkpoint, Compile, FullyShard, Program, SetPrefetch, UnitMethod
+from planc.model.graph import ModelGraph
 from planc.resolve.ir import Unit
 from planc.resolve.mesh import Mesh
 

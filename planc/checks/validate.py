@@ -13,8 +13,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from planc.lang import syntax as st
 from planc.diagnostics import Diagnostic, suggestion
+from planc.lang import syntax as st
 from planc.model.graph import ModelGraph
 from planc.resolve.ir import Resolution, Unit
 from planc.resolve.options import DTYPE_NAMES
@@ -494,7 +494,7 @@ def _expect_metric(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
                    (f"add the input to the line: `at {_at_clause(s, world, 'BxS')}`, with B the batch size "
                     "and S the sequence length in tokens (e.g. `2x512`)",), severity="warning")
         return
-    from planc.analysis.trace import TraceError
+    from planc.estimate.trace import TraceError
     try:
         actual = ctx.metrics(s.metric, world, shape)
     except TraceError as err:

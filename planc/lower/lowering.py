@@ -16,8 +16,18 @@ prefetch lists and the `FSDPModule` methods the plan sets, which need every unit
 
 from __future__ import annotations
 
-from planc.lower.program import (Checkpoint, Compile, FullyShard, Offload, Op, Policy, Precision, Program,
-                                 SetPrefetch, UnitMethod)
+from planc.lower.program import (
+    Checkpoint,
+    Compile,
+    FullyShard,
+    Offload,
+    Op,
+    Policy,
+    Precision,
+    Program,
+    SetPrefetch,
+    UnitMethod,
+)
 from planc.model.graph import ModelGraph
 from planc.resolve.ir import Resolution, Unit
 

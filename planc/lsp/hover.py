@@ -202,7 +202,7 @@ def _expect_hover(analysis: Analysis, s: st.ExpectMetric) -> str:
     world = s.world or compiled.world_size
     if world is None:
         return text + "\n\nno world size: write `at world = N` to estimate it"
-    from planc.analysis.trace import TraceError
+    from planc.estimate.trace import TraceError
     try:
         est = compiled.memory_at(world, s.input_shape)
     except TraceError as err:

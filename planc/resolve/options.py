@@ -13,8 +13,8 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from planc.lang import syntax as st
 from planc.diagnostics import Diagnostic, Span, suggestion
+from planc.lang import syntax as st
 
 Context = Literal["defaults", "unit", "root"]
 

@@ -16,8 +16,8 @@ import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from planc.lang import syntax as st
 from planc.diagnostics import Diagnostic, suggestion
+from planc.lang import syntax as st
 from planc.model.graph import ModelGraph
 from planc.resolve.ir import DEFAULT_SETTINGS, Resolution, Setting, Unit
 from planc.resolve.mesh import ROLES, Mesh

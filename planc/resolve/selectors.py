@@ -12,8 +12,8 @@ import fnmatch
 import re
 from dataclasses import dataclass, field
 
-from planc.lang import syntax as st
 from planc.diagnostics import Diagnostic, Span, suggestion
+from planc.lang import syntax as st
 from planc.model.graph import ModelGraph
 
 SIZE_FIELDS = ("size",)

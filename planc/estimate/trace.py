@@ -324,7 +324,8 @@ def fake_trace(compiled, inputs: tuple) -> Trace:
     finally:
         for h in handles:
             h.remove()
-    return Trace(events, input_bytes, "live tensors of one forward and backward on fake CPU tensors, each unit's precision and checkpointing applied")
+    return Trace(events, input_bytes, "live tensors of one forward and backward on fake CPU tensors, "
+                 "each unit's precision and checkpointing applied")
 
 
 def default_input(model: nn.Module, input_shape: tuple[int, ...] | None) -> tuple | None:

@@ -36,7 +36,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from planc.analysis.trace import Trace, TraceError, default_input, trace_for
+from planc.estimate.trace import Trace, TraceError, default_input, trace_for
 from planc.lower.program import FullyShard, Program
 from planc.resolve.mesh import Mesh
 
