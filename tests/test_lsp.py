@@ -147,6 +147,18 @@ async def test_diagnostics_after_change_are_debounced_to_the_last_text(client):
 
 
 @ASYNC
+async def test_related_spans_and_untitled_documents(client):
+    text = "model planc.zoo:gpt_tiny\nunit [wte, ln_f, lm_head]\nunit wte\n"
+    uri = "untitled:Untitled-1"  # a buffer never saved: no file, includes from the working folder
+    client.text_document_did_open(T.DidOpenTextDocumentParams(T.TextDocumentItem(uri, "plan", 1, text)))
+    [p203] = [d for d in await diagnostics(client, uri) if d.code == "P203"]
+    assert p203.range.start.line == 2
+    [first] = p203.related_information
+    assert first.location.uri == uri and first.location.range.start == T.Position(1, 0)
+    assert first.message == "first unit made here"
+
+
+@ASYNC
 async def test_syntax_error(client):
     _, diags = await open_doc(client, "unit [norm, output\n")
     assert [d.code for d in diags] == ["P001"] and diags[0].range.start.line == 0

@@ -81,7 +81,7 @@ class PlanServer(LanguageServer):
     async def publish(self, uri: str) -> None:
         version = self.workspace.get_text_document(uri).version  # the version these diagnostics are for
         try:
-            diags = to_lsp_diagnostics(await self.analysis(uri), self.encoding)
+            diags = to_lsp_diagnostics(await self.analysis(uri), self.encoding, uri)
         except Exception:  # never silent and never fatal: the client hears about it
             self.log_exception("diagnostics")
             diags = []
@@ -143,10 +143,9 @@ def _range(lines: list[str], span: Span | None, encoding: str) -> T.Range:
     return T.Range(T.Position(l0, c0), T.Position(l1, c1))
 
 
-def _location(a: Analysis, span: Span, encoding: str) -> T.Location:
-    if span.file == a.filename:
-        return T.Location(uri=from_fs_path(os.path.abspath(span.file)) if not span.file.startswith("<") else span.file,
-                          range=_range(a.lines, span, encoding))
+def _location(a: Analysis, span: Span, encoding: str, uri: str) -> T.Location:
+    if span.file == a.filename:  # the document itself (`uri`: also for an untitled one)
+        return T.Location(uri=uri, range=_range(a.lines, span, encoding))
     source = dict(a.plan.sources).get(span.file, "") if a.plan else ""
     return T.Location(uri=from_fs_path(os.path.abspath(span.file)),
                       range=_range(source.split("\n"), span, encoding))
@@ -163,17 +162,17 @@ def _include_span(a: Analysis, file: str) -> Span | None:
     return includes[0].span if includes else None
 
 
-def to_lsp_diagnostics(a: Analysis, encoding: str) -> list[T.Diagnostic]:
+def to_lsp_diagnostics(a: Analysis, encoding: str, uri: str) -> list[T.Diagnostic]:
     """planc diagnostics as LSP ones. `code` is the planc code, `data.explain` the command that
     explains it; help and notes follow the message; a problem inside an included file is
     shown on the `include` line, with the exact place as related information."""
     out = []
     for d in a.diagnostics:
         text = d.message + "".join(f"\nhelp: {h}" for h in d.help) + "".join(f"\nnote: {n}" for n in d.notes)
-        related = [T.DiagnosticRelatedInformation(_location(a, s, encoding), label or "here") for s, label in d.related]
+        related = [T.DiagnosticRelatedInformation(_location(a, s, encoding, uri), label or "here") for s, label in d.related]
         span = d.span
         if span is not None and span.file != a.filename:
-            related.insert(0, T.DiagnosticRelatedInformation(_location(a, span, encoding), d.label or d.message))
+            related.insert(0, T.DiagnosticRelatedInformation(_location(a, span, encoding, uri), d.label or d.message))
             text = f"in `{span}`: {text}"
             span = _include_span(a, span.file)
         out.append(T.Diagnostic(
