@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PLANS = sorted((ROOT / "plans").glob("**/*.plan"))
 WORLDS = (8, 64)
 # model reference prefix -> (module it needs, extra that installs it)
-EXTRAS = {"hf:": ("transformers", "hf")}
+EXTRAS = {"hf:": ("transformers", "hf"), "planc.model.torchtitan:": ("torchtitan", "torchtitan")}
 _GRAPHS: dict[tuple[str, str], ModelGraph] = {}
 
 
