@@ -79,9 +79,9 @@ def test_hf_models_train_finite_after_materialize(config):
 @pytest.mark.parametrize("tied", [False, True])
 def test_torchtitan_llama3_trains_finite_after_materialize(tied):
     pytest.importorskip("torchtitan")
-    from tests.torchtitan_workers import llama3_debug
+    from planc.model.torchtitan import llama3
     # torchtitan's modules are built with torch's default init; its real init is init_weights
-    _check(lambda: llama3_debug(tied=tied), {"tokens": torch.randint(0, 2048, (2, 16))},
+    _check(lambda: llama3("debugmodel", tied=tied, max_seq_len=64), {"tokens": torch.randint(0, 2048, (2, 16))},
            real_init=lambda m: m.init_weights(buffer_device=None))
 
 
