@@ -17,7 +17,7 @@ from planc.model.graph import ModelGraph, paused_gc
 from planc.resolve.ir import Mesh, Resolution, Unit
 from planc.lang.parse import load
 from planc.resolve.resolver import resolve
-from planc.checks.validate import Context, check_mesh, metric_problems, validate
+from planc.checks.validate import Context, validate
 
 
 class CompiledPlan:
@@ -51,17 +51,13 @@ class CompiledPlan:
     def diagnostics(self) -> list[Diagnostic]:
         """Every finding of resolution and validation, errors and warnings alike."""
         res, diags = self._resolved
-        diags = list(diags)
-        if self.graph is None:
-            ctx = Context(self.plan, None, res, self.world_size)  # type: ignore[arg-type]
-            diags += list(check_mesh(ctx))
-            diags += [d for d in check_expects_without_model(ctx)]
-            return sort_diagnostics(diags)
-        # memory is estimated only for a valid plan, and only when asked for
-        clean = self.check_memory and not any(d.is_error for d in diags)
+        # which checks run follows from what the context holds (each check declares its
+        # needs, planc/checks/validate.py); memory is estimated only for a valid plan with
+        # a model, and only when asked for
+        clean = self.check_memory and self.graph is not None and not any(d.is_error for d in diags)
         ctx = Context(self.plan, self.graph, res, self.world_size, metrics=self._metric if clean else None)
         with paused_gc():
-            return sort_diagnostics(diags + validate(ctx))
+            return sort_diagnostics(list(diags) + validate(ctx))
 
     def _metric(self, name: str, world: int | None, input_shape: tuple[int, ...] | None = None) -> float | None:
         from planc.analysis.memory import metric  # the memory model is only built when a plan asks
@@ -126,13 +122,6 @@ class CompiledPlan:
 def sort_diagnostics(diags: list[Diagnostic]) -> list[Diagnostic]:
     """Source order (file, line, column), as a reader goes through the plan; stable."""
     return sorted(diags, key=lambda d: (d.span.file, d.span.line, d.span.column) if d.span else ("", 0, 0))
-
-
-def check_expects_without_model(ctx: Context):
-    """Metric names and units in `expect` lines can be checked without a model."""
-    for s in ctx.plan.statements:
-        if isinstance(s, st.ExpectMetric):
-            yield from metric_problems(s)
 
 
 def as_plan(plan: st.Plan | str | os.PathLike) -> st.Plan:
