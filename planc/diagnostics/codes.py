@@ -62,6 +62,11 @@ CODES: dict[str, Code] = {
                  "so removing it changes nothing.", "warning"),
     "P208": Code("bad selector", "A selector is malformed for the model: an index out of range, an "
                  "unknown predicate, a slice on a module without children."),
+    "P209": Code("regular expression too slow", "A `re\"...\"` selector did not finish matching the "
+                 "model's names within the time budget (1 s; docs/language.md, Limits). A repeated group "
+                 "whose body can match the same text in several ways (`(a+)+`, `(.*)*`, `(a|aa)+`) "
+                 "backtracks exponentially on long names. Repeat the body once, or use a path selector.\n\n"
+                 "    unit re\"(\\w+\\.?)*attn\"   # error: write re\".*attn\""),
     # --- structure (P3xx)
     "P301": Code("tied parameters split across units", "One parameter is held by modules in two units "
                  "(tied input/output embeddings). FSDP2 fails at the first forward: `Parameter ... is "

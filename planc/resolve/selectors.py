@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import time
+import weakref
 from dataclasses import dataclass, field
+
+import regex
 
 from planc.lang import syntax as st
 from planc.diagnostics import Diagnostic, Span, suggestion
+from planc.limits import REGEX_BUDGET_S
 from planc.model.graph import ModelGraph
 
 SIZE_FIELDS = ("size",)
@@ -153,12 +158,56 @@ def _no_match(graph: ModelGraph, sel: st.Selector, walk: _Walk, what: str) -> Di
                       span=seg.span, label=f"no {what} here", help=tuple(help_))
 
 
-def _regex(pattern: str, span: Span) -> tuple[re.Pattern | None, Diagnostic | None]:
+def _regex(pattern: str, span: Span) -> tuple[regex.Pattern | None, Diagnostic | None]:
+    """The compiled pattern, or P105. Python's `re` judges the syntax (the language promises
+    Python regexes); the `regex` package, a superset of `re`'s syntax, matches, because its
+    matches take a timeout (`_regex_hits`)."""
     try:
-        return re.compile(pattern), None
-    except re.error as err:
-        return None, Diagnostic(code="P105", severity="error", message=f"invalid regular expression: {err.msg}",
+        re.compile(pattern)
+        return regex.compile(pattern), None
+    except (re.error, regex.error) as err:
+        msg = getattr(err, "msg", None) or str(err)
+        return None, Diagnostic(code="P105", severity="error", message=f"invalid regular expression: {msg}",
                                 span=span, label="does not compile", help=("regexes use Python's `re` syntax",))
+
+
+# graph -> (kind, pattern) -> the names a regex fully matches, or None when it ran out of
+# time; a selector is matched again by later checks (P207, expect) and pays only once
+_hits: "weakref.WeakKeyDictionary[ModelGraph, dict]" = weakref.WeakKeyDictionary()
+
+
+def _regex_hits(graph: ModelGraph, base: st.Regex, kind: str) -> tuple[set[str], list[Diagnostic]]:
+    """Module paths (`kind="modules"`, never the root) or parameter names (`"params"`, aliases
+    included) that `base` fully matches, within `REGEX_BUDGET_S` for all of them (P209)."""
+    rx, error = _regex(base.pattern, base.span)
+    if error:
+        return set(), [error]
+    cache = _hits.setdefault(graph, {})
+    key = (kind, base.pattern)
+    if key not in cache:
+        names = [p for p in graph.modules if p] if kind == "modules" else list(graph.aliases)
+        deadline = time.monotonic() + REGEX_BUDGET_S
+        found: set[str] | None = set()
+        try:
+            for name in names:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                if rx.fullmatch(name, timeout=left):
+                    found.add(name)
+        except TimeoutError:
+            found = None
+        cache[key] = found
+    if cache[key] is None:
+        what = "module paths" if kind == "modules" else "parameter names"
+        return set(), [Diagnostic(
+            code="P209", severity="error", span=base.span, label="too slow to match",
+            message=f"regular expression `{base}` did not finish matching the model's {what} "
+                    f"within {REGEX_BUDGET_S:g} s",
+            help=("a repeated group whose body can match the same text several ways (`(a+)+`, `(.*)*`, "
+                  "`(a|aa)+`) backtracks exponentially; repeat the body once (`a+`, `.*`), or use a path "
+                  "selector such as `blocks.*.attn`",))]
+    return set(cache[key]), []
 
 
 def check_regexes(sel: st.Selector) -> list[Diagnostic]:
@@ -180,10 +229,8 @@ def check_regexes(sel: st.Selector) -> list[Diagnostic]:
 
 def _base_modules(graph: ModelGraph, base, sel: st.Selector) -> tuple[set[str], _Walk | None, list[Diagnostic]]:
     if isinstance(base, st.Regex):
-        rx, err = _regex(base.pattern, base.span)
-        if err:
-            return set(), None, [err]
-        return {p for p in graph.modules if p and rx.fullmatch(p)}, None, []
+        paths, errs = _regex_hits(graph, base, "modules")
+        return paths, None, errs
     walk = _Walk(graph, base.segments, params=False)
     return walk.modules(), walk, []
 
@@ -283,7 +330,7 @@ def match_modules(graph: ModelGraph, sel: st.Selector, *, optional: bool = False
             removed, gd = _guard(graph, exc.guard, removed, optional)
             out.diagnostics.extend(gd)
         paths -= removed
-    if not paths and not optional and not any(d.code in ("P202", "P105") for d in out.diagnostics):
+    if not paths and not optional and not any(d.code in ("P202", "P105", "P209") for d in out.diagnostics):
         why = ("of the " + str(matched) + " module(s) its path matches, none passes " +
                ("the class guard" if sel.guard else "the size predicate" if sel.where else "its exclusions"))
         if sel.guard:
@@ -307,16 +354,19 @@ def match_params(graph: ModelGraph, sel: st.Selector, *, optional: bool = False)
     if out.diagnostics:
         return out
     if isinstance(sel.base, st.Regex):
-        rx, _ = _regex(sel.base.pattern, sel.base.span)
-        names = {n for n in graph.aliases if rx.fullmatch(n)}
+        names, errs = _regex_hits(graph, sel.base, "params")
+        if errs:
+            out.diagnostics = errs
+            return out
         walk = None
     else:
         walk = _Walk(graph, sel.base.segments, params=True)
         names = walk.parameters()
     for exc in sel.exclusions:
         if isinstance(exc.base, st.Regex):
-            rx, err = _regex(exc.base.pattern, exc.base.span)
-            names -= {n for n in names if rx and rx.fullmatch(n)}
+            removed, errs = _regex_hits(graph, exc.base, "params")
+            out.diagnostics.extend(errs)
+            names -= removed
         else:
             names -= _Walk(graph, exc.base.segments, params=True).parameters()
     canon = {graph.aliases[n] for n in names}

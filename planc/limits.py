@@ -1,0 +1,23 @@
+"""Bounds on the work a plan, a model reference or an API call may ask of planc.
+
+A plan is input, often from a pull request that CI checks: nothing in it may make planc run
+for minutes. Each bound here is far above what real plans and models need, and exceeding one
+is a located diagnostic (or a `ValueError` at the Python API), never a hang. docs/language.md
+("Limits") lists them for users.
+"""
+
+from __future__ import annotations
+
+# Seconds one `re"..."` selector may spend matching against every module (or parameter)
+# name of a model. Python's `re` backtracks: `re"(a|aa)+$"` on a 60-character name would run
+# for hours. planc matches with the `regex` package, whose matches take a timeout (P209).
+REGEX_BUDGET_S = 1.0
+
+# The most ranks a world, a mesh dimension or an `at world =` clause may have (P407): 2**24
+# (16.7M) is a thousand times the largest clusters trained on, and keeps every size
+# computation on ranks small.
+MAX_RANKS = 2**24
+
+# The most modules a Hugging Face config may describe before planc builds it (P106): the
+# estimate is read from the config's layer counts; 405B-class models have about 2,000.
+MAX_HF_MODULES = 200_000
