@@ -16,6 +16,7 @@ from planc.diagnostics import Diagnostic, PlanError
 from planc.model.graph import ModelGraph, paused_gc
 from planc.resolve.ir import Mesh, Resolution, Unit
 from planc.lang.parse import load
+from planc.limits import rank_count
 from planc.resolve.resolver import resolve
 from planc.checks.validate import Context, validate
 
@@ -142,6 +143,7 @@ def compile(plan: st.Plan | str | os.PathLike, model: nn.Module | ModelGraph | N
         model: the model (any device, meta included), its `ModelGraph`, or None to run only
             the checks that need no model.
         world_size: number of ranks; enables mesh, reshard and placement size checks.
+            `TypeError` if not an int, `ValueError` if below 1 or above `planc.limits.MAX_RANKS`.
         strict: raise `PlanError` (carrying every diagnostic) if there is any error.
         check_memory: evaluate memory `expect`s with the memory model (an `input =` clause
             traces one step on fake tensors). `planc.apply` turns this off: the bounds are
@@ -150,8 +152,8 @@ def compile(plan: st.Plan | str | os.PathLike, model: nn.Module | ModelGraph | N
     Returns:
         The `CompiledPlan`, with `.units` in application order and `.diagnostics`.
     """
-    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if world_size is not None:
+        rank_count(world_size)
     parsed = as_plan(plan)
     graph = model if isinstance(model, ModelGraph) or model is None else ModelGraph.from_module(model)
     compiled = CompiledPlan(parsed, graph, world_size, check_memory=check_memory)

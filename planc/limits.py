@@ -21,3 +21,19 @@ MAX_RANKS = 2**24
 # The most modules a Hugging Face config may describe before planc builds it (P106): the
 # estimate is read from the config's layer counts; 405B-class models have about 2,000.
 MAX_HF_MODULES = 200_000
+
+
+def rank_count(value: object, name: str = "world_size") -> int:
+    """`value` as a number of ranks, checked at the Python API's boundary.
+
+    Raises:
+        TypeError: not an int (a bool is not a rank count, though Python calls it an int).
+        ValueError: below 1, or above `MAX_RANKS`.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int number of ranks, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1 rank, got {value}")
+    if value > MAX_RANKS:
+        raise ValueError(f"{name} = {value} is more than planc's limit of {MAX_RANKS:,} ranks")
+    return value

@@ -166,5 +166,5 @@ def test_mesh_sizes(mesh, world, sizes):
 
 
 def test_world_size_must_be_positive():
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="at least 1 rank"):
         planc.compile(loads("unit blocks.*"), None, world_size=0)

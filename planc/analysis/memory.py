@@ -37,6 +37,7 @@ from typing import Iterable, Mapping
 import torch
 
 from planc.analysis.trace import Trace, TraceError, default_input, trace_for
+from planc.limits import rank_count
 
 OPTIMIZERS = ("adamw", "sgd", "none")
 CATEGORIES = ("sharded_params", "sharded_grads", "optimizer_state", "unsharded_params", "all_gather",
@@ -414,6 +415,8 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
         raise ValueError("a memory estimate needs the model")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}")
+    if world is not None:
+        rank_count(world, "world")
     world = world or compiled.world_size or 1
     replicate, shard = mesh_sizes(compiled, world)
     graph = compiled.graph

@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Iterator
 
 from planc.checks.context import Context, err
+from planc.checks.mesh import too_many_ranks
 from planc.diagnostics import Diagnostic, suggestion
 from planc.lang import syntax as st
+from planc.limits import MAX_RANKS
 from planc.quantities import show_bytes, show_shape
 from planc.resolve.selectors import match_modules
 
@@ -95,6 +97,8 @@ def metric_problems(s: st.ExpectMetric) -> list[Diagnostic]:
     if s.world is not None and s.world < 1:
         return [err("P103", f"`at world = {s.world}`: a world has at least 1 rank", s.span, "no ranks",
                     ("write the number of ranks the plan runs on, such as `at world = 8`",))]
+    if s.world is not None and s.world > MAX_RANKS:
+        return [too_many_ranks(s.world, s.span, "`at world =`")]
     if s.input_shape is None:
         return []
     shape, span = s.input_shape, s.input_span or s.span

@@ -1,5 +1,6 @@
-"""Mesh checks: the mesh against the world size (P401), reshard group sizes (P402, P406), and
-parameter placements against their shapes and the shard size (P403, P404)."""
+"""Mesh checks: rank counts within planc's limit (P407), the mesh against the world size
+(P401), reshard group sizes (P402, P406), and parameter placements against their shapes and
+the shard size (P403, P404)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,41 @@ from typing import Iterator
 
 from planc.checks.context import Context, by_key, err, listed
 from planc.diagnostics import Diagnostic
+from planc.lang import syntax as st
+from planc.limits import MAX_RANKS
+
+
+def too_many_ranks(n: int, span, what: str) -> Diagnostic:
+    """P407 for a rank count above `MAX_RANKS` (`what`: `mesh dimension `shard``, ...)."""
+    shown = f"{n:,}" if n < 10**30 else f"a {len(str(n))}-digit number of"
+    return err("P407", f"{what} asks for {shown} ranks, more than planc's limit of {MAX_RANKS:,}", span,
+               "too many ranks", ("write the number of ranks the job runs on, or `*` to fill the world",))
+
+
+def check_rank_limits(ctx: Context) -> Iterator[Diagnostic]:
+    """P407: no mesh dimension, and no mesh, holds more than `MAX_RANKS` ranks."""
+    for s in ctx.plan.statements:
+        if not isinstance(s, st.MeshStmt):
+            continue
+        big = [d for d in s.dims if d.size is not None and d.size > MAX_RANKS]
+        for d in big:
+            yield too_many_ranks(d.size, d.span, f"mesh dimension `{d.name}`")
+    mesh = ctx.res.mesh
+    total = mesh.fixed_world
+    if total is not None and total > MAX_RANKS and mesh.span is not None \
+            and max(mesh.replicate, mesh.shard) <= MAX_RANKS:
+        yield too_many_ranks(total, mesh.span, f"mesh {mesh}")
+
+
+def _small_divisors(n: int, limit: int = 12) -> list[int]:
+    """The `limit` smallest divisors of `n`, from the pairs (d, n // d) with d <= sqrt(n)."""
+    found: set[int] = set()
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            found.update((d, n // d))
+        d += 1
+    return sorted(found)[:limit]
 
 
 def check_mesh(ctx: Context) -> Iterator[Diagnostic]:
@@ -30,6 +66,8 @@ def check_reshard_size(ctx: Context) -> Iterator[Diagnostic]:
     if sizes is None or sizes[1] is None:
         return
     shard = sizes[1]
+    if shard > MAX_RANKS:
+        return  # P407
     found = []
     for u in ctx.res.units:
         value = u["reshard_after_forward"]
@@ -38,8 +76,8 @@ def check_reshard_size(ctx: Context) -> Iterator[Diagnostic]:
         if value > shard or shard % value:
             setting = u.settings["reshard_after_forward"]
             found.append(((setting.span or u.span, value), u.name))
-    divisors = [d for d in range(1, shard + 1) if shard % d == 0]
     yield from _degenerate_reshard(ctx, shard)
+    divisors = _small_divisors(shard) if found else []
     for (span, value), units in by_key(found).items():
         yield err("P402", f"unit{'s' * (len(units) > 1)} {listed(units)} reshard{'s' * (len(units) == 1)} to "
                   f"groups of {value}, which does not divide the shard size {shard}", span,

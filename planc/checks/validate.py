@@ -14,7 +14,7 @@ import dataclasses
 
 from planc.checks.context import METRICS as MEMORY_MODEL, MODEL, WORLD, Check, Context
 from planc.checks.expect import METRICS, check_expects, check_memory_expects, check_metric_lines, metric_problems
-from planc.checks.mesh import check_mesh, check_placements, check_reshard_size
+from planc.checks.mesh import check_mesh, check_placements, check_rank_limits, check_reshard_size
 from planc.checks.precision import check_ignored_precision, check_precision
 from planc.checks.rules import check_root_reshard, check_shadowed
 from planc.checks.structure import (check_containers, check_group_root, check_never_called, check_scalar,
@@ -34,6 +34,7 @@ CHECKS: tuple[Check, ...] = (
     Check(check_scalar, _MODEL),
     Check(check_ignored_precision, _MODEL),
     Check(check_precision, _MODEL),
+    Check(check_rank_limits),
     Check(check_mesh, frozenset({WORLD})),
     Check(check_reshard_size, frozenset({MODEL, WORLD})),
     Check(check_placements, _MODEL),

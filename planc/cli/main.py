@@ -14,6 +14,7 @@ from typing import Sequence
 
 from planc.cli import check, codes, emit, explain, fmt, importer, tree
 from planc.cli.common import EXIT_USAGE, UsageError
+from planc.limits import MAX_RANKS
 
 # ===================================================================== argument parsing
 
@@ -26,6 +27,8 @@ def _world_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"`{text}` is not a number of ranks") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"a world size is at least 1 rank, not {n}")
+    if n > MAX_RANKS:
+        raise argparse.ArgumentTypeError(f"{n} ranks is more than planc's limit of {MAX_RANKS:,}")
     return n
 
 

@@ -105,6 +105,10 @@ CODES: dict[str, Code] = {
     "P406": Code("reshard size is a boolean in disguise", "`reshard after_forward = 1` keeps parameters "
                  "unsharded after forward (the same as `false`); a size equal to the shard size reshards "
                  "fully (the same as `true`). Write the boolean.", "warning"),
+    "P407": Code("too many ranks", "A mesh dimension, a mesh, or an `at world =` clause asks for more "
+                 "ranks than planc's limit (2**24 = 16,777,216; docs/language.md, Limits), far above any "
+                 "cluster. The number is probably a typo or a size in another unit.\n\n"
+                 "    mesh (replicate = 1000000000000, shard = 8)   # error"),
     # --- expectations (P5xx)
     "P501": Code("expectation failed", "An `expect` statement does not hold for the resolved plan."),
     "P502": Code("memory expectation failed", "An `expect memory...` bound does not hold under planc's "
