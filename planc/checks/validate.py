@@ -18,7 +18,7 @@ from planc.checks.mesh import check_mesh, check_placements, check_rank_limits, c
 from planc.checks.precision import check_ignored_precision, check_precision
 from planc.checks.rules import check_root_reshard, check_shadowed
 from planc.checks.structure import (check_containers, check_group_root, check_never_called, check_scalar,
-                                    check_tied, check_unowned)
+                                    check_shared_modules, check_tied, check_unowned)
 from planc.diagnostics import Diagnostic
 
 __all__ = ["CHECKS", "METRICS", "Check", "Context", "metric_problems", "validate"]
@@ -30,6 +30,7 @@ CHECKS: tuple[Check, ...] = (
     Check(check_never_called, _MODEL),
     Check(check_group_root, _MODEL),
     Check(check_tied, _MODEL),
+    Check(check_shared_modules, _MODEL),
     Check(check_unowned, _MODEL),
     Check(check_scalar, _MODEL),
     Check(check_ignored_precision, _MODEL),

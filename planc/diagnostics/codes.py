@@ -93,6 +93,13 @@ CODES: dict[str, Code] = {
                  "parameters, so under `precision param = bf16` an ignored fp32 weight meets bf16 "
                  "activations (a dtype error in most ops). Cast it in the model, or do not ignore it.",
                  "warning"),
+    "P309": Code("shared module split across units", "One module object is registered at several "
+                 "paths (ALBERT-style sharing: one MLP used by two blocks), and different units hold it "
+                 "there. FSDP2 would shard its parameters once for each unit and fail in torch "
+                 "(`Cannot concatenate overlapping meshes`). Make the shared module a unit of its own "
+                 "(FSDP2 shards it once, and the units around its paths leave it out), or put the units "
+                 "that hold it in one group.\n\n    unit blocks.*        # error: blocks.0.mlp is blocks.1.mlp\n"
+                 "    unit blocks.0.mlp    # the fix: the shared module is a unit"),
     # --- mesh (P4xx)
     "P401": Code("mesh does not fit the world size", "The mesh dimensions do not multiply to the number "
                  "of ranks."),

@@ -64,6 +64,22 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
+def _shared_modules(order: list[str], data: dict[str, dict]) -> dict[str, tuple[str, ...]]:
+    """First path -> other paths of every module object registered more than once (or a
+    `None` child slot, which `named_modules` skips too: those are not sharing)."""
+    first = {id(data[p]["module"]): p for p in order}
+    found: dict[str, list[str]] = {}
+    for path in order:
+        for local, child in data[path]["module"]._modules.items():
+            if child is None:
+                continue
+            full = f"{path}.{local}" if path else local
+            known = first[id(child)]
+            if known != full:
+                found.setdefault(known, []).append(full)
+    return {k: tuple(v) for k, v in found.items()}
+
+
 class _Never:
     """A class nothing is an instance of."""
 
@@ -106,7 +122,8 @@ class ModelGraph:
 
     def __init__(self, order: list[str], data: dict[str, dict], own: dict[str, list[tuple[str, str]]],
                  params: dict[str, ParamInfo], aliases: dict[str, str], owners: dict[str, list[str]],
-                 model: nn.Module | None = None, sharded: dict[str, list[str]] | None = None):
+                 model: nn.Module | None = None, sharded: dict[str, list[str]] | None = None,
+                 shared: dict[str, tuple[str, ...]] | None = None):
         self._order = tuple(order)    # module paths, pre-order (registration order)
         self._data = data             # path -> cls, qualname, has_forward, pre, post, module
         self._own = own               # path -> (local name, canonical name) of its own parameters
@@ -116,6 +133,9 @@ class ModelGraph:
         self.model = model
         # What was already sharded when the graph was built (see `already_sharded`).
         self._sharded = sharded or {"fsdp": [], "dtensor": [], "checkpoint": []}
+        # A module object registered at several paths: first path -> the other paths (see
+        # `shared_modules`)
+        self._shared = shared or {}
         self._index()
 
     def _index(self) -> None:
@@ -162,7 +182,9 @@ class ModelGraph:
         sharded: dict[str, list[str]] = {"fsdp": [], "dtensor": [], "checkpoint": []}
         # NOTE: named_modules() is pre-order in registration order; positions below depend on it.
         classes: dict[type, tuple[str, str, bool]] = {}  # a model has few classes and many modules
+        registered = 0  # child registrations: more than the modules found means sharing
         for pre, (path, module) in enumerate(model.named_modules(remove_duplicate=True)):
+            registered += len(module._modules)
             kind = type(module)
             if kind not in classes:
                 classes[kind] = (kind.__name__, f"{kind.__module__}.{kind.__qualname__}",
@@ -190,7 +212,16 @@ class ModelGraph:
                 aliases[full] = canon
                 mine.append((local, canon))
                 owners[canon].append(path)
-        return cls(order, data, own, params, aliases, owners, model, sharded)
+        shared = _shared_modules(order, data) if registered != len(order) - 1 else {}
+        return cls(order, data, own, params, aliases, owners, model, sharded, shared)
+
+    @property
+    def shared_modules(self) -> dict[str, tuple[str, ...]]:
+        """Modules registered at more than one path (one MLP object in two blocks, as ALBERT
+        shares layers): the path the graph keeps (the first in registration order) -> the
+        other paths. The graph holds each module once, at its first path; parameters under
+        the other paths are not aliases here, since FSDP2 sees one module."""
+        return self._shared
 
     @cached_property
     def g(self) -> nx.DiGraph:
