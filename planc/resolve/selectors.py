@@ -140,7 +140,26 @@ def _no_match(graph: ModelGraph, sel: st.Selector, walk: _Walk, what: str) -> Di
             names.update(local for local, _ in graph.own_params(p))
     help_: list[str] = []
     word = seg.pattern or (seg.alternatives[0] if seg.alternatives else "")
-    if (seg.index is not None or seg.is_slice) and word in names:
+    modules_there = [f"{p}.{word}" if p else word for p in parents if word in graph.child_names(p)]
+    first_failed = len(walk.reached) < 2 or not walk.reached[1]  # nothing at the root has that name
+    prefixed = _with_prefix(graph, sel, what) if first_failed else None
+    if what == "parameter" and failing == len(path.segments) - 1 and modules_there:
+        # `place blocks.0.norm ...`: a module where a parameter was meant
+        module = modules_there[0]
+        own = [f"{module}.{local}" for local, _ in graph.own_params(module)]
+        if own:
+            help_.append(f"`{module}` is a module; name its parameter{'s' * (len(own) > 1)}: "
+                         + ", ".join(f"`{n}`" for n in own[:4]) + (", ..." if len(own) > 4 else "")
+                         + (f" (or `{module}.*` for all of them)" if len(own) > 1 else ""))
+        else:
+            help_.append(f"`{module}` is a module with no parameters of its own; `{module}.**` names "
+                         "every parameter below it")
+    elif prefixed:
+        help_.append(f"did you mean `{prefixed}`?")
+    elif failing == 0 and len(path.segments) == 1 and word == "root" and what == "module":
+        help_.append("the root module is always a unit; set its options with a `root { ... }` statement, "
+                     "e.g. `root { reshard after_forward = false }`")
+    elif (seg.index is not None or seg.is_slice) and word in names:
         sizes = {len(graph.children(f"{p}.{word}" if p else word)) for p in parents
                  if (f"{p}.{word}" if p else word) in graph}
         help_.append(f"`{word}` has {', '.join(map(str, sorted(sizes)))} children; "
@@ -156,6 +175,26 @@ def _no_match(graph: ModelGraph, sel: st.Selector, walk: _Walk, what: str) -> Di
     help_.append("run `planc tree --model ...` to see module paths")
     return Diagnostic(code="P201", severity="error", message=f"selector `{sel}` matches no {what}",
                       span=seg.span, label=f"no {what} here", help=tuple(help_))
+
+
+def _with_prefix(graph: ModelGraph, sel: st.Selector, what: str) -> str | None:
+    """`model.embed_tokens` for `embed_tokens`: the selector, under the one module prefix
+    that makes it match (Hugging Face models nest their layers under `model.`, `transformer.`),
+    if exactly one of at most 32 candidate prefixes does."""
+    first = sel.base.segments[0]
+    if first.is_deep:
+        return None
+    words = first.alternatives or (first.pattern,)
+    prefixes = sorted({m.rpartition(".")[0] for m in graph.modules
+                       if "." in m and any(_name_matches(w, m.rpartition(".")[2]) or w == "*" for w in words)},
+                      key=graph.pre)
+    hits = []
+    for prefix in prefixes[:32]:
+        walk = _Walk(graph, (*(st.Segment(span=first.span, pattern=p) for p in prefix.split(".")),
+                             *sel.base.segments), params=what == "parameter")
+        if walk.parameters() if what == "parameter" else walk.modules():
+            hits.append(prefix)
+    return f"{hits[0]}.{sel.base}" if len(hits) == 1 else None
 
 
 def _regex(pattern: str, span: Span) -> tuple[regex.Pattern | None, Diagnostic | None]:
