@@ -169,6 +169,11 @@ CODES: dict[str, Code] = {
                  "`reshard after_forward = true` there frees the root's parameters after forward, although "
                  "backward needs them first: FSDP2's own default for the root is `false`. Add "
                  "`root { reshard after_forward = false }` unless that is what you want.", "note"),
+    "P903": Code("prefetch target in a group unit", "An explicit prefetch list names a module that is one "
+                 "member of a group unit. FSDP2 gathers a unit as a whole, so the group is prefetched; "
+                 "planc says so, since the list reads as if only that module were.\n\n"
+                 "    unit [layers.0, layers.1]\n    unit norm { prefetch backward = [layers.1] }   # note: "
+                 "prefetches the group", "note"),
     "P901": Code("FSDP1 spelling", "An FSDP1 word was accepted and mapped to its FSDP2 meaning; the note "
                  "says what it became.", "note"),
 }

@@ -413,6 +413,8 @@ class Resolver:
                             if path in by_module:
                                 if by_module[path].name not in targets:
                                     targets.append(by_module[path].name)
+                                if by_module[path].is_group:
+                                    self.diags.append(_group_prefetch_note(path, by_module[path], sel))
                             else:
                                 self.diags.append(Diagnostic(
                                     code="P305", severity="error", span=sel.span,
@@ -420,6 +422,15 @@ class Resolver:
                                     label=f"`{path}` is not sharded on its own",
                                     help=(f"add `unit {path}`, or prefetch the unit that holds it",)))
                 table[unit.name] = tuple(targets)
+
+
+def _group_prefetch_note(path: str, group: Unit, sel: st.Selector) -> Diagnostic:
+    """P903: a prefetch target that is one module of a group unit prefetches the group."""
+    return Diagnostic(code="P903", severity="note", span=sel.span,
+                      message=f"prefetch target `{path}` is one module of group unit `{group.name}`: "
+                              "the whole group is prefetched",
+                      label=f"prefetches `{group.name}`",
+                      help=("FSDP2 all-gathers a unit as a whole; to prefetch less, split the group into units",))
 
 
 def _selectors_of(stmt) -> list[st.Selector]:
