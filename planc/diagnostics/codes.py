@@ -67,6 +67,13 @@ CODES: dict[str, Code] = {
                  "whose body can match the same text in several ways (`(a+)+`, `(.*)*`, `(a|aa)+`) "
                  "backtracks exponentially on long names. Repeat the body once, or use a path selector.\n\n"
                  "    unit re\"(\\w+\\.?)*attn\"   # error: write re\".*attn\""),
+    "P210": Code("alternative matches nothing", "One branch of a `{a,b}` alternation matches nothing "
+                 "while the others match: usually a typo, which would silently leave those modules out. "
+                 "Mark the rule `optional` when the branch is there for another model family.\n\n"
+                 "    unit layers.*.{attn,mpl}   # warning: `mpl` matches nothing", "warning"),
+    "P211": Code("except excludes nothing", "An `except` removes none of the selector's matches: a "
+                 "typo there silently keeps what it was meant to drop.\n\n"
+                 "    unit layers.* except layers.99   # warning", "warning"),
     # --- structure (P3xx)
     "P301": Code("tied parameters split across units", "One parameter is held by modules in two units "
                  "(tied input/output embeddings). FSDP2 fails at the first forward: `Parameter ... is "

@@ -57,7 +57,18 @@ def _block(block: st.Block | None, context, diags: list[Diagnostic]) -> list[Ass
         assignments, errs = parse_option(opt, context)
         out.extend(assignments)
         diags.extend(errs)
+    diags.extend(_set_twice(out))
     return out
+
+
+def _set_twice(assigned: list[Assignment]) -> list[Diagnostic]:
+    """P207 (warning): one block sets a setting twice; the first assignment has no effect."""
+    last = {a.key: a for a in assigned}
+    return [Diagnostic(code="P207", severity="warning", span=a.span,
+                       message=f"`{a.key}` is set twice in one block: this value has no effect",
+                       label="set again later in this block", related=((last[a.key].span, "this one counts"),),
+                       help=(f"keep one `{a.option}` for `{a.key}`",))
+            for a in assigned if last[a.key] is not a and last[a.key].span != a.span]
 
 
 def resolve_mesh(stmt: st.MeshStmt | None, diags: list[Diagnostic]) -> Mesh:

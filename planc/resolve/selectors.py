@@ -8,6 +8,7 @@ segment that failed and suggest the children that exist there.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 import time
@@ -343,6 +344,38 @@ def _size_filter(graph: ModelGraph, where: st.Where, paths: set[str]) -> set[str
     return chosen
 
 
+def _excludes_nothing(exc: st.Exclusion, what: str) -> Diagnostic:
+    """P211 (warning): an `except` none of whose matches the selector had."""
+    return Diagnostic(code="P211", severity="warning", span=exc.span,
+                      message=f"`{exc}` excludes nothing: the selector matches no {what} it names",
+                      label="excludes nothing",
+                      help=("remove it, or check the path with `planc tree --model ...` (a typo here "
+                            "silently keeps what it was meant to drop)",))
+
+
+def _dead_alternatives(graph: ModelGraph, path: st.Path, what: str) -> list[Diagnostic]:
+    """P210 (warning): a branch of `{a,b}` that matches nothing while the others do."""
+    found = []
+    for i, seg in enumerate(path.segments):
+        if len(seg.alternatives) < 2:
+            continue
+        for alt in seg.alternatives:
+            alone = (*path.segments[:i], dataclasses.replace(seg, alternatives=(alt,)), *path.segments[i + 1:])
+            walk = _Walk(graph, alone, params=what == "parameter")
+            if not (walk.parameters() if what == "parameter" else walk.modules()):
+                here = {n for p in walk.reached[i] for n in graph.child_names(p)} if i < len(walk.reached) else set()
+                if what == "parameter":
+                    here |= {local for p in walk.reached[i] for local, _ in graph.own_params(p)} \
+                        if i < len(walk.reached) else set()
+                found.append(Diagnostic(
+                    code="P210", severity="warning", span=seg.span,
+                    message=f"alternative `{alt}` in `{seg}` matches no {what}; the others do",
+                    label=f"`{alt}` matches nothing",
+                    help=suggestion(alt, here - set(seg.alternatives)) or
+                    ("remove it, or mark the rule `optional` if it is there for another model",)))
+    return found
+
+
 def match_modules(graph: ModelGraph, sel: st.Selector, *, optional: bool = False) -> Match:
     """Module paths matched by `sel` (never the root), in model (pre-)order."""
     out = Match()
@@ -368,7 +401,11 @@ def match_modules(graph: ModelGraph, sel: st.Selector, *, optional: bool = False
         if exc.guard:
             removed, gd = _guard(graph, exc.guard, removed, optional)
             out.diagnostics.extend(gd)
+        if not errs and not optional and paths and not (removed & paths):
+            out.diagnostics.append(_excludes_nothing(exc, "module"))
         paths -= removed
+    if paths and not optional and isinstance(sel.base, st.Path):
+        out.diagnostics.extend(_dead_alternatives(graph, sel.base, "module"))
     if not paths and not optional and not any(d.code in ("P202", "P105", "P209") for d in out.diagnostics):
         why = ("of the " + str(matched) + " module(s) its path matches, none passes " +
                ("the class guard" if sel.guard else "the size predicate" if sel.where else "its exclusions"))
@@ -405,9 +442,13 @@ def match_params(graph: ModelGraph, sel: st.Selector, *, optional: bool = False)
         if isinstance(exc.base, st.Regex):
             removed, errs = _regex_hits(graph, exc.base, "params")
             out.diagnostics.extend(errs)
-            names -= removed
         else:
-            names -= _Walk(graph, exc.base.segments, params=True).parameters()
+            removed, errs = _Walk(graph, exc.base.segments, params=True).parameters(), []
+        if not errs and not optional and names and not (removed & names):
+            out.diagnostics.append(_excludes_nothing(exc, "parameter"))
+        names -= removed
+    if names and not optional and walk is not None:
+        out.diagnostics.extend(_dead_alternatives(graph, sel.base, "parameter"))
     canon = {graph.aliases[n] for n in names}
     if not canon and not optional:
         if walk is not None:
