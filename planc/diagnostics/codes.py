@@ -59,7 +59,9 @@ CODES: dict[str, Code] = {
     "P206": Code("parameter selector matches nothing", "An `ignore` or `place` selector matches no "
                  "parameter of the model."),
     "P207": Code("rule has no effect", "Every unit and option this rule sets is set again by later rules, "
-                 "so removing it changes nothing.", "warning"),
+                 "so removing it changes nothing; or one block sets a setting twice, and the first value "
+                 "has no effect.\n\n    unit layers.* { reshard after_forward = true; reshard after_forward = false }",
+                 "warning"),
     "P208": Code("bad selector", "A selector is malformed for the model: an index out of range, an "
                  "unknown predicate, a slice on a module without children."),
     "P209": Code("regular expression too slow", "A `re\"...\"` selector did not finish matching the "
@@ -77,8 +79,11 @@ CODES: dict[str, Code] = {
     # --- structure (P3xx)
     "P301": Code("tied parameters split across units", "One parameter is held by modules in two units "
                  "(tied input/output embeddings). FSDP2 fails at the first forward: `Parameter ... is "
-                 "shared with a parameter already managed by another FSDP group`. Put both modules in one "
-                 "group unit, or make neither a unit of its own."),
+                 "shared with a parameter already managed by another FSDP group`. Put every module that "
+                 "holds it in one group unit (with the other members of any group one of them is in "
+                 "already, in place of the rules that made those units), or make none a unit of its own."
+                 "\n\n    unit wte\n    unit lm_head      # error: wte.weight is lm_head.weight\n"
+                 "    unit [wte, lm_head]   # the fix, in place of both"),
     "P302": Code("parameters under no unit", "With `root none`, these parameters belong to no unit: they "
                  "stay replicated and their gradients are never synchronised, so ranks silently diverge."),
     "P303": Code("scalar parameter in a unit", "FSDP2 cannot shard 0-dim parameters (`ValueError`). "
