@@ -216,3 +216,18 @@ def test_explain_shows_an_explicit_prefetch_list_as_plan_text():
 def test_shared_net_is_what_the_goldens_say():
     model = SharedNet()
     assert model.blocks[0].mlp is model.blocks[1].mlp and model.head.weight is model.embed.weight
+
+
+@pytest.mark.parametrize("pattern", [r"layers\.\d+\.attn", r".*", r"layers\.1", r"layers\.1(?=\.)", r"(?i)LAYERS.*",
+                                     r"[^z]*", r"layers\.[0-3]\..*w[a-z]", r"\w+", r"(layers\.\d\.attn\.w.)$",
+                                     r"^layers.*", r"(a|b)*", r"layers\.\d\Z", r"(?s).*norm"])
+def test_regex_selectors_match_as_python_re_fullmatch(pattern):
+    # one timed search over all names joined, or one timed match per name: either way the
+    # result is what `re.fullmatch` gives on each name alone
+    import re
+    from planc.resolve.selectors import _regex_hits
+    from planc.lang import syntax as st_
+    g = ModelGraph.from_module(fixture_net())
+    base = st_.Regex(span=planc.Span.point("t.plan"), pattern=pattern)
+    assert _regex_hits(g, base, "modules")[0] == {p for p in g.modules if p and re.fullmatch(pattern, p)}
+    assert _regex_hits(g, base, "params")[0] == {n for n in g.aliases if re.fullmatch(pattern, n)}
