@@ -31,8 +31,8 @@ def main(argv=None) -> int:
 
     import planc
     from planc import zoo
-    from planc.analysis import memory
     from planc.analysis.simulate import simulate, zoo_inputs
+    from planc.estimate import memory
 
     builder = zoo.seed_transformer_tiny if args.quick else zoo.seed_transformer
     shape = (2, 16) if args.quick else (2, 512)

@@ -11,11 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from training import batches, clip_grad_norm, next_token_loss, train
 
 import planc
 from planc import zoo
-
-from training import batches, clip_grad_norm, next_token_loss, train
 
 
 def example_clip(model: nn.Module, max_norm: float, world: int) -> torch.Tensor:
@@ -124,7 +123,7 @@ def refusals(rank: int, world: int, cases: list[tuple[str, str, str, bool]]) -> 
         torch.manual_seed(0)
         model = zoo.ZOO[builder]()
         before = _snapshot(model)
-        mesh = build_mesh(Mesh(1, None)) if pass_mesh else None
+        mesh = build_mesh(Mesh.data_parallel(1, None)) if pass_mesh else None
         try:
             planc.apply(model, planc.loads(text, filename=case), mesh=mesh)
             codes, message = None, ""

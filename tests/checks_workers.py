@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
+from ui_models import shared_net
 
 import planc
 from planc.diagnostics import PlanError
-from ui_models import shared_net
 
 STEPS = 3
 

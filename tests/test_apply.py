@@ -84,7 +84,7 @@ def test_fully_shard_kwargs_say_what_the_plan_says(one_rank):
     model = zoo.moe_transformer_tiny()
     compiled = planc.compile(planc.loads(MOE), model, 1)
     mesh = build_mesh(compiled.mesh)
-    kwargs = {u.name: fully_shard_kwargs(u, compiled, model, mesh) for u in compiled.units}
+    kwargs = {op.name: fully_shard_kwargs(op, model, mesh) for op in compiled.program.units}
     assert list(kwargs) == ["tok_embeddings", "layers.0", "layers.1", "[norm, output]", "<root>"]
     layer = kwargs["layers.0"]
     assert layer["mesh"] is mesh

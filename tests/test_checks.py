@@ -8,15 +8,15 @@ declarations in `CHECKS`, not from special cases in the compiler.
 from __future__ import annotations
 
 import pytest
+from ui_models import fixture_net, shared_net
 
 import planc
 from planc.checks import context, validate
-from planc.checks.context import METRICS, MODEL, WORLD, Check, Context
+from planc.checks.context import MEMORY, MODEL, WORLD, Check, Context
 from planc.checks.mesh import check_mesh, check_rank_limits
 from planc.checks.structure import check_shared_modules, check_tied
 from planc.model.graph import ModelGraph
 from planc.resolve.resolver import resolve
-from ui_models import fixture_net, shared_net
 
 
 def _context(text: str, model=None, world: int | None = None) -> Context:
@@ -37,7 +37,7 @@ def test_every_registered_check_declares_known_needs_and_is_listed_once():
 @pytest.mark.parametrize("available,expected", [
     (frozenset(), {"check_rank_limits", "check_metric_lines"}),
     (frozenset({WORLD}), {"check_rank_limits", "check_mesh", "check_metric_lines"}),
-    (frozenset({MODEL, WORLD, METRICS}), {c.name for c in validate.CHECKS}),
+    (frozenset({MODEL, WORLD, MEMORY}), {c.name for c in validate.CHECKS}),
 ])
 def test_what_runs_follows_from_the_declarations(available, expected):
     assert {c.name for c in validate.CHECKS if c.runs_with(available)} == expected

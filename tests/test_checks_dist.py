@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-
 from checks_workers import shared_module_plans, train
 from distributed import run
 from ui_models import shared_net

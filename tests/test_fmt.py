@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 from planc.cli import fmt as fmt_cli
-from planc.lang import fmt
 from planc.diagnostics import PlanError
+from planc.lang import fmt
 from planc.lang.fmt import format_plan, strip_spans
 from planc.lang.parse import parse_text
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_fuzz import assert_well_formed
+from ui_models import long_names
 
 import planc
 from planc.model.graph import ModelGraph
-from test_fuzz import assert_well_formed
-from ui_models import long_names
 
 FEW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 ATOMS = ["a", "aa", ".", "\\w", "[ab]", "a?", "(a|aa)", "(a|a)", ".*", "a+"]

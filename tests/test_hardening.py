@@ -11,13 +11,13 @@ import json
 import pathlib
 
 import pytest
+from ui_models import SharedNet, fixture_net, long_names, shared_net
 
 import planc
 from planc import cli
 from planc.checks.mesh import _small_divisors
 from planc.limits import MAX_RANKS
 from planc.model.graph import ModelGraph
-from ui_models import SharedNet, fixture_net, long_names, shared_net
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -67,7 +67,8 @@ def test_compile_checks_world_size_at_the_boundary(value, error):
 
 
 def test_estimate_and_simulate_check_world_at_the_boundary():
-    from planc.analysis.memory import estimate
+    from planc.estimate.memory import estimate
+
     from planc.analysis.simulate import simulate
     compiled = planc.compile(planc.loads("unit layers.*\n", filename="t.plan"), fixture_net())
     with pytest.raises(ValueError, match="world"):
@@ -201,12 +202,13 @@ def test_suspicious_but_legal_plans_warn():
         == ["P207"]
     compiled = planc.compile(planc.loads("unit layers.* { reshard after_forward = true; "
                                          "reshard after_forward = false }\n", filename="t.plan"), model)
-    assert compiled.units[0].reshard_after_forward is False  # the later one counts
+    assert compiled.units[0]["reshard_after_forward"] is False  # the later one counts
 
 
 def test_explain_shows_an_explicit_prefetch_list_as_plan_text():
+    from planc.estimate.memory import estimate
+
     from planc.analysis.explain import report
-    from planc.analysis.memory import estimate
     compiled = planc.compile(planc.loads("unit layers.* { prefetch forward = [layers.2, norm] }\nunit norm\n",
                                          filename="t.plan"), fixture_net(), world_size=2)
     data = report(compiled, estimate(compiled, 2))
@@ -225,8 +227,9 @@ def test_regex_selectors_match_as_python_re_fullmatch(pattern):
     # one timed search over all names joined, or one timed match per name: either way the
     # result is what `re.fullmatch` gives on each name alone
     import re
-    from planc.resolve.selectors import _regex_hits
+
     from planc.lang import syntax as st_
+    from planc.resolve.selectors import _regex_hits
     g = ModelGraph.from_module(fixture_net())
     base = st_.Regex(span=planc.Span.point("t.plan"), pattern=pattern)
     assert _regex_hits(g, base, "modules")[0] == {p for p in g.modules if p and re.fullmatch(pattern, p)}

@@ -93,9 +93,10 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _case(rank: int, world: int, config: str, plan_path: str, extra: str) -> dict:
-    import planc
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
+
+    import planc
 
     model = build(config)
     tied = {"built": ties(model)}

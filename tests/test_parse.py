@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from planc.lang import syntax as st
 from planc.diagnostics import PlanError
+from planc.lang import syntax as st
 from planc.lang.parse import loads, loads_with_diagnostics, parse_quantity
 
 

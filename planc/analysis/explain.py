@@ -13,13 +13,11 @@ the failures go to stderr and the exit status is 1.
 from __future__ import annotations
 
 import json
-import os
-import sys
 from typing import Any
 
+from planc.estimate.memory import CATEGORIES, Estimate
+from planc.lower.program import Policy
 from planc.resolve.ir import Unit
-from planc.analysis.memory import CATEGORIES, Estimate, estimate
-from planc.analysis.trace import TraceError
 from planc.resolve.options import show_value
 
 LABELS = {"sharded_params": "sharded params", "sharded_grads": "sharded grads", "optimizer_state": "optimizer state",
@@ -49,9 +47,9 @@ def count(n: int) -> str:
 # ===================================================================== the report as data
 
 
-def _setting(unit: Unit, key: str) -> dict[str, Any]:
+def _setting(unit: Unit, key: str, policy: Policy) -> dict[str, Any]:
     s = unit.settings[key]
-    value = unit.reshard_after_forward if key == "reshard_after_forward" else s.value
+    value = policy.reshard_after_forward if key == "reshard_after_forward" else s.value
     return {"value": show_value(value) if not isinstance(value, dict) else str(value),
             "set_by": s.rule, "line": f"{s.span.file}:{s.span.line}" if s.span else None}
 
@@ -67,7 +65,7 @@ def report(compiled, est: Estimate, measured=None, model_ref: str | None = None)
             "grad_bytes": m.grads, "optimizer_bytes": m.optimizer, "offload": m.offload,
             "prefetch_forward": list(res.prefetch_forward.get(u.name, ())),
             "prefetch_backward": list(res.prefetch_backward.get(u.name, ())),
-            "settings": {k: _setting(u, k) for k in SHOWN_SETTINGS},
+            "settings": {k: _setting(u, k, compiled.program.unit(u.name).policy) for k in SHOWN_SETTINGS},
             "defined_by": u.rule or None, "line": f"{u.span.file}:{u.span.line}" if u.span else None,
         })
     peak = est.peak

@@ -30,7 +30,7 @@ def plot_step(est, path: str, measured=None) -> None:
     the plan's split by category, against the same model unsharded (DDP-like).
 
     Args:
-        est: the analytic `planc.analysis.memory.Estimate`.
+        est: the analytic `planc.estimate.memory.Estimate`.
         path: output file, `.png` or `.svg`.
         measured: a `planc.analysis.simulate.Measurement` to draw next to the estimate, if any.
     """

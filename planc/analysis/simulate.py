@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from planc.analysis.trace import loss_of
+from planc.estimate.trace import loss_of
 
-# Tracker categories -> planc.analysis.memory categories.
+# Tracker categories -> planc.estimate.memory categories.
 _CATEGORY = {
     "Sharded Param": "sharded_params", "Unsharded Param": "unsharded_params", "Buffer": "buffers",
     "Sharded Grad": "sharded_grads", "Unsharded Grad": "unsharded_grads", "Activation": "activations",
@@ -136,9 +136,8 @@ def simulate(plan, build: Callable[[], nn.Module], world: int, *, rank: int = 0,
     rank_count(world, "world")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise ValueError(f"rank must be an int in 0..{world - 1}, got {rank!r}")
-
-    from planc.backends.runtime import apply, build_mesh
     import planc
+    from planc.backends.runtime import apply, build_mesh
 
     _skip_sharding_propagation()
     init_fake(world, rank)

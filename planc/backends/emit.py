@@ -6,20 +6,15 @@ group as one list call, the root last), then the explicit prefetch lists. Runs o
 a `ModuleList` become loops (`for block in model.layers:`), and a comment before each call
 names the plan lines it came from.
 
-The `fully_shard` arguments are not re-derived here: they are read from
-`planc.backends.runtime.fully_shard_kwargs`, the function `planc.apply` calls, evaluated on the
-meta-built model, and each value is turned back into source. An argument this module does
-not know how to print is an error, not a silent omission, so the two cannot drift apart.
+Nothing is re-derived here: emit prints the lowered program (`compiled.program`,
+planc/lower/), the same operations `planc.apply` executes, one printer per op type. An
+operation this module cannot print is an error (`EmitError`), never a silent omission.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import keyword
-import os
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,14 +22,24 @@ import torch
 from torch import nn
 
 from planc.compiler import CompiledPlan
-from planc.resolve.ir import Setting, Unit
+from planc.lower.program import (
+    FULLY_SHARD_DEFAULTS,
+    Checkpoint,
+    Compile,
+    FullyShard,
+    Offload,
+    Precision,
+    SetPrefetch,
+    UnitMethod,
+)
+from planc.resolve.ir import Setting
 
 LOOP_VAR = "block"
 WIDTH = 100  # wrap calls longer than this
 
 
 class EmitError(Exception):
-    """`fully_shard_kwargs` returned something emit cannot print (runtime and emit drifted)."""
+    """The program holds an operation emit cannot print (a new op kind without a printer)."""
 
 
 # ===================================================================== names -> expressions
@@ -71,18 +76,7 @@ def expression(root: str, base: nn.Module, path: str) -> str:
     return out
 
 
-# ===================================================================== kwargs -> source
-
-
-@dataclass(frozen=True)
-class _MeshStandIn:
-    """What `fully_shard_kwargs` reads of a mesh, without a process group.
-
-    Emit runs at the command line with no ranks; the kwargs function only stores the mesh
-    and reads its device type (pinned memory needs an accelerator).
-    """
-
-    device_type: str
+# ===================================================================== ops -> source
 
 
 def _literal(value: Any) -> str:
@@ -91,25 +85,20 @@ def _literal(value: Any) -> str:
     return repr(value)
 
 
-def _policy(policy: Any) -> str:
-    """`MixedPrecisionPolicy(param_dtype=torch.bfloat16, ...)`: the fields that differ from the defaults."""
-    default = type(policy)()
-    args = [f"{f.name}={_literal(getattr(policy, f.name))}" for f in dataclasses.fields(policy)
-            if getattr(policy, f.name) != getattr(default, f.name)]
-    return f"{type(policy).__name__}({', '.join(args)})"
+def _precision(p: Precision) -> str:
+    """`MixedPrecisionPolicy(param_dtype=torch.bfloat16, ...)`: the arguments that differ from its defaults."""
+    return "MixedPrecisionPolicy(" + ", ".join(f"{k}={_literal(v)}" for k, v in p.changed().items()) + ")"
 
 
-def _source(value: Any) -> str:
-    return _policy(value) if dataclasses.is_dataclass(value) else _literal(value)
+def _offload(o: Offload) -> str | None:
+    """The `offload_policy` argument, or None for FSDP2's default (no offload).
 
-
-def _fully_shard_defaults() -> dict[str, str]:
-    from torch.distributed.fsdp import fully_shard
-    out = {}
-    for name, p in inspect.signature(fully_shard).parameters.items():
-        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is not inspect.Parameter.empty:
-            out[name] = _source(p.default)
-    return out
+    Pinning needs an accelerator; the code decides from the mesh it is given, as `planc.apply` does.
+    """
+    if not o.enabled:
+        return None
+    return 'CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")' if o.pin_memory else \
+        "CPUOffloadPolicy(pin_memory=False)"
 
 
 @dataclass
@@ -122,67 +111,35 @@ class _Call:
 
 
 class _Unit:
-    """A unit's `fully_shard` call, built from `fully_shard_kwargs` on the meta model."""
+    """A `FullyShard` op's arguments as source, in `fully_shard`'s order, defaults left out."""
 
-    def __init__(self, unit: Unit, compiled: CompiledPlan, model: nn.Module, defaults: dict[str, str]):
-        from planc.backends.runtime import fully_shard_kwargs
-
-        self.unit = unit
-        # Evaluated for an accelerator mesh and a CPU mesh: where they differ (pinned memory),
-        # the emitted code decides from the mesh it is given, as `planc.apply` does.
-        accel = fully_shard_kwargs(unit, compiled, model, _MeshStandIn("cuda"))
-        cpu = fully_shard_kwargs(unit, compiled, model, _MeshStandIn("cpu"))
-        name_of = {id(p): n for n, p in model.named_parameters()}
-        self.args: list[tuple[str, Any]] = []  # (kwarg, value); value is source or a param-list marker
-        self.param_paths: list[str] = []
-        for key, value in accel.items():
-            if key in ("reshard_after_forward", "mp_policy") and _source(value) != _source(cpu[key]):
-                raise EmitError(f"`fully_shard_kwargs` gives `{key}` that depends on the mesh device")
-            if key == "mesh":
-                self.args.append((key, "mesh"))
-            elif key in ("reshard_after_forward", "mp_policy"):
-                self.args.append((key, _source(value)))
-            elif key == "offload_policy":
-                text = _policy(value)
-                if text != _policy(cpu[key]):
-                    text = f'{type(value).__name__}(pin_memory=mesh.device_type != "cpu")'
-                self.args.append((key, text))
-            elif key == "shard_placement_fn":
-                if value is None:
-                    self.args.append((key, "None"))
-                    continue
-                # ask the runtime's own function where it places each parameter this call
-                # manages (FSDP2 calls it for those only, so the others need no entry)
-                placed = []
-                for name in unit.params:
-                    result = value(model.get_parameter(name))
-                    if result is not None:
-                        placed.append((name, result.dim))
-                self.param_paths += [n for n, _ in placed]
-                # a function that answers None for every parameter it sees is FSDP2's default
-                self.args.append((key, ("placements", tuple(placed)) if placed else "None"))
-            elif key == "ignored_params":
-                if not value:
-                    self.args.append((key, "None"))
-                    continue
-                names = sorted(name_of[id(p)] for p in value)
-                self.param_paths += names
-                self.args.append((key, ("ignored", tuple(names))))
-            else:
-                raise EmitError(f"`fully_shard_kwargs` returned `{key}`, which emit cannot print yet")
-        self.defaults = defaults
+    def __init__(self, op: FullyShard):
+        self.op = op
+        policy = op.policy
+        self.param_paths = [n for n, _ in op.placements] + list(op.ignored)
+        self.mp_policy = _precision(policy.precision) if policy.precision.changed() else None
+        # (kwarg, source or a param-list marker); None values are FSDP2's defaults
+        self.args: list[tuple[str, Any]] = [
+            ("mesh", "mesh"),
+            ("reshard_after_forward", None if policy.reshard_argument == FULLY_SHARD_DEFAULTS["reshard_after_forward"]
+             else repr(policy.reshard_argument)),
+            ("mp_policy", self.mp_policy),
+            ("offload_policy", _offload(policy.offload)),
+            ("shard_placement_fn", ("placements", op.placements) if op.placements else None),
+            ("ignored_params", ("ignored", op.ignored) if op.ignored else None),
+        ]
 
     def kwargs(self, expr: Callable[[str], str], hoisted: dict[str, str]) -> list[str]:
         out = []
         for key, value in self.args:
+            if value is None:
+                continue  # fully_shard's own default: leave it out, as a person would
             if isinstance(value, tuple):
                 kind, items = value
                 if kind == "placements":
                     value = "placement_fn({" + ", ".join(f"{expr(n)}: {d}" for n, d in items) + "})"
                 else:
                     value = "{" + ", ".join(expr(n) for n in items) + "}"
-            elif value == self.defaults.get(key):
-                continue  # fully_shard's own default: leave it out, as a person would
             out.append(f"{key}={hoisted.get(value, value)}")
         return out
 
@@ -197,21 +154,19 @@ def _where(span, rule: str) -> str:
     return f"{rule} ({span.file}:{span.line})" if span is not None else rule
 
 
-def _unit_comments(u: Unit, compiled: CompiledPlan, params: list[str]) -> tuple[str, ...]:
-    if u.is_root:
-        head = f"{_where(u.span, u.rule or 'root')}: the whole model, last" if u.span else \
+def _unit_comments(op: FullyShard) -> tuple[str, ...]:
+    if op.is_root:
+        head = f"{_where(op.span, op.rule or 'root')}: the whole model, last" if op.span else \
             "the root: the whole model, last (planc's default)"
     else:
-        head = _where(u.span, u.rule or f"unit {u.name}")
+        head = _where(op.span, op.rule or f"unit {op.name}")
     origins = []
     for label, keys in _GROUPS:
-        settings: list[Setting] = [u.settings[k] for k in keys if u.settings[k].span is not None]
+        settings: list[Setting] = [op.policy.origins[k] for k in keys if op.policy.origins[k].span is not None]
         where = sorted({_where(s.span, s.rule) for s in settings})
         if where:
             origins.append(f"{label} from {', '.join(where)}")
-    res = compiled.resolution
-    for label, table in (("placement", {n: res.placements[n][1] for n in params if n in res.placements}),
-                         ("ignored", {n: res.ignored[n] for n in params if n in res.ignored})):
+    for label, table in (("placement", op.placement_spans), ("ignored", op.ignored_spans)):
         lines = sorted({f"{s.file}:{s.line}" for s in table.values()})
         if lines:
             origins.append(f"{label} from {', '.join(lines)}")
@@ -474,62 +429,81 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     if model is None:
         raise ValueError("emit needs a plan compiled against a model")
     compiled.raise_for_errors()
-    res = compiled.resolution
+    program = compiled.program
     plan_path = plan_path or compiled.plan.file
     model_ref = model_ref or compiled.plan.model_ref or type(model).__name__
-    defaults = _fully_shard_defaults()
-    units = [_Unit(u, compiled, model, defaults) for u in compiled.units]
+    units = [_Unit(op) for op in program.units]
 
     # a MixedPrecisionPolicy shared by several calls is named once
     counts: dict[str, int] = {}
     for u in units:
-        for key, value in u.args:
-            if key == "mp_policy" and value != defaults.get(key):
-                counts[value] = counts.get(value, 0) + 1
+        if u.mp_policy is not None:
+            counts[u.mp_policy] = counts.get(u.mp_policy, 0) + 1
     shared = [v for v, n in counts.items() if n > 1]
     hoisted = {v: ("mp_policy" if len(shared) == 1 else f"mp_policy_{i}") for i, v in enumerate(shared, 1)}
+    unit_of = {u.op.name: u for u in units}
+    handle = {op.name: ("" if op.is_root else op.modules[0]) for op in program.units}
+
+    # The ops in program order, as sections of one kind each (the program keeps kinds together).
+    sections: list[tuple[tuple, list]] = []
+    for op in program.ops:
+        if not isinstance(op, _PRINTABLE):
+            raise EmitError(f"emit cannot print a `{type(op).__name__}` operation yet")
+        kind = (type(op), getattr(op, "direction", None))
+        if sections and sections[-1][0] == kind:
+            sections[-1][1].append(op)
+        else:
+            sections.append((kind, [op]))
 
     body: list[str] = []
     ind = "    "
-    if res.checkpoint or res.compile:
+    if program.of_type(Checkpoint) or program.of_type(Compile):
         body.append(f"{ind}# NOTE: checkpointing and compile wrap the plain modules before `fully_shard` hooks them.")
-    ckpt = [_Call((path,), lambda e, p=path: f"checkpoint({e(p)})", (_where(s.span, s.rule),))
-            for path, s in res.checkpoint.items()]
-    body += _emit_calls(ckpt, model, ind)
-    comp = [_Call((path,), lambda e, p=path, s=s: f"{e(p)}.compile(" +
-                  ", ".join(f"{k}={v!r}" for k, v in (s.value or {}).items()) + ")", (_where(s.span, s.rule),))
-            for path, s in res.compile.items()]
-    body += _emit_calls(comp, model, ind)
-    if body:
-        body.append("")
-    for value, name in hoisted.items():
-        body += _wrap(f"{name} = {value}", ind)
-    body.append(f"{ind}# NOTE: bottom-up: a call owns the parameters of its subtree not claimed by an earlier call.")
-    calls = []
-    for u in units:
-        def render(e, u=u):
-            target = "model" if u.unit.is_root else (
-                "[" + ", ".join(e(m) for m in u.unit.modules) + "]" if u.unit.is_group else e(u.unit.modules[0]))
-            return f"fully_shard({', '.join([target] + u.kwargs(e, hoisted))})"
-        paths = () if u.unit.is_root else tuple(u.unit.modules) + tuple(u.param_paths)
-        calls.append(_Call(paths, render, _unit_comments(u.unit, compiled, u.param_paths)))
-    body += _emit_calls(calls, model, ind)
+    for (kind, direction), ops in sections:
+        if kind is Checkpoint:
+            body += _emit_calls([_Call((op.module,), lambda e, p=op.module: f"checkpoint({e(p)})",
+                                       (_where(op.origin.span, op.origin.rule),)) for op in ops], model, ind)
+        elif kind is Compile:
+            body += _emit_calls([_Call((op.module,), lambda e, op=op: f"{e(op.module)}.compile(" +
+                                       ", ".join(f"{k}={v!r}" for k, v in op.options) + ")",
+                                       (_where(op.origin.span, op.origin.rule),)) for op in ops], model, ind)
+        elif kind is FullyShard:
+            if body:
+                body.append("")
+            for value, name in hoisted.items():
+                body += _wrap(f"{name} = {value}", ind)
+            body.append(f"{ind}# NOTE: bottom-up: a call owns the parameters of its subtree not claimed by an "
+                        "earlier call.")
+            calls = []
+            for op in ops:
+                u = unit_of[op.name]
 
-    handle = {u.name: ("" if u.is_root else u.modules[0]) for u in compiled.units}
-    for direction, table in (("forward", res.prefetch_forward), ("backward", res.prefetch_backward)):
-        if not table:
-            continue
-        body += ["", f"{ind}# explicit {direction} prefetch (all-gather these units ahead)"]
-        pre = [_Call((handle[src], *[handle[t] for t in targets]) if handle[src] else (),
-                     lambda e, s=handle[src], ts=tuple(handle[t] for t in targets), d=direction:
-                     f"{e(s)}.set_modules_to_{d}_prefetch([{', '.join(e(t) for t in ts)}])")
-               for src, targets in table.items()]
-        body += _emit_calls(pre, model, ind)
+                def render(e, u=u):
+                    op = u.op
+                    target = "model" if op.is_root else (
+                        "[" + ", ".join(e(m) for m in op.modules) + "]" if op.is_group else e(op.modules[0]))
+                    return f"fully_shard({', '.join([target] + u.kwargs(e, hoisted))})"
+                paths = () if op.is_root else tuple(op.modules) + tuple(u.param_paths)
+                calls.append(_Call(paths, render, _unit_comments(op)))
+            body += _emit_calls(calls, model, ind)
+        elif kind is SetPrefetch:
+            body += ["", f"{ind}# explicit {direction} prefetch (all-gather these units ahead)"]
+            pre = [_Call((handle[op.unit], *[handle[t] for t in op.targets]) if handle[op.unit] else (),
+                         lambda e, s=handle[op.unit], ts=tuple(handle[t] for t in op.targets), d=direction:
+                         f"{e(s)}.set_modules_to_{d}_prefetch([{', '.join(e(t) for t in ts)}])")
+                   for op in ops]
+            body += _emit_calls(pre, model, ind)
+        else:  # UnitMethod
+            body += ["", f"{ind}# FSDP2 settings made by method calls, once every unit is sharded"]
+            body += _emit_calls([_Call((handle[op.unit],) if handle[op.unit] else (),
+                                       lambda e, op=op: f"{e(handle[op.unit])}.{op.method}("
+                                       + ", ".join(_literal(a) for a in op.args) + ")",
+                                       (_where(op.origin.span, op.origin.rule),)) for op in ops], model, ind)
     body += [f"{ind}return model"]
 
     uses = "\n".join(line for line in body if not line.lstrip().startswith("#"))  # code, not comments
     imports = ["import torch"] if "torch." in uses else []
-    if res.checkpoint:
+    if program.of_type(Checkpoint):
         imports.append("from torch.distributed._composable import checkpoint")
     # NOTE: whole names: `OffloadPolicy(` is also the tail of `CPUOffloadPolicy(`
     fsdp = sorted({n for n in ("CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy")
@@ -537,9 +511,11 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     imports.append("from torch.distributed.fsdp import " + ", ".join(fsdp + ["fully_shard"]))
     if "placement_fn(" in uses:
         imports.append("from torch.distributed.tensor import Shard")
-    mesh_doc = "a 2-D device mesh (\"replicate\", \"shard\")" if res.mesh.is_hsdp else "a 1-D device mesh"
+    dims = program.mesh.dp_dims
+    mesh_doc = (f"a {len(dims)}-D device mesh (" + ", ".join(f'"{d}"' for d in dims) + ")") if len(dims) > 1 \
+        else "a 1-D device mesh"
     head = [
-        f'"""FSDP2 sharding of `{model_ref}` as `{plan_path}` plans it: {len(compiled.units)} units.',
+        f'"""FSDP2 sharding of `{model_ref}` as `{plan_path}` plans it: {len(program.units)} units.',
         "",
         f"Generated by `planc emit {plan_path}`. `apply_plan(model, mesh)` makes the calls",
         f'`planc.apply(model, "{plan_path}", mesh=mesh)` makes, in the same order.',
@@ -553,3 +529,6 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     text += "\n\n\ndef apply_plan(model, mesh):\n"
     text += f'    """Shard `model` in place on `mesh` ({mesh_doc}) and return it."""\n'
     return text + "\n".join(body) + "\n"
+
+
+_PRINTABLE = (Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod)

@@ -20,8 +20,9 @@ def materialize(model: nn.Module, device: torch.device | str,
     units offloaded to the CPU on the CPU), then, under
     `torch.no_grad()`, `init(model)` if given, else `reset_parameters()` on every module
     that has one (and `nn.MultiheadAttention._reset_parameters()`, which has no public
-    one), children before parents as when the model was built; a tied parameter is initialised by its first owner only. Models with `tie_weights()` (the zoo GPT) are re-tied afterwards, as `to_empty`
-    makes one new tensor per registration.
+    one), children before parents as when the model was built; a tied parameter is
+    initialised by its first owner only. Models with `tie_weights()` (the zoo GPT) are
+    re-tied afterwards, as `to_empty` makes one new tensor per registration.
 
     Initialisation runs on local shards, so values differ from an unsharded build with the
     same seed (on a CPU mesh DTensor's random ops draw each shard from the rank's own

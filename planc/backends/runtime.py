@@ -17,8 +17,9 @@ The meta-device flow for models too big for one rank:
     planc.materialize(model, device)                    # allocate local shards, initialise
     optimizer = torch.optim.AdamW(model.parameters())
 
-`fully_shard_kwargs(unit, compiled, model, mesh)` is the one place that turns a resolved
-`Unit` into `fully_shard` keyword arguments; `planc emit` and the simulator reuse it.
+The order and every argument come from the lowered program (`compiled.program`,
+planc/lower/): `run` executes it op by op; `fully_shard_kwargs(op, model, mesh)` turns one
+`FullyShard` op into `fully_shard` keyword arguments.
 """
 
 from __future__ import annotations
@@ -31,18 +32,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,
-                                    fully_shard)
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from planc.lang import syntax as st
-from planc.compiler import CompiledPlan, as_plan, sort_diagnostics
+from planc.compiler import CompiledPlan, as_plan
 from planc.compiler import compile as compile_plan
-from planc.diagnostics import Diagnostic, PlanError, Span
+from planc.diagnostics import Diagnostic, PlanError, Span, sort_diagnostics
+from planc.lang import syntax as st
+from planc.lower.program import Checkpoint, Compile, FullyShard, Program, SetPrefetch, UnitMethod
 from planc.model.graph import ModelGraph
-from planc.resolve.ir import Mesh, Unit
+from planc.resolve.ir import Unit
+from planc.resolve.mesh import Mesh
 
-__all__ = ["AppliedPlan", "AppliedUnit", "apply", "build_mesh", "device_type", "fully_shard_kwargs",
+__all__ = ["AppliedPlan", "AppliedUnit", "apply", "build_mesh", "device_type", "fully_shard_kwargs", "run",
            "unit_modules"]
 
 # Backend name -> device type of the mesh it drives.
@@ -72,51 +74,46 @@ def device_type(backend: str | None = None) -> str:
     return accelerator.type if accelerator is not None else "cpu"
 
 
-def mesh_sizes(plan_mesh: Mesh, world_size: int) -> tuple[int, int] | None:
-    """(replicate, shard) of the plan's mesh at this world size, or None if it does not fit."""
-    sizes = plan_mesh.sizes(world_size)
-    if sizes is None or None in sizes or sizes[0] * sizes[1] != world_size:
-        return None
-    return sizes  # type: ignore[return-value]
-
-
 def build_mesh(plan_mesh: Mesh, world_size: int | None = None, device: str | None = None) -> DeviceMesh:
     """The device mesh a plan asks for, over the default process group.
 
-    1-D `("shard",)` for a plain plan, 2-D `("replicate", "shard")` for HSDP.
+    Its dimensions are the plan's data-parallel axes, named as the plan names them: 1-D
+    `("shard",)` for a plain plan, 2-D `("replicate", "shard")` for HSDP (or the plan's
+    words for them, e.g. `("dp_replicate", "fsdp")`).
 
     Raises:
         PlanError: P401 if the plan's mesh does not fit the world size.
     """
     world_size = dist.get_world_size() if world_size is None else world_size
-    sizes = mesh_sizes(plan_mesh, world_size)
+    sizes = plan_mesh.sizes(world_size)
     if sizes is None:
         raise PlanError([Diagnostic(code="P401", severity="error", span=plan_mesh.span,
                                     message=f"mesh {plan_mesh} does not fit {world_size} ranks",
                                     label="this mesh")])
-    device = device or device_type()
-    if plan_mesh.is_hsdp:
-        return init_device_mesh(device, sizes, mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device, (sizes[1],), mesh_dim_names=("shard",))
+    axes = plan_mesh.dp_axes
+    return init_device_mesh(device or device_type(), tuple(sizes[a.role] for a in axes),
+                            mesh_dim_names=tuple(a.dim for a in axes))
 
 
 def check_mesh_fits(mesh: DeviceMesh, plan_mesh: Mesh) -> list[Diagnostic]:
-    """P602 if a given device mesh has another shape than the plan's mesh statement."""
-    shape = tuple(mesh.shape)
-    want_ndim = 2 if plan_mesh.is_hsdp else 1
-    sizes = mesh_sizes(plan_mesh, mesh.size())
-    want = None if sizes is None else (sizes if want_ndim == 2 else (sizes[1],))
-    if mesh.ndim == want_ndim and (want is None or shape == want):
-        if want_ndim == 1 or mesh.mesh_dim_names is not None:
+    """P602 if a given device mesh has another shape (or other dimension names) than the plan's mesh."""
+    axes = plan_mesh.dp_axes
+    sizes = plan_mesh.sizes(mesh.size())
+    want = None if sizes is None else tuple(sizes[a.role] for a in axes)
+    dims = tuple(a.dim for a in axes)
+    if mesh.ndim == len(axes) and (want is None or tuple(mesh.shape) == want):
+        if len(axes) == 1 or tuple(mesh.mesh_dim_names or ()) == dims:
             return []
-        # FSDP2 needs named dims on an HSDP mesh (it asserts otherwise).
+        # FSDP2 needs named dims on an HSDP mesh (it asserts otherwise), and the program
+        # names the submesh it shards on by them.
+        got = "no dimension names" if mesh.mesh_dim_names is None else f"dimensions {tuple(mesh.mesh_dim_names)}"
         return [Diagnostic(code="P602", severity="error", span=plan_mesh.span,
-                           message="the 2-D mesh passed to `apply` has no dimension names",
+                           message=f"the 2-D mesh passed to `apply` has {got}; the plan names them {dims}",
                            label=f"the plan's mesh {plan_mesh}",
-                           help=('build it with `mesh_dim_names=("replicate", "shard")`',))]
-    expected = f"a {want_ndim}-D mesh" + (f" of shape {want}" if want else "")
+                           help=(f"build it with `mesh_dim_names={dims}`",))]
+    expected = f"a {len(axes)}-D mesh" + (f" of shape {want}" if want else "")
     return [Diagnostic(code="P602", severity="error", span=plan_mesh.span,
-                       message=f"the mesh passed to `apply` has shape {shape}; the plan needs {expected}",
+                       message=f"the mesh passed to `apply` has shape {tuple(mesh.shape)}; the plan needs {expected}",
                        label=f"the plan's mesh {plan_mesh}",
                        help=("build it with `planc.backends.runtime.build_mesh(compiled.mesh)`, or pass no mesh",))]
 
@@ -124,67 +121,48 @@ def check_mesh_fits(mesh: DeviceMesh, plan_mesh: Mesh) -> list[Diagnostic]:
 # ===================================================================== one unit
 
 
-def unit_modules(unit: Unit, model: nn.Module) -> list[nn.Module]:
+def unit_modules(op: FullyShard | Unit, model: nn.Module) -> list[nn.Module]:
     """The live modules of a unit: `[model]` for the root, else each module path resolved."""
-    if unit.is_root:
+    if op.is_root:
         return [model]
-    return [model.get_submodule(path) for path in unit.modules]
+    return [model.get_submodule(path) for path in op.modules]
 
 
-def _unit_param_names(unit: Unit, graph: ModelGraph) -> set[str]:
-    """Canonical names of every parameter in the unit's subtrees (claimed here or below)."""
-    names: set[str] = set()
-    for path in unit.modules:
-        names |= graph.subtree_params(path)
-    return names
+def fully_shard_kwargs(op: FullyShard, model: nn.Module, mesh: DeviceMesh) -> dict[str, Any]:
+    """The exact keyword arguments of `fully_shard` for one `FullyShard` op of the program.
 
-
-def fully_shard_kwargs(unit: Unit, compiled: CompiledPlan, model: nn.Module, mesh: DeviceMesh) -> dict[str, Any]:
-    """The exact keyword arguments of `fully_shard` for one unit of a compiled plan.
-
-    Call `fully_shard(unit_modules(unit, model) or its single module, **kwargs)`. Every key
-    is always present, so a code generator can print them all:
+    Call `fully_shard(unit_modules(op, model) or its single module, **kwargs)`, before
+    anything is sharded (placed and ignored parameters are matched by identity):
 
     * `mesh`: the given device mesh.
     * `reshard_after_forward`: the plan's value; None leaves FSDP2's default (True for inner
       units, False for the root).
-    * `mp_policy`: `MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype,
-      cast_forward_inputs)` from the unit's precision settings.
+    * `mp_policy`: `MixedPrecisionPolicy` from the unit's precision.
     * `offload_policy`: `CPUOffloadPolicy(pin_memory=...)` or `OffloadPolicy()`. On a CPU
       mesh `pin_memory` is forced False: pinning needs an accelerator and the data is on the
       CPU already.
-    * `shard_placement_fn`: for `place` statements, a function returning `Shard(dim)` for
-      the placed parameters (by identity) and None for the rest; None if none is placed.
+    * `shard_placement_fn`: `Shard(dim)` for the placed parameters, None for the rest; None
+      when none is placed.
     * `ignored_params`: the `ignore`d parameters in the unit's subtrees, or None.
-
-    Args:
-        unit: a unit of `compiled.units`.
-        compiled: the plan compiled against `model` (its graph names `model`'s parameters).
-        model: the live model, before `fully_shard` runs on this unit.
-        mesh: the device mesh.
     """
-    if compiled.graph is None:
-        raise ValueError("fully_shard_kwargs needs a plan compiled against a model")
-    res = compiled.resolution
-    in_subtree = _unit_param_names(unit, compiled.graph)
-    placed = {id(model.get_parameter(name)): dim for name, (dim, _) in res.placements.items()
-              if name in in_subtree and name not in res.ignored}
-    ignored = {model.get_parameter(name) for name in res.ignored if name in in_subtree}
+    policy = op.policy
+    placed = {id(model.get_parameter(name)): dim for name, dim in op.placements}
+    ignored = {model.get_parameter(name) for name in op.ignored}
 
     def shard_placement_fn(param: nn.Parameter) -> Shard | None:
         dim = placed.get(id(param))
         return None if dim is None else Shard(dim)
 
-    if unit["offload"]:
-        offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=bool(unit["pin_memory"]) and mesh.device_type != "cpu")
+    if policy.offload.enabled:
+        offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=policy.offload.pin_memory and mesh.device_type != "cpu")
     else:
         offload = OffloadPolicy()
+    p = policy.precision
     return {
         "mesh": mesh,
-        "reshard_after_forward": unit["reshard_after_forward"],
-        "mp_policy": MixedPrecisionPolicy(param_dtype=unit["param_dtype"], reduce_dtype=unit["reduce_dtype"],
-                                          output_dtype=unit["output_dtype"],
-                                          cast_forward_inputs=bool(unit["cast_inputs"])),
+        "reshard_after_forward": policy.reshard_argument,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype,
+                                          output_dtype=p.output_dtype, cast_forward_inputs=p.cast_forward_inputs),
         "offload_policy": offload,
         "shard_placement_fn": shard_placement_fn if placed else None,
         "ignored_params": ignored or None,
@@ -200,6 +178,7 @@ class AppliedUnit:
 
     unit: Unit
     modules: tuple[FSDPModule, ...]
+    op: FullyShard | None = None  # the program's call that made it
 
     @property
     def name(self) -> str:
@@ -264,7 +243,7 @@ class AppliedPlan:
             u = applied.unit
             numel = sum(self.model.get_parameter(n).numel() for n in u.params)
             lines.append(f"  {u.name:<{width}}  {_count(numel):>7} params  {_bytes(self.unit_local_bytes(u)):>10}/rank  "
-                         f"{_describe(u)}")
+                         f"{_describe(applied.op.policy)}")
         ignored = self.compiled.resolution.ignored
         if ignored:
             lines.append(f"  ignored (replicated): {', '.join(sorted(ignored))}")
@@ -280,12 +259,13 @@ def _local_bytes(p: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _describe(u: Unit) -> str:
+def _describe(policy) -> str:
     from planc.resolve.options import show_value
-    parts = [f"reshard={show_value(u.reshard_after_forward)}"]
-    if u["param_dtype"] is not None or u["reduce_dtype"] is not None:
-        parts.append(f"param={show_value(u['param_dtype'])} reduce={show_value(u['reduce_dtype'])}")
-    if u["offload"]:
+    p = policy.precision
+    parts = [f"reshard={show_value(policy.reshard_after_forward)}"]
+    if p.param_dtype is not None or p.reduce_dtype is not None:
+        parts.append(f"param={show_value(p.param_dtype)} reduce={show_value(p.reduce_dtype)}")
+    if policy.offload.enabled:
         parts.append("offload=cpu")
     return " ".join(parts)
 
@@ -399,33 +379,49 @@ def apply(model: nn.Module, plan: st.Plan | CompiledPlan | str | os.PathLike, *,
         raise PlanError(diagnostics, compiled.sources)
     if mesh is None:
         mesh = build_mesh(compiled.mesh)
-    res = compiled.resolution
-    # Every unit's arguments are computed before anything changes, while parameters are
-    # still the model's own objects (placements and ignores are matched by identity).
-    calls = [(unit, unit_modules(unit, model), fully_shard_kwargs(unit, compiled, model, mesh))
-             for unit in compiled.units]
+    return run(compiled.program, model, mesh, compiled)
 
-    # NOTE: order matters, as in torchtitan: checkpointing and compile wrap the plain
-    # modules first; fully_shard then hooks around them. The composable checkpoint keeps
-    # module paths and state-dict keys (the wrapper class would add `_checkpoint_wrapped_module`).
+
+def _submesh(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
+    """The submesh a unit is sharded on: the mesh itself when it has exactly those dimensions."""
+    if mesh.ndim == len(dims) and (len(dims) == 1 or tuple(mesh.mesh_dim_names or ()) == dims):
+        return mesh
+    return mesh[dims if len(dims) > 1 else dims[0]]
+
+
+def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: CompiledPlan) -> AppliedPlan:
+    """Execute a lowered program on a live model, op by op, in the program's order.
+
+    Every `fully_shard` argument is computed before anything changes, while parameters are
+    still the model's own objects (placements and ignores are matched by identity).
+    """
     from torch.distributed._composable import checkpoint
-    for path in res.checkpoint:
-        checkpoint(model.get_submodule(path))
-    for path, setting in res.compile.items():
-        model.get_submodule(path).compile(**(setting.value or {}))
 
-    # NOTE: bottom-up (compiled.units is post-order, root last): a call owns the parameters
-    # of its subtree not already claimed by an earlier call on a descendant.
+    calls = {id(op): (unit_modules(op, model), fully_shard_kwargs(op, model, _submesh(mesh, op.mesh_dims)))
+             for op in program.units}
     applied = AppliedPlan(compiled=compiled, mesh=mesh, model=model)
-    for unit, modules, kwargs in calls:
-        fully_shard(modules if unit.is_group else modules[0], **kwargs)
-        applied.units.append(AppliedUnit(unit, tuple(modules)))  # type: ignore[arg-type]
-        for path in unit.modules:
-            applied.unit_of_module[path] = unit
-
-    handles = {a.name: a.handle for a in applied.units}
-    for name, targets in res.prefetch_forward.items():
-        handles[name].set_modules_to_forward_prefetch([handles[t] for t in targets])
-    for name, targets in res.prefetch_backward.items():
-        handles[name].set_modules_to_backward_prefetch([handles[t] for t in targets])
+    handles: dict[str, FSDPModule] = {}
+    for op in program.ops:
+        # NOTE: the program's order is the order that works (torchtitan's): checkpointing
+        # and compile wrap the plain modules first, `fully_shard` then hooks around them,
+        # bottom-up (a call owns the parameters of its subtree not claimed by an earlier
+        # call on a descendant); prefetch lists and unit methods need every unit sharded.
+        if isinstance(op, Checkpoint):
+            checkpoint(model.get_submodule(op.module))
+        elif isinstance(op, Compile):
+            model.get_submodule(op.module).compile(**dict(op.options))
+        elif isinstance(op, FullyShard):
+            modules, kwargs = calls[id(op)]
+            fully_shard(modules if op.is_group else modules[0], **kwargs)
+            applied.units.append(AppliedUnit(compiled.unit(op.name), tuple(modules), op))  # type: ignore[arg-type]
+            handles[op.name] = modules[0]  # type: ignore[assignment]
+            for path in op.modules:
+                applied.unit_of_module[path] = applied.units[-1].unit
+        elif isinstance(op, SetPrefetch):
+            setter = getattr(handles[op.unit], f"set_modules_to_{op.direction}_prefetch")
+            setter([handles[t] for t in op.targets])
+        elif isinstance(op, UnitMethod):
+            getattr(handles[op.unit], op.method)(*op.args)
+        else:
+            raise TypeError(f"the runtime cannot execute a `{type(op).__name__}` operation")
     return applied

@@ -1,7 +1,7 @@
 """What every check reads (`Context`), what it declares it needs (`Check`), and shared helpers.
 
 A check is a plain function `Context -> Iterable[Diagnostic]`. It declares the inputs it
-needs (`MODEL`, `WORLD`, `METRICS`); the driver (`planc/checks/validate.py`) runs it only
+needs (`MODEL`, `WORLD`, `MEMORY`); the driver (`planc/checks/validate.py`) runs it only
 when the compile has them, so no check tests `graph is None` itself.
 """
 
@@ -17,8 +17,8 @@ from planc.resolve.ir import Resolution, Unit
 
 MODEL = "model"      # a model graph (`planc check` with a `model` line or `--model`)
 WORLD = "world"      # a world size (`--world-size`, `compile(world_size=...)`)
-METRICS = "metrics"  # the memory model, for a plan with no errors so far (`check_memory=True`)
-NEEDS = frozenset({MODEL, WORLD, METRICS})
+MEMORY = "metrics"  # the memory model, for a plan with no errors so far (`check_memory=True`)
+NEEDS = frozenset({MODEL, WORLD, MEMORY})
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Context:
 
     @property
     def mesh_sizes(self) -> tuple[int, int] | None:
-        return self.res.mesh.sizes(self.world_size)
+        return self.res.mesh.dp_sizes(self.world_size)
 
     def inner_units(self) -> Iterator[Unit]:
         return (u for u in self.res.units if not u.is_root)
@@ -45,7 +45,7 @@ class Context:
         """The `NEEDS` this context can meet."""
         return frozenset(name for name, have in ((MODEL, self.graph is not None),
                                                   (WORLD, self.world_size is not None),
-                                                  (METRICS, self.metrics is not None)) if have)
+                                                  (MEMORY, self.metrics is not None)) if have)
 
 
 @dataclass(frozen=True)

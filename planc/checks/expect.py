@@ -139,7 +139,7 @@ def _expect_memory(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
                   (f"add the input to the line: `at {_at_clause(s, world, 'BxS')}`, with B the batch size "
                    "and S the sequence length in tokens (e.g. `2x512`)",), severity="warning")
         return
-    from planc.analysis.trace import TraceError
+    from planc.estimate.trace import TraceError
     try:
         actual = ctx.metrics(s.metric, world, shape)
     except TraceError as exc:

@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from planc.checks.context import METRICS as MEMORY_MODEL, MODEL, WORLD, Check, Context
+from planc.checks.context import MEMORY, MODEL, WORLD, Check, Context
 from planc.checks.expect import METRICS, check_expects, check_memory_expects, check_metric_lines, metric_problems
 from planc.checks.mesh import check_mesh, check_placements, check_rank_limits, check_reshard_size
 from planc.checks.precision import check_ignored_precision, check_precision
 from planc.checks.rules import check_root_reshard, check_shadowed
-from planc.checks.structure import (check_containers, check_group_root, check_never_called, check_scalar,
-                                    check_shared_modules, check_tied, check_unowned)
+from planc.checks.structure import (
+    check_containers,
+    check_group_root,
+    check_never_called,
+    check_scalar,
+    check_shared_modules,
+    check_tied,
+    check_unowned,
+)
 from planc.diagnostics import Diagnostic
 
 __all__ = ["CHECKS", "METRICS", "Check", "Context", "metric_problems", "validate"]
@@ -43,7 +50,7 @@ CHECKS: tuple[Check, ...] = (
     Check(check_shadowed, _MODEL),
     Check(check_metric_lines, about_expectations=True),
     Check(check_expects, _MODEL, about_expectations=True),
-    Check(check_memory_expects, frozenset({MODEL, MEMORY_MODEL}), about_expectations=True),
+    Check(check_memory_expects, frozenset({MODEL, MEMORY}), about_expectations=True),
 )
 
 

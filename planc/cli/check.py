@@ -7,6 +7,7 @@ import sys
 from planc.cli.common import EXIT_ERRORS, EXIT_OK, EXIT_USAGE, ModelCache, compile_for_cli, use_color
 from planc.diagnostics import Diagnostic, render
 
+
 def cmd_check(args) -> int:
     cache = ModelCache()
     all_diags: list[Diagnostic] = []

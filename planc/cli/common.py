@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-from planc.compiler import CompiledPlan, sort_diagnostics
-from planc.diagnostics import Diagnostic
+from planc.compiler import CompiledPlan
+from planc.diagnostics import Diagnostic, sort_diagnostics
 from planc.lang.parse import load_with_diagnostics
 from planc.model.build import ModelLoadError, build_model
 from planc.model.graph import ModelGraph

@@ -7,11 +7,12 @@ import sys
 
 from planc.backends.emit import emit_python
 from planc.cli.common import UsageError, use_color
-from planc.compiler import CompiledPlan, sort_diagnostics
-from planc.diagnostics import render
+from planc.compiler import CompiledPlan
+from planc.diagnostics import render, sort_diagnostics
 from planc.lang.parse import load_with_diagnostics
 from planc.model.build import ModelLoadError, build_model
 from planc.model.graph import ModelGraph
+
 
 def main(args) -> int:
     """`planc emit PLAN [--model M:F]`: print the code; 1 if the plan has errors, 2 on I/O problems.

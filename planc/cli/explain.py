@@ -7,10 +7,10 @@ import os
 import sys
 
 from planc.analysis.explain import render_text, report
-from planc.analysis.memory import estimate
-from planc.analysis.trace import TraceError
 from planc.cli.common import EXIT_ERRORS, EXIT_OK, EXIT_USAGE, ModelCache, UsageError, compile_for_cli, use_color
 from planc.diagnostics import render
+from planc.estimate.memory import estimate
+from planc.estimate.trace import TraceError
 from planc.model.build import build_model
 
 # Failed `expect` lines (units, memory, the input of a memory bound): the plan itself is

@@ -11,6 +11,7 @@ from planc.diagnostics import PlanError, render
 from planc.lang.fmt import FormatError, format_plan
 from planc.lang.parse import _read
 
+
 def _diff(path: str, old: str, new: str, limit: int = 40) -> str:
     lines = list(difflib.unified_diff(old.splitlines(), new.splitlines(), f"{path} (now)",
                                       f"{path} (formatted)", lineterm="", n=1))

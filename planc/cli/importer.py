@@ -11,6 +11,7 @@ from planc.importers.accelerate import translate
 from planc.model.build import ModelLoadError, build_model
 from planc.model.graph import ModelGraph
 
+
 def main(args) -> int:
     """`planc import CONFIG [--model M:F] [-o OUT]`: print or write the plan; exit 1 on errors."""
     try:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from planc.cli.common import EXIT_OK, UsageError, use_color
 from planc.diagnostics import render
 from planc.lang.parse import load_with_diagnostics
 from planc.model.build import ModelLoadError, build_model
 from planc.model.graph import ModelGraph
-import sys
 
 
 def _human(n: int) -> str:

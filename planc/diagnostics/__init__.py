@@ -7,7 +7,8 @@
 """
 
 from planc.diagnostics.codes import CODES, Code
-from planc.diagnostics.core import Diagnostic, Severity, Span, did_you_mean, suggestion
+from planc.diagnostics.core import Diagnostic, Severity, Span, did_you_mean, sort_diagnostics, suggestion
 from planc.diagnostics.error import PlanError
 
-__all__ = ["CODES", "Code", "Diagnostic", "PlanError", "Severity", "Span", "did_you_mean", "suggestion"]
+__all__ = ["CODES", "Code", "Diagnostic", "PlanError", "Severity", "Span", "did_you_mean", "sort_diagnostics",
+           "suggestion"]

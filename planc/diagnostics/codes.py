@@ -21,7 +21,8 @@ class Code:
 CODES: dict[str, Code] = {
     # --- reading and parsing (P0xx)
     "P001": Code("syntax error", "The text is not a valid plan: an unexpected token or character. "
-                 "The message names what planc expected at that point.\n\n    unit [norm, output\n    # error: expected `,` or `]`"),
+                 "The message names what planc expected at that point.\n\n"
+                 "    unit [norm, output\n    # error: expected `,` or `]`"),
     "P002": Code("cannot read plan", "The plan file is missing, unreadable, not UTF-8 text, or too large "
                  "(plans are limited to 1 MiB)."),
     "P003": Code("include not found", "An `include` names a file that does not exist. Paths are relative "
@@ -31,8 +32,9 @@ CODES: dict[str, Code] = {
     "P005": Code("nesting too deep", "The plan nests brackets deeper than planc accepts."),
     # --- names and values (P1xx)
     "P101": Code("unknown option", "A block names an option planc does not know. Options are `precision`, "
-                 "`reshard`, `offload`, `prefetch`, `checkpoint`, `compile`, and the FSDP1 spellings "
-                 "`strategy`, `mixed_precision`, `cpu_offload`.\n\n    unit layers.* { precison param = bf16 }  # did you mean `precision`?"),
+                 "`reshard`, `offload`, `prefetch`, `checkpoint`, `compile`, `reduction`, and the FSDP1 "
+                 "spellings `strategy`, `mixed_precision`, `cpu_offload`.\n\n"
+                 "    unit layers.* { precison param = bf16 }  # did you mean `precision`?"),
     "P102": Code("unknown value", "An option, mesh or statement has a value planc does not know: a dtype, an "
                  "enum word, a placement.\n\n    precision param = bfloat61  # did you mean `bfloat16`?"),
     "P103": Code("bad argument", "An option argument is missing, repeated, of the wrong type, or names a "

@@ -15,7 +15,6 @@ from typing import Iterable
 from planc.diagnostics.codes import CODES, Severity
 
 
-
 @dataclass(frozen=True, slots=True)
 class Span:
     """A region of a source file; lines and columns start at 1, `end_column` is exclusive."""
@@ -69,3 +68,6 @@ def suggestion(word: str, candidates: Iterable[str]) -> tuple[str, ...]:
     return (f"did you mean `{best[0]}`?",) if best else ()
 
 
+def sort_diagnostics(diags: list[Diagnostic]) -> list[Diagnostic]:
+    """Source order (file, line, column), as a reader goes through the plan; stable."""
+    return sorted(diags, key=lambda d: (d.span.file, d.span.line, d.span.column) if d.span else ("", 0, 0))

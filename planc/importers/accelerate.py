@@ -18,7 +18,6 @@ tests/test_importer.py checks that against torch's own `_recursive_wrap`.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,7 +221,7 @@ def translate(source: str, file: str = "<config>", *, graph: ModelGraph | None =
                                 severity="warning"))
 
     # --- unknown and script-only keys
-    for key, (key_span, entry) in fsdp.items():
+    for key, (key_span, _entry) in fsdp.items():
         if key in SCRIPT_KEYS:
             diags.append(_error("P705", f"`{key}` is not part of a plan", key_span, "left to the script",
                                 (SCRIPT_KEYS[key],), severity="note"))
@@ -316,7 +315,7 @@ def translate(source: str, file: str = "<config>", *, graph: ModelGraph | None =
                                     severity="warning"))
     if not model_ref:
         draft.header.append("No `model` line: add one, or check with `planc check PLAN --model MODULE:CALLABLE`.")
-    from planc.compiler import sort_diagnostics
+    from planc.diagnostics import sort_diagnostics
     return draft.text(), sort_diagnostics(diags)
 
 

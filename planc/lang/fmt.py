@@ -18,17 +18,13 @@ so a formatter bug can never silently change a plan.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
-from planc.diagnostics import render
-from planc.lang import syntax as st
 from planc.diagnostics import Span
-from planc.lang.parse import _read, parse_text
+from planc.lang import syntax as st
+from planc.lang.parse import parse_text
 
 INDENT = "  "
 TRAILING = "  "  # two spaces before a comment that follows code, as PEP 8 does

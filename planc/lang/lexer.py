@@ -9,8 +9,7 @@ names are plain names (the checker, not the highlighter, reports them).
 from __future__ import annotations
 
 from pygments.lexer import RegexLexer, bygroups, words
-from pygments.token import (Comment, Keyword, Name, Number, Operator, Punctuation, String, Text,
-                            Whitespace)
+from pygments.token import Comment, Keyword, Name, Number, Operator, Punctuation, String, Text, Whitespace
 
 __all__ = ["PlanLexer"]
 

@@ -17,8 +17,8 @@ from pathlib import Path as FsPath
 import lark
 from lark import Lark, Transformer, v_args
 
-from planc.lang import syntax as st
 from planc.diagnostics import Diagnostic, PlanError, Span
+from planc.lang import syntax as st
 
 MAX_PLAN_BYTES = 1 << 20
 MAX_SYNTAX_ERRORS = 10

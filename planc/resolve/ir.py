@@ -12,6 +12,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from planc.diagnostics import Span
+from planc.resolve.mesh import Mesh
 from planc.resolve.options import SETTING_DEFAULTS, show_value
 
 
@@ -58,48 +59,6 @@ class Unit:
 
     def __getitem__(self, key: str) -> Any:
         return self.settings[key].value
-
-    @property
-    def reshard_after_forward(self) -> bool | int:
-        """What FSDP2 will do: `None` in the plan means True for inner units, False for the root."""
-        value = self["reshard_after_forward"]
-        return (not self.is_root) if value is None else value
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """The device mesh: 1-D (`replicate` 1) or HSDP (replicate x shard); None sizes are `*`."""
-
-    replicate: int | None = 1
-    shard: int | None = None
-    span: Span | None = None
-
-    def sizes(self, world: int | None) -> tuple[int, int] | None:
-        """(replicate, shard) for a world size, or None if it cannot be known."""
-        r, s = self.replicate, self.shard
-        if r is not None and s is not None:
-            return r, s  # fixed; whether it fits the world is P401's business
-        if world is None or world < 1 or (r is None and s is None):
-            return None
-        fixed = s if r is None else r
-        if not fixed or world % fixed:
-            return None  # `*` cannot fill the world (P401)
-        return (world // fixed, fixed) if r is None else (fixed, world // fixed)
-
-    @property
-    def fixed_world(self) -> int | None:
-        if self.replicate is not None and self.shard is not None:
-            return self.replicate * self.shard
-        return None
-
-    @property
-    def is_hsdp(self) -> bool:
-        return self.replicate != 1
-
-    def __str__(self) -> str:
-        def show(v):
-            return "*" if v is None else str(v)
-        return f"(replicate = {show(self.replicate)}, shard = {show(self.shard)})"
 
 
 @dataclass

@@ -13,8 +13,8 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from planc.lang import syntax as st
 from planc.diagnostics import Diagnostic, Span, suggestion
+from planc.lang import syntax as st
 
 Context = Literal["defaults", "unit", "root"]
 
@@ -33,6 +33,8 @@ SETTING_DEFAULTS: dict[str, Any] = {
     "prefetch_backward": None,
     "checkpoint": None,
     "compile": None,
+    "gradient_divide_factor": None,
+    "force_sum_reduction": None,
 }
 
 # Settings that transform modules rather than configure `fully_shard`; they make no sense
@@ -128,6 +130,13 @@ def prefetch(v: st.Value) -> int | tuple[st.Selector, ...]:
         return 0
     raise _err("P103", f"expected a prefetch depth or a list of units, found `{v}`", v.span, "not a prefetch value",
                ("write a depth (`forward = 2`) or units (`forward = [layers.1, layers.2]`)",))
+
+
+def positive_number(v: st.Value) -> float:
+    if isinstance(v, st.Number) and not v.is_bytes and v.value > 0:
+        return float(v.value)
+    raise _err("P103", f"expected a positive number, found `{v}`", v.span, "not a positive number",
+               ("write a number such as `1.0`",))
 
 
 def enum(*words: str) -> Callable[[st.Value], str]:
@@ -230,6 +239,11 @@ OPTIONS: dict[str, OptionSpec] = {
         params=(Param("enabled", boolean, None), Param("fullgraph", boolean, None), Param("dynamic", boolean, None)),
         positional=("enabled",), bare={"enabled": True}, expand=_compile,
         summary="torch.compile each module of the unit (applied before sharding)"),
+    "reduction": OptionSpec(
+        params=(Param("divide_factor", positive_number, "gradient_divide_factor"),
+                Param("force_sum", boolean, "force_sum_reduction")),
+        summary="gradient reduction: divide the summed gradients by this factor instead of the data-parallel "
+                "size (`1.0`: sum, as torchtitan does), and reduce with a plain SUM"),
     # --- FSDP1 spellings, accepted and mapped (with a P901 note)
     "strategy": OptionSpec(
         params=(Param("strategy", enum(*FSDP1_RESHARD, *sorted(FSDP1_MESH)), None),),

@@ -16,14 +16,14 @@ import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from planc.lang import syntax as st
 from planc.diagnostics import Diagnostic, suggestion
+from planc.lang import syntax as st
 from planc.model.graph import ModelGraph
-from planc.resolve.ir import DEFAULT_SETTINGS, Mesh, Resolution, Setting, Unit
+from planc.resolve.ir import DEFAULT_SETTINGS, Resolution, Setting, Unit
+from planc.resolve.mesh import ROLES, Mesh
 from planc.resolve.options import MODULE_SETTINGS, Assignment, parse_option
 from planc.resolve.selectors import check_regexes, match_modules, match_params
 
-MESH_DIMS = {"replicate": "replicate", "shard": "shard", "dp_replicate": "replicate", "dp_shard": "shard"}
 DEFAULTS_ORDER = -(10**9)  # defaults sort below every rule, whatever their position
 
 
@@ -72,26 +72,33 @@ def _set_twice(assigned: list[Assignment]) -> list[Diagnostic]:
 
 
 def resolve_mesh(stmt: st.MeshStmt | None, diags: list[Diagnostic]) -> Mesh:
-    """The plan's mesh; FSDP1 strategy words map to mesh shapes with a P901 note."""
+    """The plan's mesh; FSDP1 strategy words map to mesh shapes with a P901 note.
+
+    A dimension's word names its role (`shard`, `dp_shard` and `fsdp` all shard) and the
+    `DeviceMesh` dimension it becomes.
+    """
     if stmt is None:
         return Mesh()
     sizes: dict[str, int | None] = {}
+    names: dict[str, str] = {}
     for dim in stmt.dims:
-        name = MESH_DIMS.get(dim.name)
-        if name is None:
+        role = ROLES.get(dim.name)
+        if role is None:
             diags.append(Diagnostic(code="P102", severity="error", message=f"unknown mesh dimension `{dim.name}`",
                                     span=dim.span, label="not a mesh dimension",
-                                    help=suggestion(dim.name, MESH_DIMS) or ("mesh dimensions are `replicate` and `shard`",)))
+                                    help=suggestion(dim.name, ROLES) or ("mesh dimensions are `replicate` and `shard`",)))
             continue
-        if name in sizes:
-            diags.append(Diagnostic(code="P103", severity="error", message=f"mesh dimension `{name}` given twice",
-                                    span=dim.span, label="repeated", help=(f"keep one `{name} = ...`",)))
+        if role in sizes:
+            diags.append(Diagnostic(code="P103", severity="error", message=f"mesh dimension `{role}` given twice",
+                                    span=dim.span, label="repeated", help=(f"keep one `{role} = ...`",)))
         if dim.size is not None and dim.size < 1:
-            diags.append(Diagnostic(code="P103", severity="error", message=f"mesh dimension `{name}` must be at least 1",
+            diags.append(Diagnostic(code="P103", severity="error", message=f"mesh dimension `{role}` must be at least 1",
                                     span=dim.span, label=f"{dim.size} ranks",
-                                    help=(f"write a rank count such as `{name} = 8`, or `{name} = *` to fill the world",)))
+                                    help=(f"write a rank count such as `{role} = 8`, or `{role} = *` to fill the world",)))
             continue
-        sizes[name] = dim.size
+        sizes[role] = dim.size
+        names[role] = dim.name
+    dims = (names.get("replicate", "replicate"), names.get("shard", "shard"))
     if stmt.strategy is not None:
         word = stmt.strategy
         shapes = {"FULL_SHARD": (1, None), "SHARD_GRAD_OP": (1, None), "NO_SHARD": (None, 1),
@@ -107,22 +114,20 @@ def resolve_mesh(stmt: st.MeshStmt | None, diags: list[Diagnostic]) -> Mesh:
                                     span=stmt.span, label="how many ranks per shard group?",
                                     help=(f"write `mesh {word} (shard = 8)` for 8 ranks per node",)))
             return Mesh(span=stmt.span)
-        mesh = Mesh(replicate=r, shard=s, span=stmt.span)
+        mesh = Mesh.data_parallel(r, s, span=stmt.span, names=dims)
         note = (" (resharding is a unit setting: `reshard after_forward = false`)" if word in
                 ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2") else "")
         diags.append(Diagnostic(code="P901", severity="note", message=f"FSDP1 `{word}` mapped to FSDP2",
                                 span=stmt.strategy_span, label=f"became mesh {mesh}",
                                 help=(f"the FSDP2 spelling is `mesh {mesh}`{note}",)))
         return mesh
-    mesh = Mesh(replicate=sizes.get("replicate", 1), shard=sizes.get("shard"), span=stmt.span)
-    if "shard" not in sizes and "replicate" in sizes and sizes["replicate"] is not None:
-        mesh = Mesh(replicate=mesh.replicate, shard=None, span=stmt.span)
-    if mesh.replicate is None and mesh.shard is None:
+    replicate, shard = sizes.get("replicate", 1), sizes.get("shard")
+    if replicate is None and shard is None:
         diags.append(Diagnostic(code="P405", severity="error", message="both mesh dimensions are `*`",
                                 span=stmt.span, label="cannot split the world two ways",
                                 help=("fix one size, e.g. `mesh (replicate = *, shard = 8)`",)))
         return Mesh(span=stmt.span)
-    return mesh
+    return Mesh.data_parallel(replicate, shard, span=stmt.span, names=dims)
 
 
 class Resolver:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import regex
 
-from planc.lang import syntax as st
 from planc.diagnostics import Diagnostic, Span, suggestion
+from planc.lang import syntax as st
 from planc.limits import REGEX_BUDGET_S
 from planc.model.graph import ModelGraph
 

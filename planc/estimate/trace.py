@@ -44,20 +44,20 @@ class Trace:
     source: str = "module order (no input: activations not counted)"
 
 
-def _unit_modules(compiled) -> dict[str, int]:
-    return {m: i for i, u in enumerate(compiled.units) if not u.is_root for m in u.modules}
+def _unit_modules(units) -> dict[str, int]:
+    return {m: i for i, u in enumerate(units) if not u.is_root for m in u.modules}
 
 
-def _root_index(compiled) -> int | None:
-    return next((i for i, u in enumerate(compiled.units) if u.is_root), None)
+def _root_index(units) -> int | None:
+    return next((i for i, u in enumerate(units) if u.is_root), None)
 
 
 def synthetic_trace(compiled) -> Trace:
     """Events in module order (pre-order forward, reverse backward), no activations."""
-    graph = compiled.graph
-    of = _unit_modules(compiled)
-    root = _root_index(compiled)
-    remaining = {i: len(u.modules) for i, u in enumerate(compiled.units) if not u.is_root}
+    graph, units = compiled.graph, compiled.program.units
+    of = _unit_modules(units)
+    root = _root_index(units)
+    remaining = {i: len(u.modules) for i, u in enumerate(units) if not u.is_root}
     fwd: list[Event] = []
     post_order: list[int] = []
     started: set[int] = set()
@@ -83,7 +83,7 @@ def synthetic_trace(compiled) -> Trace:
     if root is not None:
         events += [Event("op", root, where=""), Event("fwd_post", root), Event("bwd_pre", root)]
     for i in reversed(post_order):
-        events += [Event("bwd_pre", i), Event("op", i, where=compiled.units[i].modules[0]), Event("bwd_post", i)]
+        events += [Event("bwd_pre", i), Event("op", i, where=units[i].modules[0]), Event("bwd_post", i)]
     events.append(Event("end_backward"))
     return Trace(events)
 
@@ -172,10 +172,9 @@ def fake_model(compiled, fake_mode) -> nn.Module:
         memo[id(t)] = torch.empty_like(t, device="meta")  # deepcopy without copying storage
     model = copy.deepcopy(graph.model, memo)
     dtype_of = {}
-    for u in compiled.units:
-        for name in u.params:
-            if u["param_dtype"] is not None and name not in compiled.resolution.ignored:
-                dtype_of[name] = u["param_dtype"]
+    for op in compiled.program.units:
+        for name in op.params:  # the parameters FSDP2 casts (ignored ones keep their dtype)
+            dtype_of[name] = op.policy.precision.compute_dtype(graph.params[name].dtype)
     new: dict[str, nn.Parameter] = {}
     with fake_mode:
         for name, info in graph.params.items():
@@ -209,19 +208,20 @@ def fake_trace(compiled, inputs: tuple) -> Trace:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._composable.checkpoint_activation import checkpoint as checkpoint_module
 
+    from planc.lower.program import Checkpoint
+
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = fake_model(compiled, fake_mode)
-    res = compiled.resolution
-    for path, setting in res.checkpoint.items():
-        if setting.value:
-            checkpoint_module(model.get_submodule(path))
+    program = compiled.program
+    for op in program.of_type(Checkpoint):
+        checkpoint_module(model.get_submodule(op.module))
     events: list[Event] = []
     where: list[str] = [""]
     mode = _LiveBytes(lambda func: events.append(Event("op", live=mode.live, grads=mode.grads, where=where[-1])))
-    units = compiled.units
-    root = _root_index(compiled)
+    units = program.units
+    root = _root_index(units)
     post_done: set[int] = set()   # units whose every module finished backward
-    names_of = {i: [p for p in u.params if p not in res.ignored] for i, u in enumerate(units)}
+    names_of = {i: list(u.params) for i, u in enumerate(units)}
     params_of = {i: [model.get_parameter(p) for p in names] for i, names in names_of.items()}
     fwd_pending: dict[int, int] = {}
     bwd_left: dict[int, int] = {}
@@ -253,8 +253,8 @@ def fake_trace(compiled, inputs: tuple) -> Trace:
                 events.append(Event("fwd_pre", i, live=mode.live))
             fwd_pending[i] = fwd_pending.get(i, 0) + 1
             where.append(u.name)
-            if u["cast_inputs"] and u["param_dtype"] is not None:
-                return _cast(args, u["param_dtype"])
+            if u.policy.precision.casts_inputs:
+                return _cast(args, u.policy.precision.param_dtype)
             return None
 
         def post(mod, args, out, i=i, u=u):
@@ -262,8 +262,8 @@ def fake_trace(compiled, inputs: tuple) -> Trace:
             if fwd_pending[i] == len(u.modules):
                 fwd_pending[i] = 0
                 events.append(Event("fwd_post", i, live=mode.live))
-            if u["output_dtype"] is not None:
-                return _cast(out, u["output_dtype"])
+            if u.policy.precision.output_dtype is not None:
+                return _cast(out, u.policy.precision.output_dtype)
             return None
 
         def bw_pre(mod, grad_out, i=i, u=u):
@@ -299,16 +299,16 @@ def fake_trace(compiled, inputs: tuple) -> Trace:
                             else t for t in inputs)
     input_bytes = sum(t.nbytes for t in fake_inputs if isinstance(t, torch.Tensor))
     mode.ignore([*model.parameters(), *model.buffers(), *(t for t in fake_inputs if isinstance(t, torch.Tensor))])
-    root_unit = units[root] if root is not None else None
-    if root_unit is not None and root_unit["cast_inputs"] and root_unit["param_dtype"] is not None:
-        fake_inputs = _cast(fake_inputs, root_unit["param_dtype"])
+    root_precision = units[root].policy.precision if root is not None else None
+    if root_precision is not None and root_precision.casts_inputs:
+        fake_inputs = _cast(fake_inputs, root_precision.param_dtype)
     try:
         with fake_mode, mode:
             if root is not None:
                 events.append(Event("fwd_pre", root))
             # NOTE: one expression, as in a training loop: the output is not kept during backward
-            loss = loss_of(_cast(model(*fake_inputs), root_unit["output_dtype"])
-                           if root_unit is not None and root_unit["output_dtype"] is not None
+            loss = loss_of(_cast(model(*fake_inputs), root_precision.output_dtype)
+                           if root_precision is not None and root_precision.output_dtype is not None
                            else model(*fake_inputs))
             if root is not None:
                 events.append(Event("fwd_post", root, live=mode.live))
@@ -326,7 +326,8 @@ def fake_trace(compiled, inputs: tuple) -> Trace:
     finally:
         for h in handles:
             h.remove()
-    return Trace(events, input_bytes, "live tensors of one forward and backward on fake CPU tensors, each unit's precision and checkpointing applied")
+    return Trace(events, input_bytes, "live tensors of one forward and backward on fake CPU tensors, "
+                 "each unit's precision and checkpointing applied")
 
 
 def default_input(model: nn.Module, input_shape: tuple[int, ...] | None) -> tuple | None:
@@ -344,12 +345,12 @@ _TRACES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 def _step_key(compiled) -> tuple:
     """What of a compiled plan one traced step depends on: the units (their modules,
-    parameters and precision casts), the checkpointed modules and the ignored parameters."""
-    res = compiled.resolution
-    units = tuple((u.modules, u.params, u.is_root, u["param_dtype"], u["output_dtype"], bool(u["cast_inputs"]))
-                  for u in compiled.units)
-    checkpointed = tuple(sorted(p for p, setting in res.checkpoint.items() if setting.value))
-    return units, checkpointed, frozenset(res.ignored)
+    parameters and precision), the checkpointed modules and the ignored parameters."""
+    from planc.lower.program import Checkpoint
+    program = compiled.program
+    units = tuple((u.modules, u.params, u.is_root, u.policy.precision) for u in program.units)
+    checkpointed = tuple(sorted(op.module for op in program.of_type(Checkpoint)))
+    return units, checkpointed, frozenset(compiled.resolution.ignored)
 
 
 # torch logs (at ERROR, with a full traceback) every op that fails under FakeTensorMode before

@@ -36,8 +36,10 @@ from typing import Iterable, Mapping
 
 import torch
 
-from planc.analysis.trace import Trace, TraceError, default_input, trace_for
+from planc.estimate.trace import Trace, TraceError, default_input, trace_for
 from planc.limits import rank_count
+from planc.lower.program import FullyShard, Program
+from planc.resolve.mesh import Mesh
 
 OPTIMIZERS = ("adamw", "sgd", "none")
 CATEGORIES = ("sharded_params", "sharded_grads", "optimizer_state", "unsharded_params", "all_gather",
@@ -88,21 +90,21 @@ class UnitMemory:
         return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
 
-def unit_memory(compiled, world: int, optimizer: str = "adamw") -> list[UnitMemory]:
-    """Per-rank bytes of every unit of `compiled` at `world` ranks."""
-    graph, res = compiled.graph, compiled.resolution
-    replicate, shard = mesh_sizes(compiled, world)
+def unit_memory(program: Program, graph, world: int, optimizer: str = "adamw") -> list[UnitMemory]:
+    """Per-rank bytes of every `fully_shard` call of `program` at `world` ranks."""
+    replicate, shard = mesh_sizes(program, world)
     out = []
-    for i, u in enumerate(compiled.units):
-        names = [p for p in u.params if p not in res.ignored]
+    for i, op in enumerate(program.units):
+        names = list(op.params)
         infos = [graph.params[p] for p in names]
+        placed = dict(op.placements)
         orig = infos[0].dtype if infos else torch.float32
-        pdt = u["param_dtype"] or orig
-        rdt = u["reduce_dtype"] or pdt
+        precision = op.policy.precision
+        pdt, rdt = precision.compute_dtype(orig), precision.reduce(orig)
         sharded = unsharded = grad_unsharded = rs = grads = opt = count = dim_copy = 0
         reduce_of = {}
         for name, info in zip(names, infos):
-            dim = res.placements.get(name, (0, None))[0]
+            dim = placed.get(name, 0)
             per_rank = shard_numel(info.shape, shard, dim)
             sharded += per_rank * _itemsize(info.dtype)
             unsharded += per_rank * shard * _itemsize(pdt)
@@ -116,30 +118,27 @@ def unit_memory(compiled, world: int, optimizer: str = "adamw") -> list[UnitMemo
                 grads += per_rank * _itemsize(info.dtype)
                 if optimizer == "adamw":
                     opt += 2 * per_rank * _itemsize(info.dtype) + STEP_COUNTER_BYTES
-        reshard = u.reshard_after_forward
+        reshard = op.policy.reshard_after_forward
         if reshard is True or (not isinstance(reshard, bool) and reshard >= shard):
             post = 0
         elif reshard is False:
             post = unsharded
         else:
             post = unsharded // int(reshard)
-        out.append(UnitMemory(u.name, i, count, sharded, unsharded, grad_unsharded, rs, grads, opt, post,
-                              bool(u["offload"]), reshard, pdt, rdt, tuple(names), dim_copy, reduce_of))
+        out.append(UnitMemory(op.name, i, count, sharded, unsharded, grad_unsharded, rs, grads, opt, post,
+                              op.policy.offload.enabled, reshard, pdt, rdt, tuple(names), dim_copy, reduce_of))
     return out
 
 
-def mesh_sizes(compiled, world: int) -> tuple[int, int]:
+def mesh_sizes(program: Program, world: int) -> tuple[int, int]:
     """(replicate, shard) for `world` ranks; a mesh that cannot fill it shards over everything."""
-    sizes = compiled.mesh.sizes(world)
-    if sizes is None or sizes[0] is None or sizes[1] is None:
-        return 1, world
-    return sizes
+    return program.mesh.dp_sizes(world) or (1, world)
 
 
-def _replicated_params(compiled) -> list[str]:
+def _replicated_params(program: Program, graph) -> list[str]:
     """Parameters FSDP does not shard: ignored ones and, with `root none`, those of no unit."""
-    owned = set().union(*(u.params for u in compiled.units)) if compiled.units else set()
-    return [n for n in compiled.graph.params if n in compiled.resolution.ignored or n not in owned]
+    owned = set().union(*(op.params for op in program.units))
+    return [n for n in graph.params if n not in owned]
 
 
 # ===================================================================== the replay
@@ -212,10 +211,10 @@ class Estimate:
 class _Replay:
     """FSDP2's per-unit memory state machine, driven by a trace's events."""
 
-    def __init__(self, compiled, mem: list[UnitMemory], optimizer: str, replicated: int, trace: Trace,
+    def __init__(self, program: Program, mem: list[UnitMemory], optimizer: str, replicated: int, trace: Trace,
                  shard: int):
-        self.c, self.mem, self.optimizer, self.trace, self.shard = compiled, mem, optimizer, trace, shard
-        self.units = compiled.units
+        self.program, self.mem, self.optimizer, self.trace, self.shard = program, mem, optimizer, trace, shard
+        self.units = program.units
         self.state = ["sharded"] * len(mem)     # sharded | unsharded | post_forward | prefetched
         self.slices: set[int] = set()           # post-forward slices still alive while re-gathered
         self.reduced: dict[int, set[str]] = {i: set() for i in range(len(mem))}  # reduce-scattered params
@@ -328,7 +327,7 @@ class _Replay:
     # --------------------------------------------------------------- driver
     def run(self) -> list[Moment]:
         units, names = self.units, [u.name for u in self.units]
-        res = self.c.resolution
+        prefetch_forward, prefetch_backward = self.program.prefetch("forward"), self.program.prefetch("backward")
         ev_list = self.trace.events
         last_bwd_pre = {ev.unit: k for k, ev in enumerate(ev_list) if ev.kind == "bwd_pre"}
         for k, ev in enumerate(ev_list):
@@ -353,7 +352,7 @@ class _Replay:
             if ev.kind == "fwd_pre":
                 self.phase = "forward"
                 self.unshard(i, f"all-gather {name} (forward)")
-                for j in res.prefetch_forward.get(name, ()):
+                for j in prefetch_forward.get(name, ()):
                     if j in names:
                         self.prefetch(names.index(j))
             elif ev.kind == "fwd_post":
@@ -373,7 +372,7 @@ class _Replay:
                 # one by one issues its backward prefetch when gathered for the last of them
                 if k != last_bwd_pre[i]:
                     continue
-                targets = res.prefetch_backward.get(name)
+                targets = prefetch_backward.get(name)
                 if targets is None:
                     order = [j for j in reversed(self.post_forward_order) if not units[j].is_root]
                     nxt = order[order.index(i) + 1:order.index(i) + 2] if i in order else order[:1]
@@ -418,21 +417,23 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
     if world is not None:
         rank_count(world, "world")
     world = world or compiled.world_size or 1
-    replicate, shard = mesh_sizes(compiled, world)
+    program = compiled.program
+    replicate, shard = mesh_sizes(program, world)
     graph = compiled.graph
     if inputs is None and input_shape is not None and graph.model is not None:
         inputs = default_input(graph.model, input_shape)
     trace = trace_for(compiled, inputs)
-    mem = unit_memory(compiled, world, optimizer)
-    replicated = sum(graph.params[n].nbytes for n in _replicated_params(compiled))
+    mem = unit_memory(program, graph, world, optimizer)
+    replicated = sum(graph.params[n].nbytes for n in _replicated_params(program, graph))
     host = sum(m.sharded + m.grads + m.optimizer for m in mem if m.offload)
-    timeline = _Replay(compiled, mem, optimizer, replicated, trace, shard).run()
+    timeline = _Replay(program, mem, optimizer, replicated, trace, shard).run()
     peak = max(timeline, key=lambda m: m.total)
     activations = None if inputs is None else max((e.live - e.grads for e in trace.events), default=0)
     # Lower bound: every state sharded over all ranks, the largest single module's own
     # parameters gathered (the finest possible unit), and this plan's activations.
-    total = sum(m.sharded + m.grads + m.optimizer for m in unit_memory(_Whole(compiled), world, optimizer))
-    leaf = max((sum(graph.params[c].numel * _itemsize(_pdtype(compiled, c)) for _, c in graph.own_params(p))
+    total = sum(m.sharded + m.grads + m.optimizer for m in unit_memory(_whole(graph), graph, world, optimizer))
+    compute = _compute_dtypes(program, graph)
+    leaf = max((sum(graph.params[c].numel * _itemsize(compute[c]) for _, c in graph.own_params(p))
                 for p in graph.modules), default=0)
     lower = total + leaf + (activations or 0) + trace.input_bytes
     full = sum(p.nbytes for p in graph.params.values())
@@ -446,22 +447,23 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
     return est
 
 
-def _pdtype(compiled, param: str) -> torch.dtype:
-    for u in compiled.units:
-        if param in u.params:
-            return u["param_dtype"] or compiled.graph.params[param].dtype
-    return compiled.graph.params[param].dtype
+def _compute_dtypes(program: Program, graph) -> dict[str, torch.dtype]:
+    """Each parameter's compute dtype under the plan (its stored dtype outside any unit)."""
+    out = {name: info.dtype for name, info in graph.params.items()}
+    for op in program.units:
+        for name in op.params:
+            out[name] = op.policy.precision.compute_dtype(graph.params[name].dtype)
+    return out
 
 
-class _Whole:
-    """A view of a compiled plan as one unit holding every parameter (for the lower bound)."""
-
-    def __init__(self, compiled):
-        from planc.resolve.ir import DEFAULT_SETTINGS, Mesh, Unit
-        self.graph = compiled.graph
-        self.resolution = compiled.resolution
-        self.mesh = Mesh(replicate=1, shard=None)
-        self.units = [Unit(("",), dict(DEFAULT_SETTINGS), tuple(compiled.graph.params), is_root=True)]
+def _whole(graph) -> Program:
+    """The model as one unit holding every parameter, sharded over all ranks (for the lower bound)."""
+    from planc.lower.lowering import policy_of
+    from planc.resolve.ir import DEFAULT_SETTINGS, Unit
+    root = Unit(("",), dict(DEFAULT_SETTINGS), tuple(graph.params), is_root=True)
+    op = FullyShard(name=root.name, modules=root.modules, is_root=True, mesh_dims=Mesh().dp_dims,
+                    policy=policy_of(root), params=root.params)
+    return Program(Mesh(), (op,))
 
 
 def metric(compiled, name: str, world: int | None, input_shape: tuple[int, ...] | None = None) -> float | None:
