@@ -67,9 +67,8 @@ def test_compile_checks_world_size_at_the_boundary(value, error):
 
 
 def test_estimate_and_simulate_check_world_at_the_boundary():
-    from planc.estimate.memory import estimate
-
     from planc.analysis.simulate import simulate
+    from planc.estimate.memory import estimate
     compiled = planc.compile(planc.loads("unit layers.*\n", filename="t.plan"), fixture_net())
     with pytest.raises(ValueError, match="world"):
         estimate(compiled, 10**12)
@@ -206,9 +205,8 @@ def test_suspicious_but_legal_plans_warn():
 
 
 def test_explain_shows_an_explicit_prefetch_list_as_plan_text():
-    from planc.estimate.memory import estimate
-
     from planc.analysis.explain import report
+    from planc.estimate.memory import estimate
     compiled = planc.compile(planc.loads("unit layers.* { prefetch forward = [layers.2, norm] }\nunit norm\n",
                                          filename="t.plan"), fixture_net(), world_size=2)
     data = report(compiled, estimate(compiled, 2))
