@@ -386,8 +386,21 @@ def _excludes_nothing(exc: st.Exclusion, what: str) -> Diagnostic:
                             "silently keeps what it was meant to drop)",))
 
 
+_dead: "weakref.WeakKeyDictionary[ModelGraph, dict]" = weakref.WeakKeyDictionary()
+
+
 def _dead_alternatives(graph: ModelGraph, path: st.Path, what: str) -> list[Diagnostic]:
-    """P210 (warning): a branch of `{a,b}` that matches nothing while the others do."""
+    """P210 (warning): a branch of `{a,b}` that matches nothing while the others do (one walk
+    per branch, so cached per graph: later checks match the same selectors again)."""
+    if not any(len(seg.alternatives) > 1 for seg in path.segments):
+        return []
+    cache = _dead.setdefault(graph, {})
+    if (path, what) not in cache:
+        cache[(path, what)] = _walk_alternatives(graph, path, what)
+    return list(cache[(path, what)])
+
+
+def _walk_alternatives(graph: ModelGraph, path: st.Path, what: str) -> list[Diagnostic]:
     found = []
     for i, seg in enumerate(path.segments):
         if len(seg.alternatives) < 2:
