@@ -10,13 +10,14 @@ from __future__ import annotations
 
 # Seconds one `re"..."` selector may spend matching against every module (or parameter)
 # name of a model. Python's `re` backtracks: `re"(a|aa)+$"` on a 60-character name would run
-# for hours. planc matches with the `regex` package, whose matches take a timeout (P209).
+# for hours. planc matches with the `regex` package, whose matches take a timeout (P212).
 REGEX_BUDGET_S = 1.0
 
-# The most ranks a world, a mesh dimension or an `at world =` clause may have (P407): 2**24
-# (16.7M) is a thousand times the largest clusters trained on, and keeps every size
-# computation on ranks small.
-MAX_RANKS = 2**24
+# The most ranks a world, a mesh dimension, a mesh or an `at world =` clause may have: 2**20
+# (a million, ten times the largest clusters trained on) keeps every size computation on
+# ranks small. The parser refuses larger literals (P103, planc/lang/transform.py), the
+# checks a mesh whose dimensions multiply past it (P407), the CLI and the API larger worlds.
+MAX_RANKS = 1 << 20
 
 # The most modules a Hugging Face config may describe before planc builds it (P106): the
 # estimate is read from the config's layer counts; 405B-class models have about 2,000.

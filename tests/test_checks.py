@@ -54,7 +54,7 @@ def test_without_a_model_only_model_free_checks_run():
 
 
 def test_a_check_runs_alone_on_a_context():
-    ctx = _context("mesh (replicate = 1, shard = 100000000)\n")
+    ctx = _context("mesh (replicate = 4096, shard = 4096)\n")
     assert [d.code for d in check_rank_limits(ctx)] == ["P407"]
     ctx = _context("unit blocks.*\n", shared_net())
     (shared,) = check_shared_modules(ctx)

@@ -158,7 +158,7 @@ def fixture_net() -> FixtureNet:
 
 class LongNames(nn.Module):
     """Children with 60-character names of one letter and a tail: a backtracking regex
-    (`re"(a|aa)+$"`) takes exponential time on them (P209)."""
+    (`re"(a|aa)+$"`) takes exponential time on them (P212)."""
 
     def __init__(self, dim: int = 4) -> None:
         super().__init__()

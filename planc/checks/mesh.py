@@ -30,7 +30,7 @@ def check_rank_limits(ctx: Context) -> Iterator[Diagnostic]:
     mesh = ctx.res.mesh
     total = mesh.fixed_world
     if total is not None and total > MAX_RANKS and mesh.span is not None \
-            and max(mesh.replicate, mesh.shard) <= MAX_RANKS:
+            and max(a.size for a in mesh.axes) <= MAX_RANKS:
         yield too_many_ranks(total, mesh.span, f"mesh {mesh}")
 
 

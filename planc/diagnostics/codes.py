@@ -30,6 +30,10 @@ CODES: dict[str, Code] = {
     "P004": Code("include cycle", "Plans include each other in a loop. Break the cycle: a base plan should "
                  "not include the plans built on it."),
     "P005": Code("nesting too deep", "The plan nests brackets deeper than planc accepts."),
+    "P006": Code("includes expand too far", "A file included from several places is spliced once per "
+                 "`include`, so plans that include the same base files from many places grow exponentially. "
+                 "One plan's includes may splice at most 1000 files and 8 MiB of text. Include each base "
+                 "plan once, from the top plan.\n\n    # a.plan includes b.plan and c.plan, both include d.plan, ..."),
     # --- names and values (P1xx)
     "P101": Code("unknown option", "A block names an option planc does not know. Options are `precision`, "
                  "`reshard`, `offload`, `prefetch`, `checkpoint`, `compile`, `reduction`, and the FSDP1 "
@@ -66,11 +70,9 @@ CODES: dict[str, Code] = {
                  "warning"),
     "P208": Code("bad selector", "A selector is malformed for the model: an index out of range, an "
                  "unknown predicate, a slice on a module without children."),
-    "P209": Code("regular expression too slow", "A `re\"...\"` selector did not finish matching the "
-                 "model's names within the time budget (1 s; docs/language.md, Limits). A repeated group "
-                 "whose body can match the same text in several ways (`(a+)+`, `(.*)*`, `(a|aa)+`) "
-                 "backtracks exponentially on long names. Repeat the body once, or use a path selector.\n\n"
-                 "    unit re\"(\\w+\\.?)*attn\"   # error: write re\".*attn\""),
+    "P209": Code("plan does nothing", "The plan (with its includes) has no statements: it is empty or holds "
+                 "only comments. It is valid, and shards the model as one root unit, but it is more likely "
+                 "a wrong or truncated file.\n\n    # only a comment", "warning"),
     "P210": Code("alternative matches nothing", "One branch of a `{a,b}` alternation matches nothing "
                  "while the others match: usually a typo, which would silently leave those modules out. "
                  "Mark the rule `optional` when the branch is there for another model family.\n\n"
@@ -78,6 +80,11 @@ CODES: dict[str, Code] = {
     "P211": Code("except excludes nothing", "An `except` removes none of the selector's matches: a "
                  "typo there silently keeps what it was meant to drop.\n\n"
                  "    unit layers.* except layers.99   # warning", "warning"),
+    "P212": Code("regular expression too slow", "A `re\"...\"` selector did not finish matching the "
+                 "model's names within the time budget (1 s; docs/language.md, Limits). A repeated group "
+                 "whose body can match the same text in several ways (`(a+)+`, `(.*)*`, `(a|aa)+`) "
+                 "backtracks exponentially on long names. Repeat the body once, or use a path selector.\n\n"
+                 "    unit re\"(\\w+\\.?)*attn\"   # error: write re\".*attn\""),
     # --- structure (P3xx)
     "P301": Code("tied parameters split across units", "One parameter is held by modules in two units "
                  "(tied input/output embeddings). FSDP2 fails at the first forward: `Parameter ... is "
@@ -126,10 +133,11 @@ CODES: dict[str, Code] = {
     "P406": Code("reshard size is a boolean in disguise", "`reshard after_forward = 1` keeps parameters "
                  "unsharded after forward (the same as `false`); a size equal to the shard size reshards "
                  "fully (the same as `true`). Write the boolean.", "warning"),
-    "P407": Code("too many ranks", "A mesh dimension, a mesh, or an `at world =` clause asks for more "
-                 "ranks than planc's limit (2**24 = 16,777,216; docs/language.md, Limits), far above any "
-                 "cluster. The number is probably a typo or a size in another unit.\n\n"
-                 "    mesh (replicate = 1000000000000, shard = 8)   # error"),
+    "P407": Code("too many ranks", "A mesh whose dimensions multiply past planc's limit of ranks "
+                 "(2**20 = 1,048,576; docs/language.md, Limits), far above any cluster; a number is "
+                 "probably a typo or a size in another unit. (One size past the limit is already a P103 "
+                 "where the plan writes it.)\n\n"
+                 "    mesh (replicate = 65536, shard = 65536)   # error: 4,294,967,296 ranks"),
     # --- expectations (P5xx)
     "P501": Code("expectation failed", "An `expect` statement does not hold for the resolved plan."),
     "P502": Code("memory expectation failed", "An `expect memory...` bound does not hold under planc's "

@@ -64,22 +64,6 @@ def paused_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _shared_modules(order: list[str], data: dict[str, dict]) -> dict[str, tuple[str, ...]]:
-    """First path -> other paths of every module object registered more than once (or a
-    `None` child slot, which `named_modules` skips too: those are not sharing)."""
-    first = {id(data[p]["module"]): p for p in order}
-    found: dict[str, list[str]] = {}
-    for path in order:
-        for local, child in data[path]["module"]._modules.items():
-            if child is None:
-                continue
-            full = f"{path}.{local}" if path else local
-            known = first[id(child)]
-            if known != full:
-                found.setdefault(known, []).append(full)
-    return {k: tuple(v) for k, v in found.items()}
-
-
 class _Never:
     """A class nothing is an instance of."""
 
@@ -120,48 +104,28 @@ class ModelGraph:
     405B-shaped model (`benchmarks/compile_bench.py`).
     """
 
-    def __init__(self, order: list[str], data: dict[str, dict], own: dict[str, list[tuple[str, str]]],
+    def __init__(self, order: list[str], data: dict[str, tuple], own: dict[str, list[tuple[str, str]]],
                  params: dict[str, ParamInfo], aliases: dict[str, str], owners: dict[str, list[str]],
-                 model: nn.Module | None = None, sharded: dict[str, list[str]] | None = None,
-                 shared: dict[str, tuple[str, ...]] | None = None):
+                 children: dict[str, list[str]], child_names: dict[str, list[str]], end: dict[str, int],
+                 post: dict[str, int], model: nn.Module | None = None,
+                 sharded: dict[str, list[str]] | None = None, shared: dict[str, tuple[str, ...]] | None = None):
         self._order = tuple(order)    # module paths, pre-order (registration order)
-        self._data = data             # path -> cls, qualname, has_forward, pre, post, module
+        self._data = data             # path -> (cls name, qualname, has_forward, module)
         self._own = own               # path -> (local name, canonical name) of its own parameters
         self.params = params          # canonical name -> info
         self.aliases = aliases        # every name (canonical or tied alias) -> canonical
         self._owners = owners         # canonical name -> owner paths, pre-order
+        self._children = children     # path -> child paths, registration order
+        self._child_names = child_names
+        self._pre = {m: i for i, m in enumerate(self._order)}
+        self._end = end               # subtree of m = _order[pre(m) : _end[m]]
+        self._post = post             # post-order number
         self.model = model
         # What was already sharded when the graph was built (see `already_sharded`).
         self._sharded = sharded or {"fsdp": [], "dtensor": [], "checkpoint": []}
         # A module object registered at several paths: first path -> the other paths (see
         # `shared_modules`)
         self._shared = shared or {}
-        self._index()
-
-    def _index(self) -> None:
-        """Children, pre/post order and subtree extents, as dicts."""
-        mods = self._order
-        self._pre = {m: i for i, m in enumerate(mods)}
-        self._children: dict[str, list[str]] = {m: [] for m in mods}
-        self._child_names: dict[str, list[str]] = {m: [] for m in mods}
-        for m in mods[1:]:  # registration order: children appear in the pre-order list in order
-            parent, _, local = m.rpartition(".")
-            self._children[parent].append(m)
-            self._child_names[parent].append(local)
-        # subtree of m = _order[pre(m) : _end[m]], from a reverse sweep (children come later).
-        # Post-order number: the nodes finished before m are its subtree but itself, and every
-        # node entered before it except its ancestors (one per path segment).
-        pre, children = self._pre, self._children
-        end: dict[str, int] = {}
-        post: dict[str, int] = {}
-        for m in reversed(mods):
-            kids = children[m]
-            end[m] = end[kids[-1]] if kids else pre[m] + 1
-            depth = m.count(".") + 1 if m else 0
-            post[m] = pre[m] - depth + (end[m] - pre[m]) - 1
-            self._data[m]["post"] = post[m]
-        self._end = end
-        self._post = post
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -171,29 +135,52 @@ class ModelGraph:
 
     @classmethod
     def _from_module(cls, model: nn.Module) -> "ModelGraph":
+        """One walk: pre-order, children, parameters, what is already sharded; then one
+        reverse sweep for subtree extents and post-order numbers."""
         fsdp_module, dtensor, registry = _sharding_apis()
         order: list[str] = []
-        data: dict[str, dict] = {}
+        depths: list[int] = []
+        data: dict[str, tuple] = {}
         own: dict[str, list[tuple[str, str]]] = {}
+        children: dict[str, list[str]] = {}
+        child_names: dict[str, list[str]] = {}
         params: dict[str, ParamInfo] = {}
         aliases: dict[str, str] = {}
         owners: dict[str, list[str]] = {}
         seen: dict[int, str] = {}
+        visited: dict[int, str] = {}  # module id -> the path it was first seen at
+        shared: dict[str, list[str]] = {}
         sharded: dict[str, list[str]] = {"fsdp": [], "dtensor": [], "checkpoint": []}
-        # NOTE: named_modules() is pre-order in registration order; positions below depend on it.
         classes: dict[type, tuple[str, str, bool]] = {}  # a model has few classes and many modules
-        registered = 0  # child registrations: more than the modules found means sharing
-        for pre, (path, module) in enumerate(model.named_modules(remove_duplicate=True)):
-            registered += len(module._modules)
+        forward = nn.Module.forward
+        # NOTE: the walk is `named_modules(remove_duplicate=True)`'s: pre-order in registration
+        # order (children pushed in reverse), None children skipped, a module object seen
+        # before skipped with its subtree. Positions below depend on that order.
+        stack: list[tuple[str, str, nn.Module, int, str]] = [("", "", model, 0, "")]
+        while stack:
+            path, local_name, module, depth, parent = stack.pop()
+            key = id(module)
+            first = visited.get(key)
+            if first is not None:  # registered again here: one object, several paths (ALBERT)
+                shared.setdefault(first, []).append(path)
+                continue
+            visited[key] = path
             kind = type(module)
-            if kind not in classes:
-                classes[kind] = (kind.__name__, f"{kind.__module__}.{kind.__qualname__}",
-                                 kind.forward is not nn.Module.forward)
-            name, qualname, has_forward = classes[kind]
+            info = classes.get(kind)
+            if info is None:
+                info = classes[kind] = (kind.__name__, f"{kind.__module__}.{kind.__qualname__}",
+                                        kind.forward is not forward)
+            if path:  # leaves get no lists (most modules are leaves): see `children`
+                if parent in children:
+                    children[parent].append(path)
+                    child_names[parent].append(local_name)
+                else:
+                    children[parent] = [path]
+                    child_names[parent] = [local_name]
             order.append(path)
-            data[path] = {"cls": name, "qualname": qualname, "has_forward": has_forward, "pre": pre,
-                          "module": module}
-            mine = own[path] = []
+            depths.append(depth)
+            data[path] = (*info, module)
+            mine = None
             if isinstance(module, fsdp_module):
                 sharded["fsdp"].append(path)
             if "checkpoint" in (registry(module) or {}):  # torch's composable checkpoint
@@ -210,10 +197,27 @@ class ModelGraph:
                     if isinstance(p, dtensor):
                         sharded["dtensor"].append(canon)
                 aliases[full] = canon
+                if mine is None:
+                    mine = own[path] = []
                 mine.append((local, canon))
                 owners[canon].append(path)
-        shared = _shared_modules(order, data) if registered != len(order) - 1 else {}
-        return cls(order, data, own, params, aliases, owners, model, sharded, shared)
+            kids = [(name, child) for name, child in module._modules.items() if child is not None]
+            prefix = f"{path}." if path else ""
+            for name, child in reversed(kids):
+                stack.append((prefix + name, name, child, depth + 1, path))
+        # subtree of m = order[pre(m) : end[m]], from a reverse sweep (children come later).
+        # Post-order number: the nodes finished before m are its subtree but itself, and every
+        # node entered before it except its ancestors (one per level).
+        end: dict[str, int] = {}
+        post: dict[str, int] = {}
+        for pre in range(len(order) - 1, -1, -1):
+            m = order[pre]
+            kids = children.get(m)
+            e = end[kids[-1]] if kids else pre + 1
+            end[m] = e
+            post[m] = pre - depths[pre] + (e - pre) - 1
+        return cls(order, data, own, params, aliases, owners, children, child_names, end, post, model, sharded,
+                   {k: tuple(v) for k, v in shared.items()})
 
     @property
     def shared_modules(self) -> dict[str, tuple[str, ...]]:
@@ -230,12 +234,15 @@ class ModelGraph:
         `("param", canonical name)` (`kind="param"`), and edges parent -> child and module ->
         parameter labelled with the local `name`. A tied parameter has two in-edges."""
         graph = nx.DiGraph()
-        graph.add_nodes_from((path, {"kind": "module", **self._data[path]}) for path in self._order)
+        graph.add_nodes_from((path, {"kind": "module", "cls": self.cls(path), "qualname": self.qualname(path),
+                                     "has_forward": self.has_forward(path), "pre": self.pre(path),
+                                     "post": self.post(path), "module": self.module(path)})
+                             for path in self._order)
         graph.add_nodes_from((("param", canon), {"kind": "param"}) for canon in self.params)
         graph.add_edges_from((path.rpartition(".")[0], path, {"name": path.rpartition(".")[2]})
                              for path in self._order[1:])
         graph.add_edges_from((path, ("param", canon), {"name": local})
-                             for path in self._order for local, canon in self._own[path])
+                             for path in self._order for local, canon in self.own_params(path))
         return graph
 
     def describes(self, model: nn.Module) -> bool:
@@ -254,9 +261,8 @@ class ModelGraph:
         canon_of_id: dict[int, str] = {}
         names = 0
         for path in self._order:
-            data = self._data[path]
             module = modules.get(path)
-            if module is not data["module"] or type(module).__name__ != data["cls"]:
+            if module is not self.module(path) or type(module).__name__ != self.cls(path):
                 return False
             if "checkpoint" in (registry(module) or {}) and path not in checkpointed:
                 return False
@@ -289,23 +295,23 @@ class ModelGraph:
 
     def children(self, path: str) -> list[str]:
         """Child module paths in registration order."""
-        return self._children[path]
+        return self._children.get(path) or []
 
     def child_names(self, path: str) -> list[str]:
-        return self._child_names[path]
+        return self._child_names.get(path) or []
 
     def own_params(self, path: str) -> list[tuple[str, str]]:
         """(local name, canonical name) of parameters registered directly on the module."""
-        return self._own[path]
+        return self._own.get(path) or []
 
     def cls(self, path: str) -> str:
-        return self._data[path]["cls"]
+        return self._data[path][0]
 
     def qualname(self, path: str) -> str:
-        return self._data[path]["qualname"]
+        return self._data[path][1]
 
     def has_forward(self, path: str) -> bool:
-        return self._data[path]["has_forward"]
+        return self._data[path][2]
 
     def pre(self, path: str) -> int:
         return self._pre[path]
@@ -314,7 +320,7 @@ class ModelGraph:
         return self._post[path]
 
     def module(self, path: str) -> nn.Module:
-        return self._data[path]["module"]
+        return self._data[path][3]
 
     def subtree(self, path: str) -> Iterator[str]:
         """`path` and every module below it, pre-order."""
@@ -358,15 +364,15 @@ class ModelGraph:
     def subtree_params(self, path: str) -> set[str]:
         """Canonical names of all parameters in the subtree of `path`."""
         own = self._own
-        return {c for m in self.subtree(path) for _, c in own[m]}
+        return {c for m in self.subtree(path) for _, c in own.get(m, ())}
 
     @cached_property
     def subtree_numel(self) -> dict[str, int]:
         """Parameter count of each module's subtree (tied parameters counted once)."""
         result: dict[str, int] = {}
         for path in sorted(self._order, key=self._post.__getitem__):
-            own = {c for _, c in self._own[path]}
-            result[path] = sum(self.params[c].numel for c in own) + sum(result[c] for c in self._children[path])
+            own = {c for _, c in self.own_params(path)}
+            result[path] = sum(self.params[c].numel for c in own) + sum(result[c] for c in self.children(path))
         for canon, owners in self.tied.items():  # undo double counts above the meeting point
             numel = self.params[canon].numel
             seen_paths: dict[str, int] = {}

@@ -249,7 +249,7 @@ def _joined_fullmatches(pattern: str, names: list[str], deadline: float) -> set[
 
 def _regex_hits(graph: ModelGraph, base: st.Regex, kind: str) -> tuple[set[str], list[Diagnostic]]:
     """Module paths (`kind="modules"`, never the root) or parameter names (`"params"`, aliases
-    included) that `base` fully matches, within `REGEX_BUDGET_S` for all of them (P209)."""
+    included) that `base` fully matches, within `REGEX_BUDGET_S` for all of them (P212)."""
     rx, error = _regex(base.pattern, base.span)
     if error:
         return set(), [error]
@@ -274,7 +274,7 @@ def _regex_hits(graph: ModelGraph, base: st.Regex, kind: str) -> tuple[set[str],
     if cache[key] is None:
         what = "module paths" if kind == "modules" else "parameter names"
         return set(), [Diagnostic(
-            code="P209", severity="error", span=base.span, label="too slow to match",
+            code="P212", severity="error", span=base.span, label="too slow to match",
             message=f"regular expression `{base}` did not finish matching the model's {what} "
                     f"within {REGEX_BUDGET_S:g} s",
             help=("a repeated group whose body can match the same text several ways (`(a+)+`, `(.*)*`, "
@@ -452,7 +452,7 @@ def match_modules(graph: ModelGraph, sel: st.Selector, *, optional: bool = False
         paths -= removed
     if paths and not optional and isinstance(sel.base, st.Path):
         out.diagnostics.extend(_dead_alternatives(graph, sel.base, "module"))
-    if not paths and not optional and not any(d.code in ("P202", "P105", "P209") for d in out.diagnostics):
+    if not paths and not optional and not any(d.code in ("P202", "P105", "P212") for d in out.diagnostics):
         why = ("of the " + str(matched) + " module(s) its path matches, none passes " +
                ("the class guard" if sel.guard else "the size predicate" if sel.where else "its exclusions"))
         if sel.guard:
