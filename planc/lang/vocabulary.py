@@ -6,7 +6,7 @@ and the TextMate grammar (`editors/plan.tmLanguage.json`) read their word lists 
 needs torch for the dtypes) and the keywords of `grammar/plan.lark`. A new option is named
 in `OPTIONS` here and specified in `options.OPTIONS`; then regenerate the editor grammar:
 
-    python -m planc.lang.vocabulary --tmlanguage   # rewrites editors/plan.tmLanguage.json
+    python -m planc.lang.vocabulary --tmlanguage   # rewrites editors/plan.tmLanguage.json (and VS Code's copy)
 """
 
 from __future__ import annotations
@@ -72,16 +72,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] != "--tmlanguage":
         print("usage: python -m planc.lang.vocabulary --tmlanguage [--check] [PATH]", file=sys.stderr)
         return 2
-    path = Path(args[1]) if len(args) > 1 else Path(__file__).resolve().parents[2] / "editors" / TMLANGUAGE
-    text = path.read_text(encoding="utf-8")
-    fresh = tmlanguage_text(text)
+    editors = Path(__file__).resolve().parents[2] / "editors"
+    # the VS Code extension ships its own copy (an extension cannot reach outside its folder)
+    paths = [Path(args[1])] if len(args) > 1 else [editors / TMLANGUAGE, editors / "vscode" / "syntaxes" / TMLANGUAGE]
+    template = paths[0].read_text(encoding="utf-8")
+    fresh = tmlanguage_text(template)
+    stale = [p for p in paths if not p.exists() or p.read_text(encoding="utf-8") != fresh]
     if check:
-        if fresh != text:
-            print(f"{path}: stale; run python -m planc.lang.vocabulary --tmlanguage", file=sys.stderr)
-            return 1
-        return 0
-    if fresh != text:
-        path.write_text(fresh, encoding="utf-8")
+        for p in stale:
+            print(f"{p}: stale; run python -m planc.lang.vocabulary --tmlanguage", file=sys.stderr)
+        return 1 if stale else 0
+    for p in stale:
+        p.write_text(fresh, encoding="utf-8")
     return 0
 
 
