@@ -317,6 +317,9 @@ def main(args) -> int:
     if args.plot:
         from planc.plot import plot_step
         plot_step(est, args.plot, measured=measured)
+    if getattr(args, "html", None):
+        from planc.report_html import write_html
+        write_html(args.html, data, c, est, measured)
     warnings = [d for d in diags if not d.is_error]
     failed = [d for d in diags if d.is_error]  # expectations only (others stopped above)
     if failed or (warnings and args.format == "text"):
