@@ -5,6 +5,9 @@
   without and with gradient accumulation: the logged losses and gradient norms equal the
   same Trainer run unsharded in one process on the same global batches, the model is not
   wrapped again (no DDP), and every parameter is a DTensor placed as the plan says.
+* Lightning (`lightning` 2.x) `ModelParallelStrategy` on gloo/CPU, the plan applied in
+  `configure_model` on Lightning's device mesh (planc.integrations.lightning): 3 AdamW steps
+  whose losses, averaged over the ranks, are the unsharded Lightning run's.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from distributed import run  # noqa: E402
-from trainer_workers import hf_trainer_both, hf_trainer_run  # noqa: E402
+from trainer_workers import hf_trainer_both, hf_trainer_run, lightning_run  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -52,3 +55,25 @@ def test_trainer_keeps_the_plans_sharding(sharded):
                                            "model.layers.1", "model.norm"]
     # plans/llama.plan places nothing explicitly: every parameter Shard(0) on the `shard` mesh
     assert got["placements"] and all(p == (("shard",), ("S(0)",)) for p in got["placements"].values())
+
+
+@pytest.fixture(scope="module")
+def lightning_sharded():
+    pytest.importorskip("lightning")
+    return run(lightning_run, WORLD)
+
+
+def test_lightning_model_parallel_matches_unsharded(lightning_sharded):
+    """Lightning's `ModelParallelStrategy` (gloo, CPU) with the plan applied in `configure_model`:
+    the mean of the ranks' losses is the unsharded run's loss at every step, on the same tokens."""
+    reference = lightning_run(0, 1)
+    ranks = lightning_sharded
+    for step in range(3):
+        assert sorted(ranks[0]["seen"][step] + ranks[1]["seen"][step]) == sorted(reference["seen"][step])
+    mean = [sum(r["losses"][i] for r in ranks) / WORLD for i in range(3)]
+    assert close(mean, reference["losses"]), (mean, reference["losses"])
+    got = ranks[0]
+    assert got["fsdp"] == got["units"] == ["", "lm_head", "model.embed_tokens", "model.layers.0",
+                                           "model.layers.1", "model.norm"]
+    # sharded on Lightning's own mesh: its `data_parallel` dimension, Shard(0) as the plan says
+    assert all(p == (("data_parallel",), ("S(0)",)) for p in got["placements"].values())

@@ -77,3 +77,62 @@ def hf_trainer_run(rank: int, world: int, accumulate: int = 1) -> dict:
 def hf_trainer_both(rank: int, world: int) -> dict:
     """The sharded run without and with gradient accumulation (one launch for both)."""
     return {acc: hf_trainer_run(rank, world, acc) for acc in (1, 2)}
+
+
+def lightning_run(rank: int, world: int) -> dict:
+    """hf:llama-tiny trained STEPS steps by Lightning; per-rank losses, placements after.
+
+    world > 1: `ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)` and
+    plans/llama.plan (fp32) applied in `configure_model`; world 1: Lightning's default strategy
+    on one CPU process, unsharded.
+    """
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from planc.hf import build_hf_model
+
+    class LitLlama(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = build_hf_model("llama-tiny", device="cpu")
+            self.losses: list[float] = []
+            self.units: list[str] = []
+            self.seen: list = []
+
+        def configure_model(self):
+            if world > 1:
+                from planc.integrations.lightning import shard_in_configure_model
+                applied = shard_in_configure_model(self.model, llama_fp32_plan(), self.device_mesh)
+                self.units = sorted(applied.unit_of_module)
+
+        def training_step(self, batch, _):
+            loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
+            self.losses.append(loss.item())
+            self.seen.append(batch["input_ids"][:, 0].tolist())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=LR)
+
+    module = LitLlama()
+    # Lightning's own DistributedSampler shuffles training data (seeded); this one deals the
+    # samples in order, rank r taking r, r + world, ...: each global batch is the reference's.
+    samples = dataset(module.model.config.vocab_size)
+    sampler = DistributedSampler(samples, num_replicas=world, rank=rank, shuffle=False) if world > 1 else None
+    data = DataLoader(samples, batch_size=GLOBAL_BATCH // world, sampler=sampler, shuffle=False)
+    if world > 1:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    else:
+        strategy = "auto"
+    with tempfile.TemporaryDirectory() as out:
+        trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=out,
+                             use_distributed_sampler=False)
+        trainer.fit(module, data)
+    from torch.distributed.fsdp import FSDPModule
+    return {"losses": module.losses, "seen": module.seen, "units": module.units, "placements": placements(module.model),
+            "fsdp": sorted(n for n, m in module.model.named_modules() if isinstance(m, FSDPModule))}
