@@ -45,11 +45,11 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _llama405b import TORCHTITAN_PLAN, llama405b  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import planc  # noqa: E402
-from _llama405b import TORCHTITAN_PLAN, llama405b  # noqa: E402
 from tests.distributed import run  # noqa: E402
 from tests.proof_workers import torchtitan_fsdp  # noqa: E402
 

@@ -38,8 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import planc  # noqa: E402
 from planc.compiler import CompiledPlan  # noqa: E402
-from planc.graph import ModelGraph  # noqa: E402
-
+from planc.model.graph import ModelGraph  # noqa: E402
 
 # Rules for the synthetic tree, in the order plans of 1, 4 and 16 rules take them. Together
 # they use every selector form: `*`, `**`, slices, alternation, globs, class guards, regexes,
@@ -209,7 +208,8 @@ def main(argv=None) -> int:
         GRAPH_CACHE.clear()
 
     print(f"llama405b built on meta in {build_ms:.0f} ms")
-    header = f"{'model':<10} {'modules':>8} {'plan':<11} {'graph ms':>9} {'compile ms':>11} {'us/module':>10} {'units':>6} {'errors':>6}"
+    header = (f"{'model':<10} {'modules':>8} {'plan':<11} {'graph ms':>9} {'compile ms':>11} {'us/module':>10} "
+              f"{'units':>6} {'errors':>6}")
     print(header)
     print("-" * len(header))
     for r in rows:

@@ -30,8 +30,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import planc
-    from planc import memory, zoo
-    from planc.simulate import simulate, zoo_inputs
+    from planc import zoo
+    from planc.analysis.simulate import simulate, zoo_inputs
+    from planc.estimate import memory
 
     builder = zoo.seed_transformer_tiny if args.quick else zoo.seed_transformer
     shape = (2, 16) if args.quick else (2, 512)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import planc
-from planc.models import ModelLoadError, build_model
+from planc.model.build import ModelLoadError, build_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

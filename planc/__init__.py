@@ -1,9 +1,10 @@
 """planc: a compiler for declarative FSDP2 sharding plans.
 
-The pipeline, one module per stage:
+The pipeline, one package per stage (docs/architecture.md):
 
-    grammar/plan.lark -> parse -> syntax -> graph -> resolve -> validate -> memory
-                      -> apply / emit -> cli
+    grammar/plan.lark -> lang (parse -> syntax tree) -> model (graph) -> resolve (IR)
+        -> checks -> lower (the lowered program) -> analysis (trace, memory, explain)
+        -> backends (apply, materialize, emit) -> cli
 
 Public API, shaped like the `json` module: `load(path)`, `loads(text)`, then
 `compile(plan, model)` and `apply(model, plan)`.
@@ -11,8 +12,8 @@ Public API, shaped like the `json` module: `load(path)`, `loads(text)`, then
 
 from planc.compiler import CompiledPlan, compile
 from planc.diagnostics import Diagnostic, PlanError, Span
-from planc.graph import ModelGraph
-from planc.parse import load, loads
+from planc.lang.parse import load, loads
+from planc.model.graph import ModelGraph
 
 __all__ = ["CompiledPlan", "Diagnostic", "ModelGraph", "PlanError", "Span", "apply", "compile",
            "load", "loads", "materialize"]
@@ -22,7 +23,10 @@ __version__ = "0.1.0"
 def __getattr__(name):
     # `apply` and `materialize` import torch.distributed; keep `import planc` light for the
     # compiler-only uses (CI checks, editors).
-    if name in ("apply", "materialize", "AppliedPlan"):
-        from planc import runtime as _apply_mod
-        return getattr(_apply_mod, name)
+    if name in ("apply", "AppliedPlan"):
+        from planc.backends import runtime
+        return getattr(runtime, name)
+    if name == "materialize":
+        from planc.backends.materialize import materialize
+        return materialize
     raise AttributeError(name)

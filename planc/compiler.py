@@ -11,13 +11,15 @@ from functools import cached_property
 
 from torch import nn
 
-from planc import syntax as st
-from planc.diagnostics import Diagnostic, PlanError
-from planc.graph import ModelGraph, paused_gc
-from planc.ir import Mesh, Resolution, Unit
-from planc.parse import load
-from planc.resolve import resolve
-from planc.validate import Context, check_mesh, metric_problems, validate
+from planc.checks.validate import Context, check_mesh, metric_problems, validate
+from planc.diagnostics import Diagnostic, PlanError, sort_diagnostics
+from planc.lang import syntax as st
+from planc.lang.parse import load
+from planc.lower.lowering import lower
+from planc.lower.program import Program
+from planc.model.graph import ModelGraph, paused_gc
+from planc.resolve.ir import Mesh, Resolution, Unit
+from planc.resolve.resolver import resolve
 
 
 class CompiledPlan:
@@ -64,18 +66,18 @@ class CompiledPlan:
             return sort_diagnostics(diags + validate(ctx))
 
     def _metric(self, name: str, world: int | None, input_shape: tuple[int, ...] | None = None) -> float | None:
-        from planc.memory import metric  # the memory model is only built when a plan asks
+        from planc.estimate.memory import metric  # the memory model is only built when a plan asks
         return metric(self, name, world, input_shape)
 
     def memory_at(self, world: int | None = None, input_shape: tuple[int, ...] | None = None):
         """The memory estimate at `world` ranks (default: this plan's world size), activations
         traced for a (batch, seq) `input_shape` as `planc explain --input-shape` traces them,
         or left out without one. Cached per (world, input shape), so several `expect` lines
-        trace the model once. Raises `planc.trace.TraceError` when the model cannot run on
+        trace the model once. Raises `planc.estimate.trace.TraceError` when the model cannot run on
         that input.
         """
-        from planc.memory import estimate
-        from planc.trace import TraceError
+        from planc.estimate.memory import estimate
+        from planc.estimate.trace import TraceError
         world = world or self.world_size or 1
         key = (world, None if input_shape is None else tuple(input_shape))
         if key not in self._estimates:
@@ -87,6 +89,20 @@ class CompiledPlan:
         if isinstance(found, TraceError):
             raise found
         return found
+
+    @cached_property
+    def program(self) -> Program:
+        """The lowered program every backend runs (`planc/lower/`).
+
+        Only a plan without errors lowers to a meaningful program: callers check `ok` (or
+        `raise_for_errors()`) first, as `planc.apply` and `planc emit` do.
+
+        Raises:
+            ValueError: the plan was compiled without a model.
+        """
+        if self.graph is None:
+            raise ValueError("a plan is lowered against a model: compile it with one")
+        return lower(self.resolution, self.graph)
 
     # ----------------------------------------------------------------- results
     @property
@@ -121,11 +137,6 @@ class CompiledPlan:
 
     def __repr__(self) -> str:
         return f"<CompiledPlan {self.plan.file}: {len(self.units)} units, {len(self.errors)} errors>"
-
-
-def sort_diagnostics(diags: list[Diagnostic]) -> list[Diagnostic]:
-    """Source order (file, line, column), as a reader goes through the plan; stable."""
-    return sorted(diags, key=lambda d: (d.span.file, d.span.line, d.span.column) if d.span else ("", 0, 0))
 
 
 def check_expects_without_model(ctx: Context):

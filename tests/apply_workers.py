@@ -11,11 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from training import batches, clip_grad_norm, next_token_loss, train
 
 import planc
 from planc import zoo
-
-from training import batches, clip_grad_norm, next_token_loss, train
 
 
 def example_clip(model: nn.Module, max_norm: float, world: int) -> torch.Tensor:
@@ -116,15 +115,15 @@ def _same(a: dict, b: dict) -> list[str]:
 
 def refusals(rank: int, world: int, cases: list[tuple[str, str, str, bool]]) -> dict:
     """Apply each bad (case, plan text, builder, pass a 1-D mesh) and check nothing changed."""
-    from planc.runtime import build_mesh
-    from planc.ir import Mesh
+    from planc.backends.runtime import build_mesh
+    from planc.resolve.ir import Mesh
 
     out = {}
     for case, text, builder, pass_mesh in cases:
         torch.manual_seed(0)
         model = zoo.ZOO[builder]()
         before = _snapshot(model)
-        mesh = build_mesh(Mesh(1, None)) if pass_mesh else None
+        mesh = build_mesh(Mesh.data_parallel(1, None)) if pass_mesh else None
         try:
             planc.apply(model, planc.loads(text, filename=case), mesh=mesh)
             codes, message = None, ""

@@ -1,4 +1,4 @@
-"""`planc.runtime` in this process: kwargs per unit, refusals, device choice, materialize.
+"""`planc.backends.runtime` in this process: kwargs per unit, refusals, device choice, materialize.
 
 Multi-rank behaviour (placements, parity with unsharded training) is in test_apply_dist.py.
 Tests that shard use a real one-rank gloo process group, made here and torn down after.
@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import planc
 from planc import zoo
-from planc.runtime import build_mesh, device_type, fully_shard_kwargs, materialize, unit_modules
+from planc.backends.materialize import materialize
+from planc.backends.runtime import build_mesh, device_type, fully_shard_kwargs, unit_modules
 
 MOE = """model planc.zoo:moe_transformer
 defaults { precision param = bf16, reduce = fp32, output = fp32, cast_inputs = true }
@@ -83,7 +84,7 @@ def test_fully_shard_kwargs_say_what_the_plan_says(one_rank):
     model = zoo.moe_transformer_tiny()
     compiled = planc.compile(planc.loads(MOE), model, 1)
     mesh = build_mesh(compiled.mesh)
-    kwargs = {u.name: fully_shard_kwargs(u, compiled, model, mesh) for u in compiled.units}
+    kwargs = {op.name: fully_shard_kwargs(op, model, mesh) for op in compiled.program.units}
     assert list(kwargs) == ["tok_embeddings", "layers.0", "layers.1", "[norm, output]", "<root>"]
     layer = kwargs["layers.0"]
     assert layer["mesh"] is mesh
@@ -237,7 +238,7 @@ def test_checkpoint_and_compile_wrap_the_named_modules_in_place(one_rank):
 
 
 def test_materialize_keeps_offloaded_shards_on_the_cpu(one_rank):
-    from planc.runtime import _offloaded_params
+    from planc.backends.materialize import _offloaded_params
     with torch.device("meta"):
         model = zoo.seed_transformer_tiny()
     text = (ROOT / "plans/seed.plan").read_text() + "unit transformer_layers[-1:] { offload cpu, pin_memory = false }\n"

@@ -14,14 +14,13 @@ from __future__ import annotations
 import functools
 import pathlib
 
+import apply_workers as W
 import pytest
 import torch
+from distributed import run
 
 import planc
 from planc import zoo
-
-import apply_workers as W
-from distributed import run
 
 pytestmark = pytest.mark.dist
 
@@ -105,7 +104,7 @@ def test_placements_and_shard_shapes(zoo_runs, case):
     compiled = _compiled(case)
     hsdp = compiled.mesh.is_hsdp
     placed = {name: dim for name, (dim, _) in compiled.resolution.placements.items()}
-    for rank, result in enumerate(zoo_runs):
+    for _rank, result in enumerate(zoo_runs):
         got = result[case]
         assert got["mesh_names"] == (("replicate", "shard") if hsdp else ("shard",))
         assert got["mesh_shape"] == ((2, 1) if hsdp else (2,))
@@ -147,7 +146,8 @@ def test_units_and_settings_read_back(zoo_runs, case):
             assert all(g == mp for g in u["mp"])
             offload = ("CPUOffloadPolicy", False) if unit["offload"] else ("OffloadPolicy", None)
             assert all(g == offload for g in u["offload"])  # pin_memory: off on a CPU mesh
-            want = _effective_reshard(unit.reshard_after_forward, result[case]["mesh_shape"][-1])
+            policy = compiled.program.unit(unit.name).policy
+            want = _effective_reshard(policy.reshard_after_forward, result[case]["mesh_shape"][-1])
             assert all(g == want and type(g) is type(want) for g in u["reshard"]), (u["reshard"], want)
             assert u["prefetch_forward"] == list(res.prefetch_forward.get(unit.name, ()))
             assert u["prefetch_backward"] == list(res.prefetch_backward.get(unit.name, ()))

@@ -10,13 +10,12 @@ resumed from the checkpoint takes the next step exactly as the uninterrupted one
 
 from __future__ import annotations
 
+import proof_workers
 import pytest
 import torch
+from distributed import run
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.tensor import Shard
-
-import proof_workers
-from distributed import run
 
 
 def assert_identical(actual, expected, where: str = "") -> None:

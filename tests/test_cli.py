@@ -226,8 +226,8 @@ def test_tree_with_a_broken_plan_shows_why():
 
 
 def test_carets_line_up_under_tabs_and_long_lines():
-    from planc.parse import loads_with_diagnostics
-    from planc.render import render_text
+    from planc.diagnostics.render import render_text
+    from planc.lang.parse import loads_with_diagnostics
     for text, col in [("\tunit [a,\tb\n", 12), ("unit " + "a." * 300 + "b @\n", 608)]:
         plan, diags = loads_with_diagnostics(text, "x.plan")
         shown = render_text(diags[:1], dict(plan.sources)).splitlines()

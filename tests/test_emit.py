@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import planc
-from planc import emit, runtime
-from planc.emit import emit_python, expression
-from planc.models import build_model
+from planc.backends import emit
+from planc.backends.emit import emit_python, expression
+from planc.model.build import build_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "emit"
@@ -116,15 +116,30 @@ def test_prefetch_chains_become_index_loops():
     assert "for i in range(7, 1, -1):" in source
 
 
-def test_kwargs_come_from_the_runtime_function(monkeypatch):
-    # an argument the runtime adds that emit cannot print is an error, never dropped silently
-    real = runtime.fully_shard_kwargs
+def test_an_op_emit_cannot_print_is_an_error():
+    # a new kind of operation in the program without a printer is refused, never dropped
+    import dataclasses
 
-    def more(*args, **kwargs):
-        return {**real(*args, **kwargs), "dp_mesh_dims": object()}
-    monkeypatch.setattr(runtime, "fully_shard_kwargs", more)
-    with pytest.raises(emit.EmitError, match="dp_mesh_dims"):
-        emitted("plans/seed.plan")
+    @dataclasses.dataclass(frozen=True)
+    class NewOp:
+        unit: str
+
+    compiled = planc.compile(planc.load(ROOT / "plans/seed.plan"), build_model("planc.zoo:seed_transformer_tiny"))
+    program = compiled.program
+    compiled.__dict__["program"] = dataclasses.replace(program, ops=program.ops + (NewOp("<root>"),))
+    with pytest.raises(emit.EmitError, match="NewOp"):
+        emit_python(compiled)
+
+
+def test_unit_methods_are_printed_after_sharding():
+    text = ("model planc.zoo:seed_transformer_tiny\nunit transformer_layers.*\n"
+            "defaults { reduction divide_factor = 1.0, force_sum = true }\n")
+    source = emitted("<t>", text=text)
+    assert "    model.set_gradient_divide_factor(1.0)\n" in source
+    assert "    model.set_force_sum_reduction_for_comms(True)\n" in source
+    loop = source[source.index("    for block in model.transformer_layers:", source.rindex("fully_shard(")):]
+    assert "block.set_gradient_divide_factor(1.0)" in loop and "block.set_force_sum_reduction_for_comms(True)" in loop
+    assert source.index("set_gradient_divide_factor") > source.rindex("fully_shard(")
 
 
 def test_pin_memory_follows_the_mesh_device_as_in_apply():

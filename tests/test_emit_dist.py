@@ -12,20 +12,18 @@ every parameter's DTensor placements, local shard shape, dtype and device. Cases
 from __future__ import annotations
 
 import pathlib
-
-import pytest
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
+from distributed import run
 from torch import nn
 
 import planc
 from planc import zoo
-from planc.emit import emit_python
-from planc.models import build_model
-
-from distributed import run
+from planc.backends.emit import emit_python
+from planc.model.build import build_model
 
 pytestmark = pytest.mark.dist
 
@@ -68,12 +66,17 @@ CASES = {
     "moe_everything": ("tests/golden/emit/moe_everything.plan", "planc.zoo:moe_transformer_tiny", False),
     "moe_everything_no_compile": ("tests/golden/emit/moe_everything.plan", "planc.zoo:moe_transformer_tiny", True),
     "dict_layers": (DICT_PLAN, "test_emit_dist:NumberedDictModel", True),
+    # a setting made by an FSDPModule method (sum the gradients, as torchtitan's loss needs);
+    # force_sum: gloo has no PREMUL_SUM
+    "reduction": ("plans/seed.plan", "planc.zoo:seed_transformer_tiny", True),
 }
 
 
 def _plan_text(case: str) -> str:
     path, _, _ = CASES[case]
     text = path if "\n" in path else (ROOT / path).read_text(encoding="utf-8")
+    if case == "reduction":
+        text += "\ndefaults { reduction divide_factor = 1.0, force_sum = true }\n"
     if case.endswith("_no_compile"):
         text = "\n".join(line for line in text.splitlines() if not line.startswith("compile "))
     return text
@@ -93,7 +96,7 @@ def read_back(model: torch.nn.Module) -> dict:
             state = module._get_fsdp_state()
             states.setdefault(id(state), (state, []))[1].append(name)
     key_of = {sid: tuple(sorted(names)) for sid, (_, names) in states.items()}
-    for sid, (state, names) in states.items():
+    for sid, (state, _names) in states.items():
         groups = state._fsdp_param_groups
         units[key_of[sid]] = {
             "state_modules": tuple(module_name[id(m)] for m in state._modules),
@@ -104,6 +107,7 @@ def read_back(model: torch.nn.Module) -> dict:
                         for g in groups],
             "reshard": [None if g.post_forward_mesh_info is None else g.post_forward_mesh_info.shard_mesh_size
                         for g in groups],
+            "reduction": [(g.gradient_divide_factor, g.force_sum_reduction_for_comms) for g in groups],
             "prefetch_forward": [key_of[id(s)] for s in state._states_to_forward_prefetch or []],
             "prefetch_backward": [key_of[id(s)] for s in state._states_to_backward_prefetch or []],
         }
@@ -205,5 +209,12 @@ def test_the_comparison_is_not_vacuous(results):
     assert hsdp["params"]["embedding.weight"]["placements"] == ("Replicate()", "Shard(dim=0)")
     numbered = results[0]["dict_layers"]["emit"]["before_step"]["units"]
     assert {("layers.0",), ("layers.0.0",), ("out", "tok")} <= set(numbered)
+    summed = results[0]["reduction"]["emit"]
+    # every unit with parameters (the root here has none: no parameter group) sums
+    assert {tuple(u["reduction"]) for u in summed["before_step"]["units"].values()} == {((1.0, True),), ()}
+    assert {tuple(u["reduction"]) for u in seed["units"].values()} == {((None, False),), ()}
+    mean = results[0]["seed"]["emit"]["step"]["grads"]
+    for name, grad in summed["step"]["grads"].items():  # summed over 2 ranks, not averaged
+        assert torch.allclose(grad, WORLD * mean[name], rtol=1e-5, atol=1e-7), name
     tied = results[0]["gpt_tied"]["emit"]["before_step"]
     assert ("lm_head", "ln_f", "wte") in tied["units"]

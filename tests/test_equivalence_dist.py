@@ -7,12 +7,12 @@ steps on 2 gloo ranks; the structure FSDP2 actually built is read back from its 
 
 from __future__ import annotations
 
+import proof_workers
 import pytest
 import torch
+from distributed import run
 
 import planc
-import proof_workers
-from distributed import run
 from planc import zoo
 
 STEPS = 3
@@ -29,7 +29,7 @@ def test_torchtitan_plan_resolves_to_the_recipe():
         assert (unit["param_dtype"], unit["reduce_dtype"], unit["cast_inputs"]) == \
             (torch.bfloat16, torch.float32, False)
         # torchtitan: blocks and embedding reshard; [norm, output] and the root do not.
-        assert unit.reshard_after_forward is (unit.modules not in (("norm", "output"), ("",)))
+        assert compiled.program.unit(unit.name).policy.reshard_after_forward is (unit.modules not in (("norm", "output"), ("",)))
 
 
 @pytest.fixture(scope="module")

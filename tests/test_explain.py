@@ -75,7 +75,7 @@ def test_every_setting_names_its_plan_line(monkeypatch):
     lines = (ROOT / "plans" / "seed.plan").read_text().splitlines()
 
     def line_of(text: str) -> str:
-        return f"plans/seed.plan:{next(i for i, l in enumerate(lines, 1) if l.startswith(text))}"
+        return f"plans/seed.plan:{next(i for i, line in enumerate(lines, 1) if line.startswith(text))}"
     tail = units["[norm, output]"]["settings"]["reshard_after_forward"]
     assert (tail["value"], tail["set_by"], tail["line"]) == ("false", "unit [norm, output]",
                                                             line_of("unit [norm, output]"))

@@ -19,10 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
-from planc import fmt
+from planc.cli import fmt as fmt_cli
 from planc.diagnostics import PlanError
-from planc.fmt import format_plan, strip_spans
-from planc.parse import parse_text
+from planc.lang import fmt
+from planc.lang.fmt import format_plan, strip_spans
+from planc.lang.parse import parse_text
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "fmt"
@@ -52,7 +53,7 @@ def run_fmt(*argv: str) -> tuple[int, str]:
     args = argparse.Namespace(plans=[a for a in argv if a != "--check"], check="--check" in argv)
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        code = fmt.main(args)
+        code = fmt_cli.main(args)
     return code, out.getvalue()
 
 

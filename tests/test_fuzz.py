@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from planc import zoo
 from planc.compiler import CompiledPlan
 from planc.diagnostics import CODES
-from planc.graph import ModelGraph
-from planc.parse import MAX_PLAN_BYTES, load_with_diagnostics, loads_with_diagnostics
-from planc.render import render_github, render_json, render_text
+from planc.diagnostics.render import render_github, render_json, render_text
+from planc.lang.parse import MAX_PLAN_BYTES, load_with_diagnostics, loads_with_diagnostics
+from planc.model.graph import ModelGraph
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SLOW = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

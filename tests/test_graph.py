@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from planc import zoo
-from planc.graph import ModelGraph
+from planc.model.graph import ModelGraph
 
 
 def gpt() -> ModelGraph:

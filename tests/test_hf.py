@@ -19,8 +19,8 @@ pytest.importorskip("transformers")
 
 import planc  # noqa: E402
 from planc import cli  # noqa: E402
-from planc.hf import build_hf_model, shipped_configs  # noqa: E402
-from planc.models import ModelLoadError, build_model  # noqa: E402
+from planc.model.build import ModelLoadError, build_model  # noqa: E402
+from planc.model.hf import build_hf_model, shipped_configs  # noqa: E402
 
 # plan -> (realistic config, its unit count, tiny config, its unit count)
 PLANS = {
@@ -90,7 +90,7 @@ def test_llama_plan_is_torchtitans_recipe(root, models, config, layers):
         assert unit.settings["reduce_dtype"].value == torch.float32
         assert unit.settings["cast_inputs"].value is False
         # torchtitan: blocks and embedding reshard; the [norm, output] tail and the root do not
-        assert unit.reshard_after_forward is (unit.modules[0].startswith("model.embed_tokens")
+        assert compiled.program.unit(unit.name).policy.reshard_after_forward is (unit.modules[0].startswith("model.embed_tokens")
                                               or unit.modules[0].startswith("model.layers."))
         assert unit.settings["offload"].value is False
 

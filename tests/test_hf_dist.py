@@ -54,7 +54,7 @@ def build(config: str) -> torch.nn.Module:
     copy in a temporary folder (build_hf_model takes a path as well as a shipped name).
     """
     os.environ["HF_HUB_OFFLINE"] = "1"
-    from planc.hf import build_hf_model, shipped_configs
+    from planc.model.hf import build_hf_model, shipped_configs
     with tempfile.TemporaryDirectory() as folder:
         ref = config
         if config in NO_DROPOUT:
@@ -93,9 +93,10 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _case(rank: int, world: int, config: str, plan_path: str, extra: str) -> dict:
-    import planc
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
+
+    import planc
 
     model = build(config)
     tied = {"built": ties(model)}

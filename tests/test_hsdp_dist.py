@@ -7,12 +7,11 @@ once, which is what data parallelism promises to reproduce (up to float32 roundi
 
 from __future__ import annotations
 
+import proof_workers
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard
-
-import proof_workers
 from distributed import run
+from torch.distributed.tensor import Replicate, Shard
 
 STEPS = 2
 WORLD = 4

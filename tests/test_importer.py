@@ -12,17 +12,21 @@ import os
 
 import pytest
 import torch
-from torch.distributed.fsdp.wrap import (_or_policy, _recursive_wrap, size_based_auto_wrap_policy,
-                                         transformer_auto_wrap_policy)
+from torch.distributed.fsdp.wrap import (
+    _or_policy,
+    _recursive_wrap,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 yaml = pytest.importorskip("yaml")
 
 import planc  # noqa: E402
 from planc import cli  # noqa: E402
-from planc.graph import ModelGraph  # noqa: E402
-from planc.importer import translate  # noqa: E402
-from planc.models import build_model  # noqa: E402
+from planc.importers.accelerate import translate  # noqa: E402
+from planc.model.build import build_model  # noqa: E402
+from planc.model.graph import ModelGraph  # noqa: E402
 
 HF = pytest.importorskip("transformers") is not None
 
@@ -155,8 +159,8 @@ def test_sharding_strategies(strategy, shape, reshard):
     compiled = _compile(text, "hf:llama-tiny", 16)
     assert compiled.ok
     assert (compiled.mesh.replicate, compiled.mesh.shard) == shape
-    assert compiled.mesh.sizes(16) == ((16, 1) if shape == (None, 1) else (1, 16) if shape[0] == 1 else (2, 8))
-    layer = compiled.unit("model.layers.0")
+    assert compiled.mesh.dp_sizes(16) == ((16, 1) if shape == (None, 1) else (1, 16) if shape[0] == 1 else (2, 8))
+    layer = compiled.program.unit("model.layers.0").policy
     assert layer.reshard_after_forward is (True if reshard is None else reshard)
 
 
@@ -173,13 +177,13 @@ def test_fsdp2_reshard_after_forward_and_the_other_settings():
         assert unit.settings["param_dtype"].value == torch.bfloat16
         assert unit.settings["reduce_dtype"].value == torch.bfloat16  # accelerate: MixedPrecision(bf16, bf16)
         assert unit.settings["offload"].value is True
-        assert unit.reshard_after_forward is False
+        assert compiled.program.unit(unit.name).policy.reshard_after_forward is False
     assert sorted(compiled.resolution.checkpoint) == ["model.layers.0", "model.layers.1"]
     assert compiled.unit("model.layers.0").settings["prefetch_forward"].value == 1
 
 
 def _rendered(diags, src, file="acc.yaml"):
-    from planc.render import render_text
+    from planc.diagnostics.render import render_text
     return render_text(diags, {file: src})
 
 
@@ -241,7 +245,7 @@ def test_cli_writes_a_plan_that_checks(tmp_path, capsys):
      "mixed_precision: bf16\nnum_machines: 4\nnum_processes: 32\n"),
 ])
 def test_written_plans_are_already_formatted(fsdp, top):
-    from planc.fmt import format_plan
+    from planc.lang.fmt import format_plan
     for ref in (None, "hf:llama-tiny"):
         text, _ = translate(_config(fsdp, top="distributed_type: FSDP\n" + top), "a.yaml", model_ref=ref)
         assert format_plan(text) == text

@@ -6,8 +6,8 @@ import pytest
 from torch import nn
 
 from planc import PlanError
+from planc.diagnostics.render import render_text
 from planc.integrations.hf import shard_for_trainer
-from planc.render import render_text
 
 
 def test_shard_for_trainer_refuses_a_model_the_trainer_would_wrap():

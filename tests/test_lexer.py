@@ -11,7 +11,7 @@ pygments = pytest.importorskip("pygments")
 from pygments.lexers import get_lexer_by_name, get_lexer_for_filename  # noqa: E402
 from pygments.token import Comment, Error, Keyword, Name, Number, Operator, String  # noqa: E402
 
-from planc.lexer import PlanLexer  # noqa: E402
+from planc.lang.lexer import PlanLexer  # noqa: E402
 
 # Every construct of the language in one plan (the quick reference of the brief, and more).
 EVERYTHING = '''\

@@ -14,10 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 import planc
-from planc import memory, validate, zoo
-from planc.graph import ModelGraph
-from planc.simulate import simulate, zoo_inputs
-from planc.trace import TraceError
+from planc import zoo
+from planc.analysis.simulate import simulate, zoo_inputs
+from planc.checks import validate
+from planc.estimate import memory
+from planc.estimate.trace import TraceError
+from planc.model.graph import ModelGraph
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SEED = (ROOT / "plans" / "seed.plan").read_text()
@@ -206,12 +208,12 @@ def test_expects_use_the_estimate_explain_reports(monkeypatch, tmp_path):
     assert est.peak.total == reported["memory"]["peak_bytes"]
     assert est.activations == reported["memory"]["activations_bytes"]
     assert est.sharded_state == reported["totals"]["sharded_state_bytes"]
-    from planc.trace import _TRACES
+    from planc.estimate.trace import _TRACES
     assert [inputs for _, inputs in _TRACES[c.graph] if inputs is not None] == [(((2, 16), torch.long),)]
 
 
 def test_the_traced_step_is_shared_across_world_sizes():
-    from planc.trace import _TRACES
+    from planc.estimate.trace import _TRACES
     graph = ModelGraph.from_module(tiny())  # as `planc check --world-size 8 64`: one graph, two compiles
     plan = planc.loads(SEED.split("expect")[0] + "expect memory.peak <= 1GiB at input = 2x16\n", filename="t.plan")
     at8, at64 = planc.compile(plan, graph, 8), planc.compile(plan, graph, 64)

@@ -23,12 +23,12 @@ import pathlib
 
 import pytest
 import torch
+from distributed import run
 
 import planc
-from planc import memory, zoo
-from planc.simulate import measure_real, simulate, zoo_inputs
-
-from distributed import run
+from planc import zoo
+from planc.analysis.simulate import measure_real, simulate, zoo_inputs
+from planc.estimate import memory
 
 pytestmark = pytest.mark.dist
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from planc import syntax as st
 from planc.diagnostics import PlanError
-from planc.parse import loads, loads_with_diagnostics, parse_quantity
+from planc.lang import syntax as st
+from planc.lang.parse import loads, loads_with_diagnostics, parse_quantity
 
 
 def one(text: str):
@@ -135,7 +135,7 @@ def test_blocks_span_lines():
 def test_include_splices_in_place(tmp_path):
     (tmp_path / "base.plan").write_text("unit a\nunit b\n")
     (tmp_path / "top.plan").write_text('unit first\ninclude "base.plan"\nunit last\n')
-    from planc.parse import load
+    from planc.lang.parse import load
     plan = load(tmp_path / "top.plan")
     assert [str(s.target) for s in plan.statements] == ["first", "a", "b", "last"]
     assert {f.rsplit("/", 1)[-1] for f, _ in plan.sources} == {"top.plan", "base.plan"}

@@ -15,10 +15,10 @@ import pathlib
 import pytest
 
 from planc.compiler import CompiledPlan
-from planc.graph import ModelGraph
-from planc.models import ModelLoadError, build_model
-from planc.parse import load_with_diagnostics
-from planc.render import render_text
+from planc.diagnostics.render import render_text
+from planc.lang.parse import load_with_diagnostics
+from planc.model.build import ModelLoadError, build_model
+from planc.model.graph import ModelGraph
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PLANS = sorted((ROOT / "plans").glob("**/*.plan"))

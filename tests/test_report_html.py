@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from planc import cli  # noqa: E402
-from planc.report_html import PALETTE  # noqa: E402
+from planc.analysis.report_html import PALETTE  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 UNITS = ["embedding", "transformer_layers.0", "transformer_layers.1", "[norm, output]", "&lt;root&gt;"]

@@ -23,17 +23,18 @@ from torch import nn
 
 import planc
 from planc.compiler import CompiledPlan
-from planc.graph import ModelGraph
-from planc.ir import DEFAULT_SETTINGS
-from planc.models import build_model
-from planc.options import show_value
-from planc.parse import loads
-from planc.selectors import _size_filter
+from planc.lang.parse import loads
+from planc.model.build import build_model
+from planc.model.graph import ModelGraph
+from planc.resolve.ir import DEFAULT_SETTINGS
+from planc.resolve.options import show_value
+from planc.resolve.selectors import _size_filter
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "resolve"
 CASES = sorted(FIXTURES.glob("*.plan"))
 from goldens import check_golden  # noqa: E402
+
 _GRAPHS: dict[str, ModelGraph] = {}
 
 
@@ -156,13 +157,31 @@ def test_size_filter_matches_fsdp1_reference(seed):
 # ===================================================================== mesh sizes
 
 
+# One contract: sizes that multiply to the world, or None (a fixed mesh that does not fit
+# the world has no sizes there: that is P401).
 @pytest.mark.parametrize("mesh,world,sizes", [
     ((1, None), 8, (1, 8)), ((2, None), 8, (2, 4)), ((3, None), 8, None), ((None, 4), 8, (2, 4)),
-    ((None, 3), 8, None), ((2, 4), 8, (2, 4)), ((2, 4), 64, (2, 4)), ((1, None), None, None),
+    ((None, 3), 8, None), ((2, 4), 8, (2, 4)), ((2, 4), 64, None), ((1, None), None, None),
     ((None, None), 8, None), ((2, 4), None, (2, 4)), ((1, None), 0, None), ((None, 4), -8, None)])
 def test_mesh_sizes(mesh, world, sizes):
-    from planc.ir import Mesh
-    assert Mesh(replicate=mesh[0], shard=mesh[1]).sizes(world) == sizes
+    from planc.resolve.mesh import Mesh
+    m = Mesh.data_parallel(mesh[0], mesh[1])
+    assert m.dp_sizes(world) == sizes
+    assert m.sizes(world) == (None if sizes is None else {"replicate": sizes[0], "shard": sizes[1]})
+
+
+@pytest.mark.parametrize("text,dims,str_", [
+    ("mesh (replicate = 1, shard = *)", ("shard",), "(replicate = 1, shard = *)"),
+    ("mesh (replicate = 2, shard = *)", ("replicate", "shard"), "(replicate = 2, shard = *)"),
+    ("mesh (dp_replicate = 2, fsdp = *)", ("dp_replicate", "fsdp"), "(dp_replicate = 2, fsdp = *)"),
+    ("mesh (fsdp = 8)", ("fsdp",), "(replicate = 1, fsdp = 8)"),
+])
+def test_mesh_dimensions_are_named_as_written(text, dims, str_):
+    """The word a plan writes for a dimension names the DeviceMesh dimension planc builds."""
+    from planc.resolve.resolver import resolve_mesh
+    diags = []
+    mesh = resolve_mesh(loads(text).statements[0], diags)
+    assert not diags and mesh.dp_dims == dims and str(mesh) == str_
 
 
 def test_world_size_must_be_positive():

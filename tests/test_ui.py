@@ -26,6 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 UI = ROOT / "tests" / "ui"
 CASES = sorted(UI.glob("*.plan"))
 from goldens import check_golden  # noqa: E402
+
 WORLD = re.compile(r"#\s*world-size:\s*([0-9 ]+)")
 
 # Codes `planc check` cannot produce: P6xx are raised by `planc.apply` on a live model in a

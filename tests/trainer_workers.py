@@ -50,7 +50,8 @@ def hf_trainer_run(rank: int, world: int, accumulate: int = 1) -> dict:
     """One Trainer run; the logged losses, placements and FSDP modules after training."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers import Trainer, TrainingArguments
-    from planc.hf import build_hf_model
+
+    from planc.model.hf import build_hf_model
     torch.manual_seed(0)
     model = build_hf_model("llama-tiny", device="cpu")
     units = []
@@ -90,7 +91,7 @@ def lightning_run(rank: int, world: int) -> dict:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from planc.hf import build_hf_model
+    from planc.model.hf import build_hf_model
 
     class LitLlama(pl.LightningModule):
         def __init__(self):

@@ -22,8 +22,6 @@ accelerate 1.16 on gloo (tests/test_trainers_dist.py); see docs/trainers.md.
 
 from __future__ import annotations
 
-import os
-
 from torch import nn
 
 from planc.diagnostics import Diagnostic, PlanError
@@ -50,7 +48,7 @@ def shard_for_trainer(model: nn.Module, plan, *, mesh=None):
     """
     if not hasattr(type(model), MARK):
         raise PlanError([not_trainer_model(model)])
-    from planc.runtime import apply
+    from planc.backends.runtime import apply
     applied = apply(model, plan, mesh=mesh)
     setattr(model, MARK, True)
     # The Trainer reads the data-parallel layout from here (gradient accumulation defers the

@@ -24,6 +24,6 @@ def shard_in_configure_model(model: nn.Module, plan, device_mesh):
     Raises:
         PlanError: as `planc.apply` does; P602 if the data-parallel size does not fit the plan.
     """
-    from planc.runtime import apply
+    from planc.backends.runtime import apply
     mesh = device_mesh["data_parallel"] if "data_parallel" in (device_mesh.mesh_dim_names or ()) else device_mesh
     return apply(model, plan, mesh=mesh)

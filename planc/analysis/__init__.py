@@ -1,0 +1,1 @@
+"""Analysis of a compiled plan: the traced step, memory model, simulation, explain report, plot."""

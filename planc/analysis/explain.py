@@ -1,0 +1,260 @@
+"""`planc explain`: the resolved plan as people read it, with the per-rank memory estimate.
+
+Prints the module tree folded to units, one table row per unit (modules, parameters, bytes
+per rank sharded and unsharded, precision, offload, reshard, prefetch) and, for every
+setting, the plan line that set it; then the memory of one training step per rank: the
+peak, its breakdown and moment, the lower bound and the unsharded (DDP-like) baseline.
+`--simulate` adds one step measured in a fake process group next to the estimate;
+`--plot FILE` draws memory over the step. Text or JSON; colour only on a terminal. A plan
+whose `expect` lines fail is still explained (P502 sends people here for the breakdown):
+the failures go to stderr and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from planc.estimate.memory import CATEGORIES, Estimate
+from planc.lower.program import Policy
+from planc.resolve.ir import Unit
+from planc.resolve.options import show_value
+
+LABELS = {"sharded_params": "sharded params", "sharded_grads": "sharded grads", "optimizer_state": "optimizer state",
+          "unsharded_params": "unsharded params", "all_gather": "all-gather buffers",
+          "reduce_scatter": "reduce-scatter buffers", "unsharded_grads": "unsharded grads",
+          "activations": "activations", "optimizer_temp": "optimizer temporaries", "inputs": "inputs",
+          "buffers": "module buffers"}
+SHOWN_SETTINGS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_inputs", "reshard_after_forward",
+                  "offload", "prefetch_forward", "prefetch_backward", "checkpoint", "compile")
+
+
+def gib(n: float) -> str:
+    """Bytes for people: B, KiB, MiB, GiB (binary, as memory is sold)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+# ===================================================================== the report as data
+
+
+def _setting(unit: Unit, key: str, policy: Policy) -> dict[str, Any]:
+    s = unit.settings[key]
+    value = policy.reshard_after_forward if key == "reshard_after_forward" else s.value
+    return {"value": show_value(value) if not isinstance(value, (dict, tuple)) else str(value),
+            "set_by": s.rule, "line": f"{s.span.file}:{s.span.line}" if s.span else None}
+
+
+def report(compiled, est: Estimate, measured=None, model_ref: str | None = None) -> dict[str, Any]:
+    """Everything `explain` shows, as JSON-ready data (bytes are per rank)."""
+    res = compiled.resolution
+    units = []
+    for u, m in zip(compiled.units, est.units):
+        units.append({
+            "name": u.name, "modules": list(u.modules) if not u.is_root else [""], "root": u.is_root,
+            "params": m.params, "sharded_bytes": m.sharded, "unsharded_bytes": m.unsharded,
+            "grad_bytes": m.grads, "optimizer_bytes": m.optimizer, "offload": m.offload,
+            "prefetch_forward": list(res.prefetch_forward.get(u.name, ())),
+            "prefetch_backward": list(res.prefetch_backward.get(u.name, ())),
+            "settings": {k: _setting(u, k, compiled.program.unit(u.name).policy) for k in SHOWN_SETTINGS},
+            "defined_by": u.rule or None, "line": f"{u.span.file}:{u.span.line}" if u.span else None,
+        })
+    peak = est.peak
+    out: dict[str, Any] = {
+        "plan": compiled.plan.file, "model": model_ref or compiled.plan.model_ref,
+        "world_size": est.world, "mesh": {"replicate": est.replicate, "shard": est.shard},
+        "optimizer": est.optimizer, "input_shape": list(est.input_shape) if est.input_shape else None,
+        "units": units,
+        "totals": {"params": sum(p.numel for p in compiled.graph.params.values()),
+                   "units": len(compiled.units),
+                   "sharded_state_bytes": est.sharded_state, "host_bytes": est.host,
+                   "replicated_param_bytes": est.replicated,
+                   "ignored": sorted(res.ignored)},
+        "memory": {
+            "peak_bytes": peak.total, "moment": peak.label, "phase": peak.phase,
+            "breakdown": {k: v for k, v in peak.bytes.items() if v},
+            "activations_bytes": est.activations, "activations_from": est.source,
+            "lower_bound_bytes": est.lower_bound, "ratio_to_lower_bound": round(est.ratio_to_lower_bound, 3),
+            "unsharded_baseline_bytes": est.unsharded_peak_baseline,
+            "notes": est.notes,
+        },
+    }
+    if measured is not None:
+        out["simulated"] = {"rank": measured.rank, "peak_bytes": measured.peak, "moment": measured.moment,
+                            "breakdown": measured.breakdown,
+                            "estimate_over_measured": round(peak.total / measured.peak, 3) if measured.peak else None}
+    return out
+
+
+# ===================================================================== text
+
+
+class _Style:
+    def __init__(self, color: bool):
+        self.color = color
+
+    def __call__(self, text: str, code: str) -> str:
+        return f"\x1b[{code}m{text}\x1b[0m" if self.color else text
+
+    def bold(self, t: str) -> str:
+        return self(t, "1")
+
+    def dim(self, t: str) -> str:
+        return self(t, "2")
+
+
+def _table(rows: list[list[str]], header: list[str], style: _Style) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) if c[:1].isdigit() else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+    return [style.bold(line(header))] + [line(r) for r in rows]
+
+
+def _tree(compiled, style: _Style) -> list[str]:
+    """The module tree folded to units: only unit modules and their ancestors are shown."""
+    g = compiled.graph
+    unit_mods = {m: u for u in compiled.units if not u.is_root for m in u.modules}
+    keep = set()
+    for m in unit_mods:
+        keep.add(m)
+        keep.update(g.ancestors(m))
+    root = next((u for u in compiled.units if u.is_root), None)
+    lines = [f"<root>  {g.cls('')}" + (f"  {style.bold('unit <root>')}" if root else "  (no root unit)")]
+
+    def walk(path: str, prefix: str) -> None:
+        kids = [k for k in g.children(path) if k in keep]
+        names = g.child_names(path)
+        kid_names = {c: n for c, n in zip(g.children(path), names)}
+        i = 0
+        while i < len(kids):
+            j = i  # fold runs of numbered siblings that are units of the same class and size
+            while (j + 1 < len(kids) and kid_names[kids[j + 1]].isdigit() and kid_names[kids[i]].isdigit()
+                   and g.cls(kids[j + 1]) == g.cls(kids[i]) and kids[j + 1] in unit_mods and kids[i] in unit_mods
+                   and g.subtree_numel[kids[j + 1]] == g.subtree_numel[kids[i]]
+                   and not any(k in keep for k in g.children(kids[i]))):
+                j += 1
+            last = j == len(kids) - 1
+            branch, cont = ("└── ", "    ") if last else ("├── ", "│   ")
+            label = kid_names[kids[i]] if i == j else f"{kid_names[kids[i]]}..{kid_names[kids[j]]}"
+            u = unit_mods.get(kids[i])
+            tag = ""
+            if u is not None:
+                tag = "  " + style.bold(f"unit {u.name}" if i == j else f"{j - i + 1} units")
+            lines.append(f"{prefix}{branch}{label}  {g.cls(kids[i])}  {count(g.subtree_numel[kids[i]])}"
+                         f"{' each' if j > i else ''}{tag}")
+            walk(kids[i], prefix + cont)
+            i = j + 1
+
+    walk("", "")
+    return lines
+
+
+def _runs(units: list[dict], key) -> list[list[dict]]:
+    """Consecutive units with equal `key(unit)`, grouped (transformer_layers.0..23)."""
+    groups: list[list[dict]] = []
+    for u in units:
+        if groups and key(groups[-1][-1]) == key(u) and not u["root"]:
+            groups[-1].append(u)
+        else:
+            groups.append([u])
+    return groups
+
+
+def _run_name(group: list[dict]) -> str:
+    if len(group) == 1:
+        return group[0]["name"]
+    first, last = group[0]["name"], group[-1]["name"]
+    prefix, _, _ = first.rpartition(".")
+    tail = last[len(prefix) + 1:] if prefix and last.startswith(prefix + ".") else last
+    return f"{first}..{tail} ({len(group)} units)"
+
+
+def _own_settings(u: dict) -> list[str]:
+    """Settings a unit got from rules other than `defaults`, with their lines."""
+    return [f"{k}={s['value']} ({s['set_by']}, {s['line']})" if s["set_by"] != u["defined_by"] else
+            f"{k}={s['value']}" for k, s in u["settings"].items() if s["line"] and s["set_by"] != "defaults"]
+
+
+def _row_key(u: dict) -> tuple:
+    return (u["defined_by"], u["params"], u["sharded_bytes"], u["unsharded_bytes"], u["offload"],
+            json.dumps(u["settings"], sort_keys=True), tuple(u["prefetch_backward"]) == ())
+
+
+def _origin_key(u: dict) -> tuple:
+    return (u["defined_by"], tuple(_own_settings(u)))
+
+
+def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
+    style = _Style(color)
+    mem = data["memory"]
+    out = [style.bold(f"plan {data['plan']}") + f"  model {data['model'] or '(given)'}  "
+           f"world {data['world_size']} (replicate {data['mesh']['replicate']} x shard {data['mesh']['shard']})  "
+           f"optimizer {data['optimizer']}", ""]
+    out += _tree(compiled, style) + [""]
+    rows = []
+    for group in _runs(data["units"], _row_key):
+        u = group[0]
+        s = u["settings"]
+        pf = ",".join(u["prefetch_forward"]) or "-"
+        pb = ",".join(u["prefetch_backward"]) or "-"
+        each = " each" if len(group) > 1 else ""
+        rows.append([_run_name(group), count(u["params"]) + each, gib(u["sharded_bytes"]), gib(u["unsharded_bytes"]),
+                     f"{s['param_dtype']['value']}/{s['reduce_dtype']['value']}", s["reshard_after_forward"]["value"],
+                     "cpu" if u["offload"] else "-", f"{pf} / {pb}"])
+    out += _table(rows, ["unit", "params", "sharded/rank", "unsharded", "param/reduce", "reshard", "offload",
+                         "prefetch fwd / bwd"], style)
+    out += ["", style.bold("where each setting comes from")]
+    from_defaults: dict[str, str] = {}
+    for u in data["units"]:
+        for key, st in u["settings"].items():
+            if st["set_by"] == "defaults":
+                from_defaults.setdefault(f"{key}={st['value']}", st["line"])
+    if from_defaults:
+        out.append("  defaults: " + ", ".join(f"{k} ({line})" for k, line in from_defaults.items()))
+    width = max(len(_run_name(g)) for g in _runs(data["units"], _origin_key))
+    for group in _runs(data["units"], _origin_key):
+        u = group[0]
+        origin = f"{u['defined_by']} ({u['line']})" if u["line"] else "the root (no `root` line)"
+        own = _own_settings(u)
+        out.append(f"  {_run_name(group):<{width}}  {origin}" + (": " + ", ".join(own) if own else ""))
+    t = data["totals"]
+    out += ["", f"total: {count(t['params'])} params in {t['units']} units; per rank "
+                f"{gib(t['sharded_state_bytes'])} params+grads+optimizer state on the device"
+                + (f", {gib(t['host_bytes'])} on the host (offloaded)" if t["host_bytes"] else "")
+                + (f"; {gib(t['replicated_param_bytes'])} of parameters not sharded" if t["replicated_param_bytes"] else ""),
+            ""]
+    out.append(style.bold(f"memory per rank, one training step: peak {gib(mem['peak_bytes'])}") +
+               f" at {mem['moment']}")
+    for key in CATEGORIES:
+        v = mem["breakdown"].get(key)
+        if v:
+            out.append(f"  {LABELS[key]:<22} {gib(v):>12}")
+    out.append(f"  {'lower bound':<22} {gib(mem['lower_bound_bytes']):>12}  (all state sharded over {data['world_size']} "
+               f"ranks, one module gathered at a time; peak is {mem['ratio_to_lower_bound']:.2f}x)")
+    out.append(f"  {'unsharded (DDP-like)':<22} {gib(mem['unsharded_baseline_bytes']):>12}  (the same model, no sharding)")
+    out.append(style.dim(f"  activations from: {mem['activations_from']}"))
+    out.append(style.dim("  tensor bytes only: no CUDA context, NCCL workspaces or allocator fragmentation; "
+                         "leave headroom"))
+    for note in mem["notes"]:
+        out.append(style.dim(f"  note: {note}"))
+    sim = data.get("simulated")
+    if sim:
+        out += ["", style.bold(f"simulated (fake process group, rank {sim['rank']} of {data['world_size']}): "
+                               f"peak {gib(sim['peak_bytes'])}") + f" at {sim['moment']}; estimate/measured "
+                                                                   f"{sim['estimate_over_measured']}"]
+        for key in CATEGORIES:
+            a, m = mem["breakdown"].get(key, 0), sim["breakdown"].get(key, 0)
+            if a or m:
+                out.append(f"  {LABELS.get(key, key):<22} {gib(a):>12} estimated {gib(m):>12} measured")
+    return "\n".join(out)

@@ -1,0 +1,232 @@
+"""Simulate one training step of a plan as rank r of N, in this process, with no real memory.
+
+A fake process group, fake tensors and FSDP2's own memory tracker: no GPUs, any N.
+
+The recipe (see docs/fsdp2-facts.md): `init_process_group("fake", store=FakeStore(), ...)`;
+the device mesh is built outside `FakeTensorMode`; the model is built on meta, sharded by
+`planc.apply`, then `to_empty("cpu")` inside fake mode; `FSDPMemTracker` measures two steps
+(forward, `loss_of(output).backward()`, foreach AdamW or SGD step) and the second, steady
+step is reported. Ops that DTensor's sharding propagation runs on global-shape fake tensors
+are not counted: they are metadata work that a real run never allocates, and counting them
+inflates the optimizer-step peak 6-40x.
+"""
+
+from __future__ import annotations
+
+import threading
+from copy import deepcopy
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planc.estimate.trace import loss_of
+
+# Tracker categories -> planc.estimate.memory categories.
+_CATEGORY = {
+    "Sharded Param": "sharded_params", "Unsharded Param": "unsharded_params", "Buffer": "buffers",
+    "Sharded Grad": "sharded_grads", "Unsharded Grad": "unsharded_grads", "Activation": "activations",
+    "Temp": "activations", "All Gather": "all_gather", "Reduce Scatter": "reduce_scatter",
+    "OptState": "optimizer_state", "Inputs": "inputs",
+}
+
+_propagating = threading.local()
+
+
+def _skip_sharding_propagation() -> None:
+    """Mark the time spent in DTensor's sharding propagation (patched once, process-wide)."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+    if getattr(original, "_planc_marked", False):
+        return
+
+    def marked(self, *args, **kwargs):
+        _propagating.depth = getattr(_propagating, "depth", 0) + 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _propagating.depth -= 1
+
+    marked._planc_marked = True  # type: ignore[attr-defined]
+    ShardingPropagator._propagate_tensor_meta_non_cached = marked
+
+
+@dataclass
+class Measurement:
+    """What the tracker saw in the steady (second) step on this rank."""
+
+    peak: int
+    breakdown: dict[str, int]
+    moment: str
+    timeline: list[tuple[str, int]] = field(default_factory=list)  # (phase, total bytes) per op
+    world: int = 0
+    rank: int = 0
+
+
+def _tracker_class():
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class StepTracker(FSDPMemTracker):
+        """FSDPMemTracker that skips sharding propagation and records a per-op timeline."""
+
+        def __init__(self, mod, optm=None):
+            super().__init__(mod, optm)
+            self.timeline: list[tuple[str, int]] = []
+            self.recording = False
+            self.best: tuple[int, dict, str] = (-1, {}, "")
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if getattr(_propagating, "depth", 0):
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def _update_peak_stats(self, peak_state) -> None:
+            super()._update_peak_stats(peak_state)
+            if not self.recording:
+                return
+            snap = next(iter(self._curr_mem_snap.values()), {})
+            total = snap.get("Total", 0)
+            phase = "optimizer" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
+            self.timeline.append((phase, total))
+            if total > self.best[0]:
+                where = max(self._mod_tracker.parents, key=len, default="")
+                self.best = (total, deepcopy(snap), f"{phase} of {where}")
+
+    return StepTracker
+
+
+def _innermost(where: str, root_name: str) -> str:
+    """`forward of SeedTransformer.transformer_layers.0` -> `forward of transformer_layers.0`."""
+    phase, _, fqn = where.partition(" of ")
+    path = fqn.split(".", 1)[1] if "." in fqn else ("<root>" if fqn in (root_name, "Global", "") else fqn)
+    return f"{phase} of {path}" if phase != "optimizer" else "optimizer step"
+
+
+def init_fake(world: int, rank: int = 0) -> None:
+    """(Re)start a fake process group: this process plays `rank` of `world`."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def simulate(plan, build: Callable[[], nn.Module], world: int, *, rank: int = 0,
+             inputs: Callable[[nn.Module], tuple] | tuple | None = None, optimizer: str = "adamw",
+             steps: int = 2) -> Measurement:
+    """Measure one steady training step of `plan` on rank `rank` of `world`, with fake tensors.
+
+    Args:
+        plan: a plan path, `Plan` or `CompiledPlan`.
+        build: builds the model (called under `torch.device("meta")`).
+        world: number of ranks to pretend.
+        rank: the rank this process plays.
+        inputs: the model's positional inputs, or a function of the model returning them;
+            only shapes and dtypes matter (zoo models: `zoo.example_input`).
+        optimizer: "adamw" (foreach), "sgd" (no momentum, foreach) or "none".
+        steps: steps to run; the last is measured (the first allocates optimizer state).
+
+    Returns:
+        The `Measurement` of the last step.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import planc
+    from planc.backends.runtime import apply, build_mesh
+
+    _skip_sharding_propagation()
+    init_fake(world, rank)
+    try:
+        with torch.device("meta"):
+            model = build()
+        compiled = plan if isinstance(plan, planc.CompiledPlan) else planc.compile(plan, model, world)
+        mesh = build_mesh(compiled.mesh, world, "cpu")  # NOTE: outside fake mode
+        apply(model, compiled.plan, mesh=mesh)
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+            model.to_empty(device="cpu")
+            if callable(getattr(model, "tie_weights", None)):
+                model.tie_weights()
+            args = inputs(model) if callable(inputs) else inputs
+            args = tuple(fake.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args or ())
+            return _measure(model, args, optimizer, steps)
+    finally:
+        dist.destroy_process_group()
+
+
+def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer | None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, foreach=True)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, foreach=True)
+    return None
+
+
+def zoo_inputs(input_shape: tuple[int, int] | None = None) -> Callable[[nn.Module], tuple]:
+    """Token-id inputs for language models (`config.vocab_size`), default 2 x 16."""
+    batch, seq = input_shape or (2, 16)
+
+    def make(model: nn.Module) -> tuple:
+        vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
+        return (torch.randint(0, vocab, (batch, seq)),)
+    return make
+
+
+def measure_real(model: nn.Module, inputs: tuple, optimizer: str = "adamw", steps: int = 2,
+                 nccl_like_reduce_scatter: bool = False) -> Measurement:
+    """The same measurement on a live (really sharded, real-tensor) model in a real process group.
+
+    Args:
+        nccl_like_reduce_scatter: replace FSDP's reduce-scatter with an in-place all-reduce and
+            a slice (same values). Stock gloo clones the whole reduce-scatter input and frees
+            the clone when its work object dies, which inflates and blurs CPU peaks; NCCL does
+            not. With this the real run measures what a GPU run would allocate.
+    """
+    _skip_sharding_propagation()
+    if nccl_like_reduce_scatter:
+        use_all_reduce_slice(model)
+    return _measure(model, inputs, optimizer, steps)
+
+
+def use_all_reduce_slice(model: nn.Module) -> None:
+    """Make every FSDP unit of `model` reduce-scatter as all-reduce + slice (see `measure_real`)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    class AllReduceSlice(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            work = dist.all_reduce(input_tensor, op=op, group=group, async_op=async_op)
+            if work is not None:
+                work.wait()
+            rank, size = dist.get_rank(group), dist.get_world_size(group)
+            output_tensor.copy_(input_tensor.view(size, -1)[rank])
+            return None
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(AllReduceSlice())
+
+
+def _measure(model: nn.Module, args: tuple, optimizer: str, steps: int) -> Measurement:
+    """Run `steps` training steps under the tracker; the last one is measured."""
+    opt = _optimizer(model, optimizer)
+    tracker = _tracker_class()(model, opt)
+    tracker.track_inputs(args)
+    with tracker:
+        for step in range(steps):
+            tracker.recording = step == steps - 1
+            tracker.reset_mod_stats()  # the tracker refuses a second iteration otherwise
+            loss_of(model(*args)).backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    total, snap, where = tracker.best
+    breakdown: dict[str, int] = {}
+    for key, value in snap.items():
+        name = getattr(key, "value", key)
+        if name != "Total" and value:
+            cat = _CATEGORY.get(name, str(name))
+            breakdown[cat] = breakdown.get(cat, 0) + value
+    return Measurement(total, breakdown, _innermost(where, type(model).__name__), tracker.timeline,
+                       dist.get_world_size(), dist.get_rank())

@@ -1,0 +1,534 @@
+"""Emit the hand-written FSDP2 code a plan stands for: `def apply_plan(model, mesh)`.
+
+`planc emit PLAN` prints a Python module that makes the same calls `planc.apply` makes, in
+the same order: activation checkpointing, `module.compile()`, `fully_shard` bottom-up (a
+group as one list call, the root last), then the explicit prefetch lists. Runs of units over
+a `ModuleList` become loops (`for block in model.layers:`), and a comment before each call
+names the plan lines it came from.
+
+Nothing is re-derived here: emit prints the lowered program (`compiled.program`,
+planc/lower/), the same operations `planc.apply` executes, one printer per op type. An
+operation this module cannot print is an error (`EmitError`), never a silent omission.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from planc.compiler import CompiledPlan
+from planc.lower.program import (
+    FULLY_SHARD_DEFAULTS,
+    Checkpoint,
+    Compile,
+    FullyShard,
+    Offload,
+    Precision,
+    SetPrefetch,
+    UnitMethod,
+)
+from planc.resolve.ir import Setting
+
+LOOP_VAR = "block"
+WIDTH = 100  # wrap calls longer than this
+
+
+class EmitError(Exception):
+    """The program holds an operation emit cannot print (a new op kind without a printer)."""
+
+
+# ===================================================================== names -> expressions
+
+
+def _is_indexed(module: nn.Module) -> bool:
+    return isinstance(module, (nn.ModuleList, nn.Sequential))
+
+
+def expression(root: str, base: nn.Module, path: str) -> str:
+    """Python source reaching the module or parameter `path` below `base` (named `root`).
+
+    `layers.0.attention.wq.weight` -> `model.layers[0].attention.wq.weight`; a name that is
+    not an identifier falls back to `get_submodule`/`get_parameter`.
+    """
+    if not path:
+        return root
+    out, module = root, base
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        child = module._modules.get(part) if module is not None else None
+        if part.isdigit() and _is_indexed(module):
+            out += f"[{part}]"
+        elif part.isidentifier() and not keyword.iskeyword(part):
+            out += f".{part}"
+        elif isinstance(module, nn.ModuleDict):
+            out += f"[{part!r}]"
+        else:
+            getter = "get_submodule" if child is not None else "get_parameter"
+            return f"{root}.{getter}({path!r})"
+        module = child
+        if module is None and i < len(parts) - 1:
+            return f"{root}.get_parameter({path!r})"
+    return out
+
+
+# ===================================================================== ops -> source
+
+
+def _literal(value: Any) -> str:
+    if isinstance(value, torch.dtype):
+        return str(value)  # torch.bfloat16
+    return repr(value)
+
+
+def _precision(p: Precision) -> str:
+    """`MixedPrecisionPolicy(param_dtype=torch.bfloat16, ...)`: the arguments that differ from its defaults."""
+    return "MixedPrecisionPolicy(" + ", ".join(f"{k}={_literal(v)}" for k, v in p.changed().items()) + ")"
+
+
+def _offload(o: Offload) -> str | None:
+    """The `offload_policy` argument, or None for FSDP2's default (no offload).
+
+    Pinning needs an accelerator; the code decides from the mesh it is given, as `planc.apply` does.
+    """
+    if not o.enabled:
+        return None
+    return 'CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")' if o.pin_memory else \
+        "CPUOffloadPolicy(pin_memory=False)"
+
+
+@dataclass
+class _Call:
+    """One emitted statement: the paths it touches (for loops) and how to print it."""
+
+    paths: tuple[str, ...]  # module paths; param paths of placements and ignores
+    render: Callable[[Callable[[str], str]], str]  # path -> expression, to the call's source
+    comments: tuple[str, ...] = ()
+
+
+class _Unit:
+    """A `FullyShard` op's arguments as source, in `fully_shard`'s order, defaults left out."""
+
+    def __init__(self, op: FullyShard):
+        self.op = op
+        policy = op.policy
+        self.param_paths = [n for n, _ in op.placements] + list(op.ignored)
+        self.mp_policy = _precision(policy.precision) if policy.precision.changed() else None
+        # (kwarg, source or a param-list marker); None values are FSDP2's defaults
+        self.args: list[tuple[str, Any]] = [
+            ("mesh", "mesh"),
+            ("reshard_after_forward", None if policy.reshard_argument == FULLY_SHARD_DEFAULTS["reshard_after_forward"]
+             else repr(policy.reshard_argument)),
+            ("mp_policy", self.mp_policy),
+            ("offload_policy", _offload(policy.offload)),
+            ("shard_placement_fn", ("placements", op.placements) if op.placements else None),
+            ("ignored_params", ("ignored", op.ignored) if op.ignored else None),
+        ]
+
+    def kwargs(self, expr: Callable[[str], str], hoisted: dict[str, str]) -> list[str]:
+        out = []
+        for key, value in self.args:
+            if value is None:
+                continue  # fully_shard's own default: leave it out, as a person would
+            if isinstance(value, tuple):
+                kind, items = value
+                if kind == "placements":
+                    value = "placement_fn({" + ", ".join(f"{expr(n)}: {d}" for n, d in items) + "})"
+                else:
+                    value = "{" + ", ".join(expr(n) for n in items) + "}"
+            out.append(f"{key}={hoisted.get(value, value)}")
+        return out
+
+
+# ===================================================================== provenance comments
+
+_GROUPS = (("precision", ("param_dtype", "reduce_dtype", "output_dtype", "cast_inputs")),
+           ("reshard", ("reshard_after_forward",)), ("offload", ("offload", "pin_memory")))
+
+
+def _where(span, rule: str) -> str:
+    return f"{rule} ({span.file}:{span.line})" if span is not None else rule
+
+
+def _unit_comments(op: FullyShard) -> tuple[str, ...]:
+    if op.is_root:
+        head = f"{_where(op.span, op.rule or 'root')}: the whole model, last" if op.span else \
+            "the root: the whole model, last (planc's default)"
+    else:
+        head = _where(op.span, op.rule or f"unit {op.name}")
+    origins = []
+    for label, keys in _GROUPS:
+        settings: list[Setting] = [op.policy.origins[k] for k in keys if op.policy.origins[k].span is not None]
+        where = sorted({_where(s.span, s.rule) for s in settings})
+        if where:
+            origins.append(f"{label} from {', '.join(where)}")
+    for label, table in (("placement", op.placement_spans), ("ignored", op.ignored_spans)):
+        lines = sorted({f"{s.file}:{s.line}" for s in table.values()})
+        if lines:
+            origins.append(f"{label} from {', '.join(lines)}")
+    if not origins:
+        return (head,)
+    joined = "; ".join(origins)
+    return (head, joined) if len(joined) <= WIDTH - 10 else (head, *origins)
+
+
+# ===================================================================== loops
+
+
+def _block_of(path: str) -> tuple[str, int, str] | None:
+    """(`layers`, 3, `mlp`) for `layers.3.mlp`: the first numeric segment splits it."""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit() and i > 0:
+            return ".".join(parts[:i]), int(part), ".".join(parts[i + 1:])
+    return None
+
+
+def _loop_key(call: _Call, model: nn.Module) -> tuple[str, int] | None:
+    """The block (`layers`, 3) a call is about: that of its first path inside a ModuleList."""
+    for path in call.paths:
+        block = _block_of(path)
+        if block is None:
+            continue
+        try:
+            container = model.get_submodule(block[0])
+        except AttributeError:
+            return None
+        return block[:2] if _is_indexed(container) or _is_numbered_dict(container) else None
+    return None
+
+
+def _is_numbered_dict(module: nn.Module) -> bool:
+    """A ModuleDict keyed "0", "1", ... in order (torchtitan's `layers`): loopable with `.values()`."""
+    return isinstance(module, nn.ModuleDict) and list(module.keys()) == [str(i) for i in range(len(module))]
+
+
+def _render_body(group: list[_Call], key: tuple[str, int], model: nn.Module, indexed: bool
+                 ) -> tuple[tuple[str, ...], bool]:
+    """The calls of one block with its paths relative to the loop variables.
+
+    Paths in the block become `block...` (`layers[i]...` when `indexed`); paths in a sibling
+    block become `model.layers[i + k]...`; all others stay absolute. Returns the source
+    and whether it needs the index `i`.
+    """
+    prefix, index = key
+    seq = expression("model", model, prefix)
+    needs_index = indexed
+
+    def rel(path: str) -> str:
+        nonlocal needs_index
+        block = _block_of(path)
+        if block is None or block[0] != prefix:
+            return expression("model", model, path)
+        offset = block[1] - index
+        module = model.get_submodule(f"{prefix}.{block[1]}")
+        if offset == 0:
+            return expression(f"{seq}[i]" if indexed else LOOP_VAR, module, block[2])
+        needs_index = True
+        sign = "+" if offset > 0 else "-"
+        return expression(f"{seq}[i {sign} {abs(offset)}]", module, block[2])
+    return tuple(c.render(rel) for c in group), needs_index
+
+
+def _emit_calls(calls: list[_Call], model: nn.Module, indent: str) -> list[str]:
+    """Source lines for calls in order, folding runs over consecutive blocks into loops."""
+    # chunks: consecutive calls on the same block (prefix, index), or single calls
+    chunks: list[tuple[tuple[str, int] | None, list[_Call]]] = []
+    for call in calls:
+        key = _loop_key(call, model)
+        if key is not None and chunks and chunks[-1][0] == key:
+            chunks[-1][1].append(call)
+        else:
+            chunks.append((key, [call]))
+
+    out: list[str] = []
+    i = 0
+    while i < len(chunks):
+        key, group = chunks[i]
+        j = i + 1
+        step = 0
+        if key is not None:
+            sig = _render_body(group, key, model, indexed=True)[0]
+            while j < len(chunks) and chunks[j][0] is not None and chunks[j][0][0] == key[0]:
+                d = chunks[j][0][1] - chunks[j - 1][0][1]
+                if d not in (1, -1) or (step and d != step) or \
+                        _render_body(chunks[j][1], chunks[j][0], model, indexed=True)[0] != sig:
+                    break
+                step = d
+                j += 1
+        if j - i < 2:
+            for call in group:
+                out += [f"{indent}# {c}" for c in call.comments]
+                out += _wrap(call.render(lambda p: expression("model", model, p)), indent)
+            i = j
+            continue
+        prefix = key[0]
+        lo, hi = sorted((key[1], chunks[j - 1][0][1]))
+        seq = expression("model", model, prefix)
+        container = model.get_submodule(prefix)
+        whole = lo == 0 and hi == len(container) - 1
+        text, needs_index = _render_body(group, key, model, indexed=False)
+        if isinstance(container, nn.ModuleDict):
+            # keyed by strings: only a whole, in-order run reads well (`.values()`)
+            if not (whole and step == 1 and not needs_index):
+                for _, g in chunks[i:j]:
+                    for call in g:
+                        out += [f"{indent}# {c}" for c in call.comments]
+                        out += _wrap(call.render(lambda p: expression("model", model, p)), indent)
+                i = j
+                continue
+            seq += ".values()"
+        if step == 1 and not needs_index:
+            header = f"for {LOOP_VAR} in {seq}{'' if whole else f'[{lo}:{hi + 1}]'}:"
+        else:
+            text = _render_body(group, key, model, indexed=True)[0]
+            rng = f"range({lo}, {hi + 1})" if step == 1 else f"range({hi}, {lo - 1}, -1)"
+            header = f"for i in {rng}:"
+        if len(group) == 1:
+            out += [f"{indent}# {c}" for c in _dedupe(c for _, g in chunks[i:j] for c in g[0].comments)]
+            out.append(indent + header)
+            out += _wrap(text[0], indent + "    ")
+        else:
+            out.append(indent + header)
+            for n, line in enumerate(text):
+                out += [f"{indent}    # {c}" for c in _dedupe(c for _, g in chunks[i:j] for c in g[n].comments)]
+                out += _wrap(line, indent + "    ")
+        i = j
+    return out
+
+
+def _dedupe(items) -> list[str]:
+    seen: dict[str, None] = {}
+    for item in items:
+        seen.setdefault(item, None)
+    return list(seen)
+
+
+def _wrap(text: str, indent: str) -> list[str]:
+    """One statement, wrapped at WIDTH: arguments packed after the opening bracket and aligned with it."""
+    lines = _wrap_at(text, len(indent))
+    return [indent + lines[0]] + lines[1:]
+
+
+def _wrap_at(text: str, col: int) -> list[str]:
+    """Lines for `text` starting at column `col`; later lines carry their own indentation."""
+    if col + len(text) <= WIDTH:
+        return [text]
+    open_at = _first_bracket(text)
+    if open_at is None:
+        return [text]
+    close_at = _matching(text, open_at)
+    head, inner, tail = text[:open_at + 1], text[open_at + 1:close_at], text[close_at:]
+    pieces = _split_args(inner)
+    hang = col + len(head)
+    lines = [head]
+
+    def end_col() -> int:  # the column after the last line's text
+        return col + len(lines[0]) if len(lines) == 1 else len(lines[-1])
+
+    fresh = True  # nothing yet after the bracket (or after a new line's indentation)
+    for n, piece in enumerate(pieces):
+        piece += "," if n < len(pieces) - 1 else ""
+        glue = "" if fresh else " "
+        if not fresh and end_col() + 1 + len(piece) > WIDTH:
+            lines.append(" " * hang)
+            glue = ""
+        sub = _wrap_at(piece, end_col() + len(glue))
+        lines[-1] += glue + sub[0]
+        lines += sub[1:]
+        fresh = False
+    lines[-1] += tail
+    return lines
+
+
+def _first_bracket(text: str) -> int | None:
+    quote = None
+    for i, ch in enumerate(text):
+        if quote:
+            if ch == quote and text[i - 1] != "\\":
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            return i
+    return None
+
+
+def _scan(text: str, start: int = 0):
+    """Yield (index, char, bracket depth before it) for characters outside string literals."""
+    depth, quote = 0, None
+    for i in range(start, len(text)):
+        ch = text[i]
+        if quote:
+            if ch == quote and text[i - 1] != "\\":
+                quote = None
+            continue
+        if ch in "'\"":
+            quote = ch
+            continue
+        yield i, ch, depth
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+
+
+def _matching(text: str, open_at: int) -> int:
+    """The index of the bracket closing the one at `open_at` (or the end of the text)."""
+    return next((i for i, ch, depth in _scan(text, open_at) if ch in ")]}" and depth == 1), len(text))
+
+
+def _split_args(text: str) -> list[str]:
+    """Split at top-level commas (not inside brackets or strings)."""
+    out, start = [], 0
+    for i, ch, depth in _scan(text):
+        if ch == "," and depth == 0:
+            out.append(text[start:i].strip())
+            start = i + 1
+    out.append(text[start:].strip())
+    return out
+
+
+# ===================================================================== the module
+
+
+PLACEMENT_FN = '''
+
+def placement_fn(dims):
+    """A `shard_placement_fn` for `fully_shard`: `Shard(dim)` for the given parameters.
+
+    The others get FSDP2's default, `Shard(0)`. Parameters are matched by identity.
+    """
+    by_id = {id(param): dim for param, dim in dims.items()}
+
+    def shard_placement_fn(param):
+        dim = by_id.get(id(param))
+        return None if dim is None else Shard(dim)
+    return shard_placement_fn
+'''
+
+
+def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_ref: str | None = None) -> str:
+    """The Python source of `apply_plan(model, mesh)` for a compiled plan.
+
+    Args:
+        compiled: the plan compiled against a model built on any device (meta is fine); it
+            must have no errors. `compiled.graph.model` is the model the code is written for.
+        plan_path: how to name the plan in the docstring (default: the plan's file name).
+        model_ref: how to name the model (default: the plan's `model` line).
+
+    Returns:
+        A module's source: docstring, imports, and `apply_plan(model, mesh)`, which makes the
+        calls `planc.apply(model, plan, mesh=mesh)` makes and returns the model.
+    """
+    model = compiled.graph.model
+    if model is None:
+        raise ValueError("emit needs a plan compiled against a model")
+    compiled.raise_for_errors()
+    program = compiled.program
+    plan_path = plan_path or compiled.plan.file
+    model_ref = model_ref or compiled.plan.model_ref or type(model).__name__
+    units = [_Unit(op) for op in program.units]
+
+    # a MixedPrecisionPolicy shared by several calls is named once
+    counts: dict[str, int] = {}
+    for u in units:
+        if u.mp_policy is not None:
+            counts[u.mp_policy] = counts.get(u.mp_policy, 0) + 1
+    shared = [v for v, n in counts.items() if n > 1]
+    hoisted = {v: ("mp_policy" if len(shared) == 1 else f"mp_policy_{i}") for i, v in enumerate(shared, 1)}
+    unit_of = {u.op.name: u for u in units}
+    handle = {op.name: ("" if op.is_root else op.modules[0]) for op in program.units}
+
+    # The ops in program order, as sections of one kind each (the program keeps kinds together).
+    sections: list[tuple[tuple, list]] = []
+    for op in program.ops:
+        if not isinstance(op, _PRINTABLE):
+            raise EmitError(f"emit cannot print a `{type(op).__name__}` operation yet")
+        kind = (type(op), getattr(op, "direction", None))
+        if sections and sections[-1][0] == kind:
+            sections[-1][1].append(op)
+        else:
+            sections.append((kind, [op]))
+
+    body: list[str] = []
+    ind = "    "
+    if program.of_type(Checkpoint) or program.of_type(Compile):
+        body.append(f"{ind}# NOTE: checkpointing and compile wrap the plain modules before `fully_shard` hooks them.")
+    for (kind, direction), ops in sections:
+        if kind is Checkpoint:
+            body += _emit_calls([_Call((op.module,), lambda e, p=op.module: f"checkpoint({e(p)})",
+                                       (_where(op.origin.span, op.origin.rule),)) for op in ops], model, ind)
+        elif kind is Compile:
+            body += _emit_calls([_Call((op.module,), lambda e, op=op: f"{e(op.module)}.compile(" +
+                                       ", ".join(f"{k}={v!r}" for k, v in op.options) + ")",
+                                       (_where(op.origin.span, op.origin.rule),)) for op in ops], model, ind)
+        elif kind is FullyShard:
+            if body:
+                body.append("")
+            for value, name in hoisted.items():
+                body += _wrap(f"{name} = {value}", ind)
+            body.append(f"{ind}# NOTE: bottom-up: a call owns the parameters of its subtree not claimed by an "
+                        "earlier call.")
+            calls = []
+            for op in ops:
+                u = unit_of[op.name]
+
+                def render(e, u=u):
+                    op = u.op
+                    target = "model" if op.is_root else (
+                        "[" + ", ".join(e(m) for m in op.modules) + "]" if op.is_group else e(op.modules[0]))
+                    return f"fully_shard({', '.join([target] + u.kwargs(e, hoisted))})"
+                paths = () if op.is_root else tuple(op.modules) + tuple(u.param_paths)
+                calls.append(_Call(paths, render, _unit_comments(op)))
+            body += _emit_calls(calls, model, ind)
+        elif kind is SetPrefetch:
+            body += ["", f"{ind}# explicit {direction} prefetch (all-gather these units ahead)"]
+            pre = [_Call((handle[op.unit], *[handle[t] for t in op.targets]) if handle[op.unit] else (),
+                         lambda e, s=handle[op.unit], ts=tuple(handle[t] for t in op.targets), d=direction:
+                         f"{e(s)}.set_modules_to_{d}_prefetch([{', '.join(e(t) for t in ts)}])")
+                   for op in ops]
+            body += _emit_calls(pre, model, ind)
+        else:  # UnitMethod
+            body += ["", f"{ind}# FSDP2 settings made by method calls, once every unit is sharded"]
+            body += _emit_calls([_Call((handle[op.unit],) if handle[op.unit] else (),
+                                       lambda e, op=op: f"{e(handle[op.unit])}.{op.method}("
+                                       + ", ".join(_literal(a) for a in op.args) + ")",
+                                       (_where(op.origin.span, op.origin.rule),)) for op in ops], model, ind)
+    body += [f"{ind}return model"]
+
+    uses = "\n".join(line for line in body if not line.lstrip().startswith("#"))  # code, not comments
+    imports = ["import torch"] if "torch." in uses else []
+    if program.of_type(Checkpoint):
+        imports.append("from torch.distributed._composable import checkpoint")
+    # NOTE: whole names: `OffloadPolicy(` is also the tail of `CPUOffloadPolicy(`
+    fsdp = sorted({n for n in ("CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy")
+                   if re.search(rf"\b{n}\(", uses)})
+    imports.append("from torch.distributed.fsdp import " + ", ".join(fsdp + ["fully_shard"]))
+    if "placement_fn(" in uses:
+        imports.append("from torch.distributed.tensor import Shard")
+    dims = program.mesh.dp_dims
+    mesh_doc = (f"a {len(dims)}-D device mesh (" + ", ".join(f'"{d}"' for d in dims) + ")") if len(dims) > 1 \
+        else "a 1-D device mesh"
+    head = [
+        f'"""FSDP2 sharding of `{model_ref}` as `{plan_path}` plans it: {len(program.units)} units.',
+        "",
+        f"Generated by `planc emit {plan_path}`. `apply_plan(model, mesh)` makes the calls",
+        f'`planc.apply(model, "{plan_path}", mesh=mesh)` makes, in the same order.',
+        '"""',
+        "",
+        *imports,
+    ]
+    text = "\n".join(head)
+    if "placement_fn(" in uses:
+        text += "\n" + PLACEMENT_FN.rstrip("\n")
+    text += "\n\n\ndef apply_plan(model, mesh):\n"
+    text += f'    """Shard `model` in place on `mesh` ({mesh_doc}) and return it."""\n'
+    return text + "\n".join(body) + "\n"
+
+
+_PRINTABLE = (Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod)

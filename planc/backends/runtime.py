@@ -1,0 +1,427 @@
+"""Apply a compiled plan to a live model: checkpointing, compile, `fully_shard`, prefetch.
+
+This is the only stage that imports `torch.distributed`. `apply(model, plan)` does what a
+careful engineer writes by hand (torchtitan's `apply_fsdp`), in the same order:
+
+    compile + validate against the live model (all or nothing: errors leave it untouched)
+    -> activation checkpointing (composable, so module paths and state-dict keys stay)
+    -> `module.compile()` (in place, names kept)
+    -> `fully_shard` per unit, bottom-up, group units as one list call, the root last
+    -> explicit forward/backward prefetch lists
+
+The meta-device flow for models too big for one rank:
+
+    with torch.device("meta"):
+        model = build()
+    applied = planc.apply(model, "plans/x.plan")       # shards on meta: no memory used
+    planc.materialize(model, device)                    # allocate local shards, initialise
+    optimizer = torch.optim.AdamW(model.parameters())
+
+The order and every argument come from the lowered program (`compiled.program`,
+planc/lower/): `run` executes it op by op; `fully_shard_kwargs(op, model, mesh)` turns one
+`FullyShard` op into `fully_shard` keyword arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from planc.compiler import CompiledPlan, as_plan
+from planc.compiler import compile as compile_plan
+from planc.diagnostics import Diagnostic, PlanError, Span, sort_diagnostics
+from planc.lang import syntax as st
+from planc.lower.program import Checkpoint, Compile, FullyShard, Program, SetPrefetch, UnitMethod
+from planc.model.graph import ModelGraph
+from planc.resolve.ir import Unit
+from planc.resolve.mesh import Mesh
+
+__all__ = ["AppliedPlan", "AppliedUnit", "apply", "build_mesh", "device_type", "fully_shard_kwargs", "run",
+           "unit_modules"]
+
+# Backend name -> device type of the mesh it drives.
+_BACKEND_DEVICES = {"gloo": "cpu", "nccl": "cuda", "xccl": "xpu", "hccl": "hpu", "mpi": "cpu"}
+
+
+# ===================================================================== mesh
+
+
+def device_type(backend: str | None = None) -> str:
+    """The device type a mesh should use for a process-group backend.
+
+    `gloo` -> cpu, `nccl` -> cuda, and so on. A combined backend (`cpu:gloo,cuda:nccl`) or an
+    unknown one picks the accelerator if there is one, else the CPU, so one training script
+    runs unchanged on CPU/gloo and GPU/nccl.
+    """
+    if backend is None and dist.is_available() and dist.is_initialized():
+        backend = str(dist.get_backend())
+    if backend in _BACKEND_DEVICES:
+        return _BACKEND_DEVICES[backend]
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if backend and ":" in backend:  # "cpu:gloo,cuda:nccl": devices named outright
+        devices = [part.split(":")[0] for part in backend.split(",")]
+        if accelerator is not None and accelerator.type in devices:
+            return accelerator.type
+        return devices[0]
+    return accelerator.type if accelerator is not None else "cpu"
+
+
+def build_mesh(plan_mesh: Mesh, world_size: int | None = None, device: str | None = None) -> DeviceMesh:
+    """The device mesh a plan asks for, over the default process group.
+
+    Its dimensions are the plan's data-parallel axes, named as the plan names them: 1-D
+    `("shard",)` for a plain plan, 2-D `("replicate", "shard")` for HSDP (or the plan's
+    words for them, e.g. `("dp_replicate", "fsdp")`).
+
+    Raises:
+        PlanError: P401 if the plan's mesh does not fit the world size.
+    """
+    world_size = dist.get_world_size() if world_size is None else world_size
+    sizes = plan_mesh.sizes(world_size)
+    if sizes is None:
+        raise PlanError([Diagnostic(code="P401", severity="error", span=plan_mesh.span,
+                                    message=f"mesh {plan_mesh} does not fit {world_size} ranks",
+                                    label="this mesh")])
+    axes = plan_mesh.dp_axes
+    return init_device_mesh(device or device_type(), tuple(sizes[a.role] for a in axes),
+                            mesh_dim_names=tuple(a.dim for a in axes))
+
+
+def check_mesh_fits(mesh: DeviceMesh, plan_mesh: Mesh) -> list[Diagnostic]:
+    """P602 if a given device mesh has another shape (or other dimension names) than the plan's mesh."""
+    axes = plan_mesh.dp_axes
+    sizes = plan_mesh.sizes(mesh.size())
+    want = None if sizes is None else tuple(sizes[a.role] for a in axes)
+    dims = tuple(a.dim for a in axes)
+    if mesh.ndim == len(axes) and (want is None or tuple(mesh.shape) == want):
+        if len(axes) == 1 or tuple(mesh.mesh_dim_names or ()) == dims:
+            return []
+        # FSDP2 needs named dims on an HSDP mesh (it asserts otherwise), and the program
+        # names the submesh it shards on by them.
+        got = "no dimension names" if mesh.mesh_dim_names is None else f"dimensions {tuple(mesh.mesh_dim_names)}"
+        return [Diagnostic(code="P602", severity="error", span=plan_mesh.span,
+                           message=f"the 2-D mesh passed to `apply` has {got}; the plan names them {dims}",
+                           label=f"the plan's mesh {plan_mesh}",
+                           help=(f"build it with `mesh_dim_names={dims}`",))]
+    expected = f"a {len(axes)}-D mesh" + (f" of shape {want}" if want else "")
+    return [Diagnostic(code="P602", severity="error", span=plan_mesh.span,
+                       message=f"the mesh passed to `apply` has shape {tuple(mesh.shape)}; the plan needs {expected}",
+                       label=f"the plan's mesh {plan_mesh}",
+                       help=("build it with `planc.backends.runtime.build_mesh(compiled.mesh)`, or pass no mesh",))]
+
+
+# ===================================================================== one unit
+
+
+def unit_modules(op: FullyShard | Unit, model: nn.Module) -> list[nn.Module]:
+    """The live modules of a unit: `[model]` for the root, else each module path resolved."""
+    if op.is_root:
+        return [model]
+    return [model.get_submodule(path) for path in op.modules]
+
+
+def fully_shard_kwargs(op: FullyShard, model: nn.Module, mesh: DeviceMesh) -> dict[str, Any]:
+    """The exact keyword arguments of `fully_shard` for one `FullyShard` op of the program.
+
+    Call `fully_shard(unit_modules(op, model) or its single module, **kwargs)`, before
+    anything is sharded (placed and ignored parameters are matched by identity):
+
+    * `mesh`: the given device mesh.
+    * `reshard_after_forward`: the plan's value; None leaves FSDP2's default (True for inner
+      units, False for the root).
+    * `mp_policy`: `MixedPrecisionPolicy` from the unit's precision.
+    * `offload_policy`: `CPUOffloadPolicy(pin_memory=...)` or `OffloadPolicy()`. On a CPU
+      mesh `pin_memory` is forced False: pinning needs an accelerator and the data is on the
+      CPU already.
+    * `shard_placement_fn`: `Shard(dim)` for the placed parameters, None for the rest; None
+      when none is placed.
+    * `ignored_params`: the `ignore`d parameters in the unit's subtrees, or None.
+    """
+    policy = op.policy
+    placed = {id(model.get_parameter(name)): dim for name, dim in op.placements}
+    ignored = {model.get_parameter(name) for name in op.ignored}
+
+    def shard_placement_fn(param: nn.Parameter) -> Shard | None:
+        dim = placed.get(id(param))
+        return None if dim is None else Shard(dim)
+
+    if policy.offload.enabled:
+        offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=policy.offload.pin_memory and mesh.device_type != "cpu")
+    else:
+        offload = OffloadPolicy()
+    p = policy.precision
+    return {
+        "mesh": mesh,
+        "reshard_after_forward": policy.reshard_argument,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype,
+                                          output_dtype=p.output_dtype, cast_forward_inputs=p.cast_forward_inputs),
+        "offload_policy": offload,
+        "shard_placement_fn": shard_placement_fn if placed else None,
+        "ignored_params": ignored or None,
+    }
+
+
+# ===================================================================== the result
+
+
+@dataclass
+class AppliedUnit:
+    """One applied unit: the resolved `Unit` and the FSDP module(s) `fully_shard` made of it."""
+
+    unit: Unit
+    modules: tuple[FSDPModule, ...]
+    op: FullyShard | None = None  # the program's call that made it
+
+    @property
+    def name(self) -> str:
+        return self.unit.name
+
+    @property
+    def handle(self) -> FSDPModule:
+        """The module to call FSDP methods on (a group's modules share one FSDP state)."""
+        return self.modules[0]
+
+
+@dataclass
+class AppliedPlan:
+    """What `apply` did: the compiled plan, the mesh, and each unit with its FSDP handles.
+
+    Attributes:
+        compiled: the plan compiled against the live model at the live world size.
+        mesh: the device mesh the model is sharded on.
+        model: the sharded model (the same object that was passed in).
+        units: applied units in application order (bottom-up, root last).
+        unit_of_module: module path -> the `Unit` that shards it (only the modules units name;
+            the root is `""`).
+    """
+
+    compiled: CompiledPlan
+    mesh: DeviceMesh
+    model: nn.Module
+    units: list[AppliedUnit] = field(default_factory=list)
+    unit_of_module: dict[str, Unit] = field(default_factory=dict)
+
+    def unit(self, name: str) -> AppliedUnit:
+        """The applied unit called `name` (`<root>`, `layers.0`, `[norm, output]`)."""
+        for applied in self.units:
+            if applied.name == name:
+                return applied
+        raise KeyError(name)
+
+    def handle(self, name: str) -> FSDPModule:
+        """The FSDP module of the unit called `name`."""
+        return self.unit(name).handle
+
+    def local_param_bytes(self) -> int:
+        """Bytes of parameter data this rank holds: local shards, plus unsharded (ignored) params.
+
+        Counts each parameter once (tied ones too) at its local, unpadded shard size.
+        """
+        return sum(_local_bytes(p) for p in self.model.parameters())  # tied parameters come once
+
+    def unit_local_bytes(self, unit: Unit) -> int:
+        """Bytes of the local shards of the parameters `unit` manages."""
+        return sum(_local_bytes(self.model.get_parameter(name)) for name in unit.params)
+
+    def summary(self) -> str:
+        """A short human text: mesh, units, parameters and bytes held on this rank."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        total = sum(p.numel() for p in self.model.parameters())  # tied parameters come once
+        lines = [f"planc: {self.compiled.plan.file}: {len(self.units)} units on mesh "
+                 f"{dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape))} ({self.mesh.device_type}); "
+                 f"{_count(total)} parameters, rank {rank} holds {_bytes(self.local_param_bytes())}"]
+        width = max((len(u.name) for u in self.units), default=0)
+        for applied in self.units:
+            u = applied.unit
+            numel = sum(self.model.get_parameter(n).numel() for n in u.params)
+            lines.append(f"  {u.name:<{width}}  {_count(numel):>7} params  {_bytes(self.unit_local_bytes(u)):>10}/rank  "
+                         f"{_describe(applied.op.policy)}")
+        ignored = self.compiled.resolution.ignored
+        if ignored:
+            lines.append(f"  ignored (replicated): {', '.join(sorted(ignored))}")
+        warnings = [d for d in self.compiled.diagnostics if d.severity == "warning"]
+        if warnings:
+            codes = ", ".join(sorted({d.code for d in warnings}))
+            lines.append(f"  {len(warnings)} warning(s) ({codes}): see `planc check` or `.compiled.diagnostics`")
+        return "\n".join(lines)
+
+
+def _local_bytes(p: torch.Tensor) -> int:
+    local = p.to_local() if isinstance(p, DTensor) else p
+    return local.numel() * local.element_size()
+
+
+def _describe(policy) -> str:
+    from planc.resolve.options import show_value
+    p = policy.precision
+    parts = [f"reshard={show_value(policy.reshard_after_forward)}"]
+    if p.param_dtype is not None or p.reduce_dtype is not None:
+        parts.append(f"param={show_value(p.param_dtype)} reduce={show_value(p.reduce_dtype)}")
+    if policy.offload.enabled:
+        parts.append("offload=cpu")
+    return " ".join(parts)
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+# ===================================================================== apply
+
+
+def _already_sharded(graph: ModelGraph, span: Span | None) -> list[Diagnostic]:
+    """P601 when FSDP, DTensor parameters or composable checkpointing are already there.
+
+    Read from the graph, which records them in the walk that builds it (a reused graph is
+    reused only while `ModelGraph.describes` finds none of them added since).
+    """
+    state = graph.already_sharded
+    found = [(state["fsdp"], "FSDP modules"), (state["dtensor"], "DTensor parameters"),
+             (state["checkpoint"], "checkpointed modules")]
+    notes = tuple(f"{what}: " + ", ".join(f"`{n or '<root>'}`" for n in names[:3]) +
+                  (f" and {len(names) - 3} more" if len(names) > 3 else "") for names, what in found if names)
+    if not notes:
+        return []
+    return [Diagnostic(code="P601", severity="error", span=span, message="the model is already sharded",
+                       label="this plan was not applied", notes=notes,
+                       help=("apply a plan once, to a freshly built model",))]
+
+
+def _non_contiguous(compiled: CompiledPlan) -> list[Diagnostic]:
+    """P604 for parameters FSDP2 cannot shard (read from the graph: no parameter lookups)."""
+    ignored, params = compiled.resolution.ignored, compiled.graph.params
+    out = []
+    for unit in compiled.units:
+        for name in unit.params:
+            if name not in ignored and not params[name].contiguous:
+                out.append(Diagnostic(code="P604", severity="error", span=unit.span,
+                                      message=f"parameter `{name}` of unit `{unit.name}` is not contiguous",
+                                      label="this unit", help=(f"`ignore {name}`, or make it contiguous in the model",)))
+    return out
+
+
+def _compile_live(plan, model: nn.Module, mesh: DeviceMesh | None) -> tuple[CompiledPlan, list[Diagnostic]]:
+    """Compile against the live model at the live world size; collect every error.
+
+    A `CompiledPlan` is reused as it is when it was compiled against this very model (same
+    modules, same parameter objects) at this world size; otherwise it is compiled again.
+    """
+    precompiled = plan if isinstance(plan, CompiledPlan) else None
+    parsed = as_plan(plan.plan if precompiled is not None else plan)  # raises PlanError on syntax errors
+    extra: list[Diagnostic] = []
+    if mesh is not None:
+        world = mesh.size()
+    elif dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    else:
+        world = None
+        extra.append(Diagnostic(code="P603", severity="error", span=None,
+                                message="`planc.apply` needs an initialised process group or a `mesh`",
+                                help=("call `torch.distributed.init_process_group()` first (torchrun sets "
+                                      "the environment for it), or pass `mesh=`",)))
+    if (precompiled is not None and precompiled.world_size == world and precompiled.graph is not None
+            and precompiled.graph.describes(model)):
+        compiled = precompiled
+    else:
+        compiled = compile_plan(parsed, model, world, strict=False, check_memory=False)
+    span = parsed.statements[0].span if parsed.statements else None
+    extra += _already_sharded(compiled.graph, span)
+    if mesh is not None:
+        extra += check_mesh_fits(mesh, compiled.mesh)
+    if not compiled.errors:
+        extra += _non_contiguous(compiled)
+    return compiled, extra
+
+
+def apply(model: nn.Module, plan: st.Plan | CompiledPlan | str | os.PathLike, *,
+          mesh: DeviceMesh | None = None) -> AppliedPlan:
+    """Shard `model` in place as `plan` says; all or nothing.
+
+    Args:
+        model: the model, on meta, CPU or the mesh's device; not yet sharded.
+        plan: a path, a parsed `Plan` (`planc.load`/`loads`), or a `CompiledPlan` (reused if it
+            was compiled against this model, unchanged, at this world size; else recompiled
+            against the live model and world size).
+        mesh: the device mesh; by default built from the plan's mesh over the default
+            process group, on the device the backend drives (gloo: cpu, nccl: cuda).
+
+    Returns:
+        The `AppliedPlan`: units with their FSDP handles, `summary()`, `local_param_bytes()`.
+
+    Raises:
+        PlanError: with every diagnostic if the plan has any error for this model and world
+            size, the model is already sharded, or `mesh` does not fit the plan. The model is
+            then left exactly as it was. (An error torch raises while sharding, which planc's
+            checks did not foresee, propagates as it is and can leave the model partly
+            sharded; please report it.)
+    """
+    compiled, extra = _compile_live(plan, model, mesh)
+    diagnostics = sort_diagnostics(list(compiled.diagnostics) + extra)
+    if any(d.is_error for d in diagnostics):
+        raise PlanError(diagnostics, compiled.sources)
+    if mesh is None:
+        mesh = build_mesh(compiled.mesh)
+    return run(compiled.program, model, mesh, compiled)
+
+
+def _submesh(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
+    """The submesh a unit is sharded on: the mesh itself when it has exactly those dimensions."""
+    if mesh.ndim == len(dims) and (len(dims) == 1 or tuple(mesh.mesh_dim_names or ()) == dims):
+        return mesh
+    return mesh[dims if len(dims) > 1 else dims[0]]
+
+
+def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: CompiledPlan) -> AppliedPlan:
+    """Execute a lowered program on a live model, op by op, in the program's order.
+
+    Every `fully_shard` argument is computed before anything changes, while parameters are
+    still the model's own objects (placements and ignores are matched by identity).
+    """
+    from torch.distributed._composable import checkpoint
+
+    calls = {id(op): (unit_modules(op, model), fully_shard_kwargs(op, model, _submesh(mesh, op.mesh_dims)))
+             for op in program.units}
+    applied = AppliedPlan(compiled=compiled, mesh=mesh, model=model)
+    handles: dict[str, FSDPModule] = {}
+    for op in program.ops:
+        # NOTE: the program's order is the order that works (torchtitan's): checkpointing
+        # and compile wrap the plain modules first, `fully_shard` then hooks around them,
+        # bottom-up (a call owns the parameters of its subtree not claimed by an earlier
+        # call on a descendant); prefetch lists and unit methods need every unit sharded.
+        if isinstance(op, Checkpoint):
+            checkpoint(model.get_submodule(op.module))
+        elif isinstance(op, Compile):
+            model.get_submodule(op.module).compile(**dict(op.options))
+        elif isinstance(op, FullyShard):
+            modules, kwargs = calls[id(op)]
+            fully_shard(modules if op.is_group else modules[0], **kwargs)
+            applied.units.append(AppliedUnit(compiled.unit(op.name), tuple(modules), op))  # type: ignore[arg-type]
+            handles[op.name] = modules[0]  # type: ignore[assignment]
+            for path in op.modules:
+                applied.unit_of_module[path] = applied.units[-1].unit
+        elif isinstance(op, SetPrefetch):
+            setter = getattr(handles[op.unit], f"set_modules_to_{op.direction}_prefetch")
+            setter([handles[t] for t in op.targets])
+        elif isinstance(op, UnitMethod):
+            getattr(handles[op.unit], op.method)(*op.args)
+        else:
+            raise TypeError(f"the runtime cannot execute a `{type(op).__name__}` operation")
+    return applied

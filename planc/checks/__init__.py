@@ -1,0 +1,1 @@
+"""Validation: checks over a resolved plan, each a plain function returning diagnostics."""

@@ -1,0 +1,83 @@
+"""What every command shares: exit codes, usage errors, colour, and compiling a plan file.
+
+Exit codes (CI relies on them): 0 no errors (warnings allowed), 1 the plan has errors,
+2 usage or I/O problems (a missing plan file, a model that cannot be built from `--model`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from planc.compiler import CompiledPlan
+from planc.diagnostics import Diagnostic, sort_diagnostics
+from planc.lang.parse import load_with_diagnostics
+from planc.model.build import ModelLoadError, build_model
+from planc.model.graph import ModelGraph
+
+EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A problem with how planc was called; printed as `planc: error: ...`, exit 2."""
+
+
+def use_color(stream) -> bool:
+    """Colour only on a terminal, and never when NO_COLOR is set (no-color.org)."""
+    return hasattr(stream, "isatty") and stream.isatty() and not os.environ.get("NO_COLOR")
+
+
+class ModelCache:
+    """Builds each referenced model once per run (on meta) and remembers failures."""
+
+    def __init__(self):
+        self._graphs: dict[tuple[str, str | None], ModelGraph | ModelLoadError] = {}
+
+    def graph(self, ref: str, base: str | None = None) -> ModelGraph:
+        """`base`: the plan's folder, where a relative `hf:` config path starts."""
+        key = (ref, base)
+        if key not in self._graphs:
+            try:
+                self._graphs[key] = ModelGraph.from_module(build_model(ref, base=base))
+            except ModelLoadError as err:
+                self._graphs[key] = err
+        result = self._graphs[key]
+        if isinstance(result, ModelLoadError):
+            raise result
+        return result
+
+
+def compile_for_cli(path: str, model_ref: str | None, world_sizes: Sequence[int | None], cache: ModelCache
+                    ) -> tuple[list[CompiledPlan], list[Diagnostic], dict[str, str], bool]:
+    """Compile one plan file for each world size.
+
+    Returns the compiled plans, the diagnostics (deduplicated over world sizes), the
+    sources for rendering, and whether an I/O problem occurred (exit 2).
+    """
+    plan, diags = load_with_diagnostics(path)
+    if plan is None:
+        return [], diags, {}, True
+    sources = dict(plan.sources)
+    if any(d.is_error for d in diags):
+        return [], diags, sources, False
+    ref = model_ref or plan.model_ref
+    graph = None
+    if ref is not None:
+        try:
+            graph = cache.graph(ref, None if model_ref else os.path.dirname(os.path.abspath(path)))
+        except ModelLoadError as err:
+            if model_ref is not None:
+                raise UsageError(f"--model {model_ref}: {err}") from err
+            stmt = next(s for s in reversed(plan.statements) if getattr(s, "ref", None) == ref)
+            diags.append(Diagnostic(code="P106", severity="error", message=str(err), span=stmt.span,
+                                    label="this model", help=("check the module path and that its package is "
+                                                              "installed; or pass `--model`",)))
+    compiled = [CompiledPlan(plan, graph, w) for w in world_sizes]
+    seen = set()
+    for c in compiled:
+        for d in c.diagnostics:
+            key = (d.code, d.span, d.message)
+            if key not in seen:
+                seen.add(key)
+                diags.append(d)
+    return compiled, sort_diagnostics(diags), sources, False

@@ -1,0 +1,106 @@
+"""`planc explain PLAN`: the report of planc/analysis/explain.py, with `--simulate` and `--plot`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from planc.analysis.explain import render_text, report
+from planc.cli.common import EXIT_ERRORS, EXIT_OK, EXIT_USAGE, ModelCache, UsageError, compile_for_cli, use_color
+from planc.diagnostics import render
+from planc.estimate.memory import estimate
+from planc.estimate.trace import TraceError
+from planc.model.build import build_model
+
+# Failed `expect` lines (units, memory, the input of a memory bound): the plan itself is
+# sound, so `explain` still reports it, after the diagnostics, and exits 1.
+EXPECT_FAILURES = ("P501", "P502", "P504")
+
+
+def parse_shape(text: str | None) -> tuple[int, ...] | None:
+    """`2x512` -> (2, 512)."""
+    if not text:
+        return None
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or any(s < 1 for s in shape):
+        raise UsageError(f"--input-shape {text}: expected sizes like 2x512")
+    return shape
+
+
+
+def main(args) -> int:
+    """`planc explain` (arguments declared in `planc.cli.build_parser`)."""
+    if args.world_size < 1:
+        raise UsageError("--world-size must be at least 1")
+    if not 0 <= args.rank < args.world_size:
+        raise UsageError(f"--rank {args.rank} is not a rank of {args.world_size}")
+    shape = parse_shape(args.input_shape)
+    compiled, diags, sources, io = compile_for_cli(args.plan, args.model, [args.world_size], ModelCache())
+    # NOTE: a failed `expect` does not stop the report: P502 sends people here for the breakdown
+    blocking = [d for d in diags if d.is_error and d.code not in EXPECT_FAILURES]
+    if io or not compiled or compiled[0].graph is None or blocking:
+        text = render.render_text(diags, sources, color=use_color(sys.stderr))
+        if text:
+            print(text, file=sys.stderr)
+        if compiled and compiled[0].graph is None and not any(d.is_error for d in diags):
+            raise UsageError("explain needs a model: add a `model` line to the plan or pass --model")
+        return EXIT_USAGE if io else EXIT_ERRORS
+    c = compiled[0]
+    ref = args.model or c.plan.model_ref
+    is_zoo = bool(ref and ref.startswith("planc.zoo:"))
+    if args.simulate and shape is None and is_zoo:
+        shape = (2, 16)  # the zoo's `example_input` default, so estimate and measurement agree
+    try:
+        est = estimate(c, args.world_size, optimizer=args.optimizer, input_shape=shape)
+    except TraceError as err:
+        raise UsageError(f"--input-shape: {err}; the shape is batch x sequence of token ids "
+                         "(leave it out to estimate without activations)") from err
+    measured = None
+    if args.simulate:
+        measured = _simulate(c, ref, args, shape)
+    data = report(c, est, measured, ref)
+    if args.plot:
+        from planc.analysis.plot import PlotError, plot_step
+        try:
+            plot_step(est, args.plot, measured=measured)
+        except PlotError as err:
+            raise UsageError(str(err)) from err
+    if args.html:
+        from planc.analysis.plot import PlotError
+        from planc.analysis.report_html import write_html
+        try:
+            write_html(args.html, data, c, est, measured)
+        except PlotError as err:  # matplotlib missing: the page needs the plot
+            raise UsageError(str(err).replace("--plot", "--html")) from err
+        except OSError as err:
+            raise UsageError(f"--html {args.html}: cannot write: {err.strerror}") from err
+    warnings = [d for d in diags if not d.is_error]
+    failed = [d for d in diags if d.is_error]  # expectations only (others stopped above)
+    if failed or (warnings and args.format == "text"):
+        shown = diags if args.format == "text" else failed
+        print(render.render_text(shown, sources, color=use_color(sys.stderr)), file=sys.stderr)
+    if args.format == "json":
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        print(render_text(data, c, color=use_color(sys.stdout)))
+    return EXIT_ERRORS if failed else EXIT_OK
+
+
+def _simulate(compiled, ref: str, args, shape):
+    from planc.analysis.simulate import simulate, zoo_inputs
+    if shape is None:
+        raise UsageError("--simulate needs --input-shape BxS for a model outside planc.zoo")
+    if len(shape) != 2:
+        raise UsageError("--input-shape for --simulate is batch x sequence (token ids), e.g. 2x512")
+    # a relative `hf:` path in the plan's `model` line starts from the plan's folder
+    base = None if args.model else os.path.dirname(os.path.abspath(args.plan))
+    try:
+        return simulate(compiled.plan, lambda: build_model(ref, device="meta", base=base), args.world_size, rank=args.rank,
+                        inputs=zoo_inputs(shape), optimizer=args.optimizer)
+    except Exception as err:  # the model's own code, under fake tensors: report, never a traceback
+        raise UsageError(f"--simulate: the step failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                         ) from err

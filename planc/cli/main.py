@@ -1,0 +1,104 @@
+"""The `planc` command line: argument parsing and dispatch to one module per command.
+
+    check  tree  explain  emit  fmt  import  codes
+
+No traceback reaches the user: unexpected failures are reported as internal errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+from planc.cli import check, codes, emit, explain, fmt, importer, tree
+from planc.cli.common import EXIT_USAGE, UsageError
+
+# ===================================================================== argument parsing
+
+
+def _world_size(text: str) -> int:
+    """argparse type for `--world-size`: a positive number of ranks."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"`{text}` is not a number of ranks") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a world size is at least 1 rank, not {n}")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="planc", description="Compile, check and apply FSDP2 sharding plans.")
+    p.add_argument("--version", action="version", version="planc 0.1.0")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    c = sub.add_parser("check", help="validate plans (exit 1 on errors)")
+    c.add_argument("plans", nargs="+", metavar="PLAN")
+    c.add_argument("--model", metavar="MODULE:CALLABLE", help="model to check against (default: the plan's `model` line)")
+    c.add_argument("--world-size", type=_world_size, nargs="+", metavar="N", help="check for these world sizes")
+    c.add_argument("--format", choices=("text", "json", "github"), default="text")
+    c.set_defaults(func=check.cmd_check)
+
+    t = sub.add_parser("tree", help="print a model's module tree, to write selectors")
+    t.add_argument("--model", metavar="MODULE:CALLABLE")
+    t.add_argument("--plan", help="use this plan's `model` line")
+    t.add_argument("--depth", type=int)
+    t.set_defaults(func=tree.cmd_tree)
+
+    e = sub.add_parser("explain", help="the resolved plan: units, settings, memory per rank")
+    e.add_argument("plan")
+    e.add_argument("--model", metavar="MODULE:CALLABLE")
+    e.add_argument("--world-size", type=_world_size, required=True, metavar="N")
+    e.add_argument("--optimizer", choices=("adamw", "sgd", "none"), default="adamw")
+    e.add_argument("--format", choices=("text", "json"), default="text")
+    e.add_argument("--simulate", action="store_true", help="also measure one step in a fake process group")
+    e.add_argument("--rank", type=int, default=0, help="rank to simulate (default 0)")
+    e.add_argument("--input-shape", metavar="BxS", help="input batch x sequence for activations")
+    e.add_argument("--plot", metavar="FILE", help="write memory over one step (PNG or SVG)")
+    e.add_argument("--html", metavar="FILE", help="write the report as one self-contained HTML page")
+    e.set_defaults(func=explain.main)
+
+    m = sub.add_parser("emit", help="print the equivalent hand-written fully_shard code")
+    m.add_argument("plan")
+    m.add_argument("--model", metavar="MODULE:CALLABLE")
+    m.set_defaults(func=emit.main)
+
+    f = sub.add_parser("fmt", help="format plans canonically")
+    f.add_argument("plans", nargs="+", metavar="PLAN")
+    f.add_argument("--check", action="store_true", help="exit 1 if a plan is not formatted")
+    f.set_defaults(func=fmt.main)
+
+    i = sub.add_parser("import", help="translate an accelerate FSDP config into a plan")
+    i.add_argument("config")
+    i.add_argument("--model", metavar="MODULE:CALLABLE")
+    i.add_argument("-o", "--output", help="write the plan here (default: stdout)")
+    i.set_defaults(func=importer.main)
+
+    k = sub.add_parser("codes", help="list diagnostic codes, or explain one")
+    k.add_argument("code", nargs="?")
+    k.set_defaults(func=codes.cmd_codes)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as err:
+        print(f"planc: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # never show a traceback to a user; say it is planc's fault
+        print(f"planc: internal error: {type(err).__name__}: {err}\n"
+              "this is a bug in planc; please report it with the plan and command", file=sys.stderr)
+        if os.environ.get("PLANC_DEBUG"):
+            raise
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""The registry of diagnostic codes: a title and an explanation with an example for each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Severity = Literal["error", "warning", "note"]
+
+
+@dataclass(frozen=True, slots=True)
+class Code:
+    """A registry entry: a one-line title and an explanation with an example."""
+
+    title: str
+    explanation: str
+    severity: Severity = "error"
+
+
+# NOTE: codes are stable identifiers users put in CI logs and docs; never renumber them.
+CODES: dict[str, Code] = {
+    # --- reading and parsing (P0xx)
+    "P001": Code("syntax error", "The text is not a valid plan: an unexpected token or character. "
+                 "The message names what planc expected at that point.\n\n"
+                 "    unit [norm, output\n    # error: expected `,` or `]`"),
+    "P002": Code("cannot read plan", "The plan file is missing, unreadable, not UTF-8 text, or too large "
+                 "(plans are limited to 1 MiB)."),
+    "P003": Code("include not found", "An `include` names a file that does not exist. Paths are relative "
+                 "to the including plan.\n\n    include \"base.plan\""),
+    "P004": Code("include cycle", "Plans include each other in a loop. Break the cycle: a base plan should "
+                 "not include the plans built on it."),
+    "P005": Code("nesting too deep", "The plan nests brackets deeper than planc accepts."),
+    # --- names and values (P1xx)
+    "P101": Code("unknown option", "A block names an option planc does not know. Options are `precision`, "
+                 "`reshard`, `offload`, `prefetch`, `checkpoint`, `compile`, `reduction`, and the FSDP1 "
+                 "spellings `strategy`, `mixed_precision`, `cpu_offload`.\n\n"
+                 "    unit layers.* { precison param = bf16 }  # did you mean `precision`?"),
+    "P102": Code("unknown value", "An option, mesh or statement has a value planc does not know: a dtype, an "
+                 "enum word, a placement.\n\n    precision param = bfloat61  # did you mean `bfloat16`?"),
+    "P103": Code("bad argument", "An option argument is missing, repeated, of the wrong type, or names a "
+                 "key the option does not take.\n\n    reshard after_forward = maybe"),
+    "P104": Code("not allowed here", "A construct is valid in general but not where it was written, e.g. "
+                 "`checkpoint` on the root, or `strategy HYBRID_SHARD` inside a unit."),
+    "P105": Code("invalid regular expression", "A `re\"...\"` selector does not compile as a Python regular "
+                 "expression."),
+    "P106": Code("model not loadable", "The model the plan names (or `--model`) could not be imported or "
+                 "built on the meta device."),
+    # --- selectors (P2xx)
+    "P201": Code("selector matches nothing", "A selector matches no module of the model. Check the path "
+                 "with `planc tree`; mark the rule `optional` if matching nothing is fine.\n\n"
+                 "    unit layer.*   # did you mean `layers`?"),
+    "P202": Code("unknown class", "A `: Class` guard names a class that no module of the model has; it "
+                 "would silently wrap nothing (the most common failure of FSDP1 wrap policies).\n\n"
+                 "    unit **: LLaMADecoderLayer  # did you mean `LlamaDecoderLayer`?"),
+    "P203": Code("module in two units", "Two unit rules put one module into different units (e.g. alone "
+                 "and in a group). A module belongs to exactly one FSDP unit."),
+    "P204": Code("unit on a container", "`nn.ModuleList` and `nn.ModuleDict` have no `forward`, so FSDP2 "
+                 "refuses them. Make each child a unit instead: `unit layers.*`."),
+    "P205": Code("group unit as root", "A group (list) unit cannot be the root of FSDP: with `root none`, "
+                 "a group that no other unit encloses would act as one. Keep the root a unit."),
+    "P206": Code("parameter selector matches nothing", "An `ignore` or `place` selector matches no "
+                 "parameter of the model."),
+    "P207": Code("rule has no effect", "Every unit and option this rule sets is set again by later rules, "
+                 "so removing it changes nothing.", "warning"),
+    "P208": Code("bad selector", "A selector is malformed for the model: an index out of range, an "
+                 "unknown predicate, a slice on a module without children."),
+    # --- structure (P3xx)
+    "P301": Code("tied parameters split across units", "One parameter is held by modules in two units "
+                 "(tied input/output embeddings). FSDP2 fails at the first forward: `Parameter ... is "
+                 "shared with a parameter already managed by another FSDP group`. Put both modules in one "
+                 "group unit, or make neither a unit of its own."),
+    "P302": Code("parameters under no unit", "With `root none`, these parameters belong to no unit: they "
+                 "stay replicated and their gradients are never synchronised, so ranks silently diverge."),
+    "P303": Code("scalar parameter in a unit", "FSDP2 cannot shard 0-dim parameters (`ValueError`). "
+                 "`ignore` them or keep them out of the unit."),
+    "P304": Code("precision mismatch between units", "A unit computes in another dtype than the unit "
+                 "around it, and nothing converts between them: FSDP2 crashes at runtime with `mat1 and "
+                 "mat2 must have the same dtype`. Set `precision output = <outer dtype>, cast_inputs = true` "
+                 "on the inner unit, or give both units the same param dtype."),
+    "P305": Code("prefetch target is not a unit", "Explicit prefetch lists must name FSDP units."),
+    "P306": Code("group units nest in each other", "FSDP2 shards bottom-up: a unit must be sharded "
+                 "before any unit around one of its modules. Two groups that each hold a module inside "
+                 "the other have no such order.\n\n    unit [a.x, b]\n    unit [b.y, a]   # error"),
+    "P307": Code("unit its parent never calls", "FSDP2 gathers a unit's parameters in its forward "
+                 "hooks. Some modules read their children's weights directly instead of calling them "
+                 "(`nn.MultiheadAttention` passes `out_proj.weight` to a functional op), so a unit there "
+                 "is never gathered and the parent computes with a shard. Make the parent the unit.\n\n"
+                 "    unit **.attention.out_proj   # error: make `**.attention` the unit"),
+    "P308": Code("ignored parameter in a mixed-precision unit", "FSDP2 neither shards nor casts ignored "
+                 "parameters, so under `precision param = bf16` an ignored fp32 weight meets bf16 "
+                 "activations (a dtype error in most ops). Cast it in the model, or do not ignore it.",
+                 "warning"),
+    # --- mesh (P4xx)
+    "P401": Code("mesh does not fit the world size", "The mesh dimensions do not multiply to the number "
+                 "of ranks."),
+    "P402": Code("reshard size does not divide the shard size", "`reshard after_forward = N` reshards to "
+                 "groups of N ranks; N must divide the shard dimension of the mesh (1 <= N <= shard)."),
+    "P403": Code("placement on a missing dim", "`Shard(d)` names a dimension the parameter does not have."),
+    "P404": Code("placement dim not divisible", "`Shard(d)` with d != 0 needs that dimension divisible by "
+                 "the shard size (FSDP2 pads only dim 0)."),
+    "P405": Code("mesh needs a world size", "Only one mesh dimension can be `*`."),
+    "P406": Code("reshard size is a boolean in disguise", "`reshard after_forward = 1` keeps parameters "
+                 "unsharded after forward (the same as `false`); a size equal to the shard size reshards "
+                 "fully (the same as `true`). Write the boolean.", "warning"),
+    # --- expectations (P5xx)
+    "P501": Code("expectation failed", "An `expect` statement does not hold for the resolved plan."),
+    "P502": Code("memory expectation failed", "An `expect memory...` bound does not hold under planc's "
+                 "analytic per-rank memory model. With `input = BxS` on the line, activations for that "
+                 "input are counted, traced as `planc explain --input-shape BxS` traces them; without it "
+                 "they are left out.\n\n    expect memory.peak <= 70GiB at world = 64, input = 8x4096"),
+    # --- applying to a live model (P6xx)
+    "P601": Code("model already sharded", "`planc.apply` found FSDP (an `FSDPModule`), DTensor parameters "
+                 "or activation checkpointing already applied to the model. FSDP2 cannot shard a module "
+                 "twice; apply a plan once, to a freshly built model.\n\n"
+                 "    model = build(); planc.apply(model, plan); planc.apply(model, plan)  # refused"),
+    "P602": Code("mesh does not fit the plan", "The `mesh` passed to `planc.apply` has another number of "
+                 "dimensions or other sizes than the plan's `mesh` statement: a 1-D mesh for a plain plan, a "
+                 "2-D (replicate, shard) mesh for an HSDP plan.\n\n"
+                 "    mesh (replicate = 2, shard = *)   # needs init_device_mesh(dev, (2, N // 2), ...)"),
+    "P603": Code("no process group", "`planc.apply` without a `mesh` builds one from the default process "
+                 "group, so `torch.distributed.init_process_group` (or `torchrun`) must run first."),
+    "P604": Code("non-contiguous parameter in a unit", "FSDP2 cannot shard non-contiguous parameters "
+                 "(`NotImplementedError`). Make the parameter contiguous when building the model, or "
+                 "`ignore` it."),
+    "P605": Code("model the Trainer cannot take sharded", "`planc.integrations.hf.shard_for_trainer` "
+                 "marks a transformers model as sharded so that `Trainer` leaves it as it is (no DDP, no "
+                 "second sharding). Models whose class has no such flag (not a transformers 5 "
+                 "`PreTrainedModel`, or a wrapper around one) are refused before anything is sharded.\n\n"
+                 "    model = AutoModelForCausalLM.from_config(cfg); shard_for_trainer(model, plan)"),
+    # --- importing accelerate FSDP configs (P7xx; `planc import`, planc/importer.py)
+    "P701": Code("not an accelerate FSDP config", "The file is not YAML, not a mapping, or has no "
+                 "`fsdp_config` section (accelerate writes one with `accelerate config` when "
+                 "`distributed_type: FSDP`)."),
+    "P702": Code("unknown config value", "An accelerate setting has a value planc does not know, such as a "
+                 "misspelled sharding strategy or wrap policy.\n\n    fsdp_sharding_strategy: FULL_SHRAD  "
+                 "# did you mean `FULL_SHARD`?"),
+    "P703": Code("wrap class not in the model", "`fsdp_transformer_layer_cls_to_wrap` names a class that no "
+                 "module of the model (`--model`) has. Older accelerate versions then wrap nothing and "
+                 "train the whole model as one unit, silently; newer ones fail at startup.\n\n"
+                 "    fsdp_transformer_layer_cls_to_wrap: LLaMADecoderLayer  # did you mean `LlamaDecoderLayer`?"),
+    "P704": Code("setting not translated", "An accelerate setting changes how FSDP runs but has no "
+                 "equivalent in a plan or in FSDP2 (e.g. `fsdp_backward_prefetch: BACKWARD_POST`); the "
+                 "written plan behaves as if it were left at its default.", "warning"),
+    "P705": Code("setting left to the training script", "An accelerate setting is about checkpoint "
+                 "formats, loading or the launcher, not about sharding, so it has no place in a plan "
+                 "(e.g. `fsdp_state_dict_type`); keep it where the script sets it.", "note"),
+    "P706": Code("unknown fsdp_config key", "A key under `fsdp_config` is not one accelerate reads; it is "
+                 "probably misspelled and accelerate ignores it.", "warning"),
+    "P503": Code("memory expectation not checked", "An `expect memory...` line needs a world size: "
+                 "`at world = N` on the line, or `--world-size N` on the command line; "
+                 "`expect memory.activations` also needs an input shape (`input = BxS`). Without them it "
+                 "cannot be checked, and planc says so rather than passing it silently.", "warning"),
+    "P504": Code("input does not fit the model", "`input = BxS` on an `expect memory...` line runs one "
+                 "forward and backward of the model (on fake tensors) with token ids of batch B and "
+                 "sequence length S, to count activations. The model did not run on them: it takes other "
+                 "inputs, or the sequence does not fit it. Fix the shape, or remove `input =` to check the "
+                 "bound without activations.\n\n    expect memory.peak <= 8GiB at world = 8, input = 2x512"),
+    # --- notes (P9xx)
+    "P902": Code("root reshards after forward by default", "`defaults` apply to the root unit too. "
+                 "`reshard after_forward = true` there frees the root's parameters after forward, although "
+                 "backward needs them first: FSDP2's own default for the root is `false`. Add "
+                 "`root { reshard after_forward = false }` unless that is what you want.", "note"),
+    "P901": Code("FSDP1 spelling", "An FSDP1 word was accepted and mapped to its FSDP2 meaning; the note "
+                 "says what it became.", "note"),
+}

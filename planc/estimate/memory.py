@@ -1,0 +1,479 @@
+"""Per-rank memory model: what a plan costs on each rank, before anything runs.
+
+Two parts, both without torch.distributed and without a GPU:
+
+* **State bytes, exact.** For each unit, the bytes FSDP2 allocates per rank: sharded
+  parameters (dim 0 padded to a multiple of the shard size, `torch.chunk` semantics, in the
+  parameter's storage dtype), sharded gradients (same), optimizer state (AdamW: two states
+  the size of the sharded parameters plus one 4-byte step counter per parameter; SGD without
+  momentum: none), the all-gather output (padded, in `param_dtype`) and the reduce-scatter
+  input (padded, in `reduce_dtype`). Offloaded units keep their state on the host.
+* **A replay of one training step.** FSDP2's schedule is replayed unit by unit: all-gather
+  at pre-forward (and at pre-backward when resharded), the explicit or default backward
+  prefetch (the next unit in reverse post-forward order), reshard after forward (`true`
+  frees, `false` keeps, `N` keeps a 1/N slice), reshard then reduce-scatter at post-backward
+  (a group unit does this per module, as torch 2.13 does, and is gathered again for the
+  next member), the all-gather output alive during each copy-out and kept until the next
+  copy-out in forward, one reduce-scatter input kept alive until the next one, extra
+  copies for `Shard(d != 0)` parameters, then the optimizer step (foreach AdamW needs one
+  temporary the size of the sharded parameters). When an input is given, the replay is driven by a
+  forward and backward of the model on **fake CPU tensors** (shapes only, no memory): a
+  dispatch mode records the live bytes of every tensor that is not a parameter
+  (activations, temporaries, unsharded gradients until their unit's reduce-scatter), with
+  each unit's precision and checkpointing applied; FSDP2's buffers are added around it.
+  Without an input, activations are left out and the replay walks the units in module order.
+
+Counted: tensor bytes only (no CUDA context, NCCL or allocator workspaces, fragmentation).
+Checked against `planc.analysis.simulate` (FSDPMemTracker in a fake process group) and against real
+2-rank gloo runs: tests/test_memory.py, tests/test_memory_dist.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import torch
+
+from planc.estimate.trace import Trace, TraceError, default_input, trace_for
+from planc.lower.program import FullyShard, Program
+from planc.resolve.mesh import Mesh
+
+OPTIMIZERS = ("adamw", "sgd", "none")
+CATEGORIES = ("sharded_params", "sharded_grads", "optimizer_state", "unsharded_params", "all_gather",
+              "reduce_scatter", "unsharded_grads", "activations", "optimizer_temp", "inputs")
+STEP_COUNTER_BYTES = 4  # AdamW keeps a float32 `step` tensor per parameter
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def shard_numel(shape: tuple[int, ...], shard: int, dim: int = 0) -> int:
+    """Elements each rank stores for one parameter: FSDP2 pads `dim` to a multiple of `shard`."""
+    if not shape:
+        return 1
+    rest = math.prod(shape) // shape[dim] if shape[dim] else 0
+    return -(-shape[dim] // shard) * rest
+
+
+# ===================================================================== per-unit bytes
+
+
+@dataclass(frozen=True)
+class UnitMemory:
+    """Bytes one unit costs on one rank (state on the device unless `offload`)."""
+
+    name: str
+    index: int
+    params: int                 # parameter count (elements, unsharded)
+    sharded: int                # sharded parameters, storage dtype, padded
+    unsharded: int              # all-gathered parameters in param_dtype, padded
+    grad_unsharded: int         # gradients before reduce-scatter, in param_dtype, unpadded
+    reduce_scatter: int         # reduce-scatter input in reduce_dtype, padded
+    grads: int                  # sharded gradients (storage dtype)
+    optimizer: int              # optimizer state
+    post_forward: int           # kept after forward: unsharded (false), a 1/N slice (int N), 0 (true)
+    offload: bool
+    reshard: bool | int
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    param_names: tuple[str, ...] = ()
+    shard_dim_copy: int = 0     # Shard(d != 0) parameters: gathered/reduced via an extra copy (param_dtype)
+    reduce_of: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # param -> (reduce-scatter, grad)
+
+    def reduce_bytes(self, names: Iterable[str]) -> tuple[int, int]:
+        """Reduce-scatter input and sharded-gradient bytes of some of the unit's parameters."""
+        pairs = [self.reduce_of[n] for n in names if n in self.reduce_of]
+        return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+
+
+def unit_memory(program: Program, graph, world: int, optimizer: str = "adamw") -> list[UnitMemory]:
+    """Per-rank bytes of every `fully_shard` call of `program` at `world` ranks."""
+    replicate, shard = mesh_sizes(program, world)
+    out = []
+    for i, op in enumerate(program.units):
+        names = list(op.params)
+        infos = [graph.params[p] for p in names]
+        placed = dict(op.placements)
+        orig = infos[0].dtype if infos else torch.float32
+        precision = op.policy.precision
+        pdt, rdt = precision.compute_dtype(orig), precision.reduce(orig)
+        sharded = unsharded = grad_unsharded = rs = grads = opt = count = dim_copy = 0
+        reduce_of = {}
+        for name, info in zip(names, infos):
+            dim = placed.get(name, 0)
+            per_rank = shard_numel(info.shape, shard, dim)
+            sharded += per_rank * _itemsize(info.dtype)
+            unsharded += per_rank * shard * _itemsize(pdt)
+            if dim and shard > 1:  # chunk + cat through a temporary of the full size
+                dim_copy += per_rank * shard * _itemsize(pdt)
+            count += info.numel
+            if info.requires_grad:
+                reduce_of[name] = (per_rank * shard * _itemsize(rdt), per_rank * _itemsize(info.dtype))
+                grad_unsharded += info.numel * _itemsize(pdt)
+                rs += per_rank * shard * _itemsize(rdt)
+                grads += per_rank * _itemsize(info.dtype)
+                if optimizer == "adamw":
+                    opt += 2 * per_rank * _itemsize(info.dtype) + STEP_COUNTER_BYTES
+        reshard = op.policy.reshard_after_forward
+        if reshard is True or (not isinstance(reshard, bool) and reshard >= shard):
+            post = 0
+        elif reshard is False:
+            post = unsharded
+        else:
+            post = unsharded // int(reshard)
+        out.append(UnitMemory(op.name, i, count, sharded, unsharded, grad_unsharded, rs, grads, opt, post,
+                              op.policy.offload.enabled, reshard, pdt, rdt, tuple(names), dim_copy, reduce_of))
+    return out
+
+
+def mesh_sizes(program: Program, world: int) -> tuple[int, int]:
+    """(replicate, shard) for `world` ranks; a mesh that cannot fill it shards over everything."""
+    return program.mesh.dp_sizes(world) or (1, world)
+
+
+def _replicated_params(program: Program, graph) -> list[str]:
+    """Parameters FSDP does not shard: ignored ones and, with `root none`, those of no unit."""
+    owned = set().union(*(op.params for op in program.units))
+    return [n for n in graph.params if n not in owned]
+
+
+# ===================================================================== the replay
+
+
+@dataclass
+class Moment:
+    """The memory at one point of the step, by category."""
+
+    label: str
+    phase: str                  # forward, backward, optimizer
+    unit: str
+    bytes: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes.values())
+
+    @property
+    def gathered(self) -> str | None:
+        """The unit being all-gathered at this moment, if any."""
+        if self.label.startswith("all-gather "):
+            return self.label[len("all-gather "):self.label.rindex(" (")]
+        return None
+
+
+@dataclass
+class Estimate:
+    """The per-rank memory of one plan at one world size (see `estimate`)."""
+
+    world: int
+    replicate: int
+    shard: int
+    optimizer: str
+    units: list[UnitMemory]
+    replicated: int                       # bytes of parameters FSDP does not shard (per rank)
+    host: int                             # offloaded state, on the host
+    peak: Moment
+    timeline: list[Moment]
+    lower_bound: int
+    unsharded_peak_baseline: int          # the same model unsharded (DDP-like)
+    activations: int | None               # peak live activation/temporary bytes, if traced
+    source: str
+    input_shape: tuple[int, ...] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def sharded_state(self) -> int:
+        """Parameters + gradients + optimizer state on the device, per rank."""
+        return (sum(u.sharded + u.grads + u.optimizer for u in self.units if not u.offload)
+                + self.replicated)
+
+    @property
+    def ratio_to_lower_bound(self) -> float:
+        return self.peak.total / self.lower_bound if self.lower_bound else float("inf")
+
+    def metric(self, name: str) -> float | None:
+        """The value of a memory metric (`planc.checks.validate.METRICS`) in bytes."""
+        if name == "memory.peak":
+            return float(self.peak.total)
+        if name == "memory.sharded":
+            return float(self.sharded_state)
+        if name == "memory.unsharded_peak":  # the most parameter bytes gathered at once
+            return float(max(m.bytes["unsharded_params"] + m.bytes["all_gather"] for m in self.timeline))
+        if name == "memory.activations":
+            return None if self.activations is None else float(self.activations)
+        raise KeyError(name)
+
+
+class _Replay:
+    """FSDP2's per-unit memory state machine, driven by a trace's events."""
+
+    def __init__(self, program: Program, mem: list[UnitMemory], optimizer: str, replicated: int, trace: Trace,
+                 shard: int):
+        self.program, self.mem, self.optimizer, self.trace, self.shard = program, mem, optimizer, trace, shard
+        self.units = program.units
+        self.state = ["sharded"] * len(mem)     # sharded | unsharded | post_forward | prefetched
+        self.slices: set[int] = set()           # post-forward slices still alive while re-gathered
+        self.reduced: dict[int, set[str]] = {i: set() for i in range(len(mem))}  # reduce-scattered params
+        self.ag_kept = 0                        # forward: previous all-gather result, freed at next copy-out
+        self.rs_kept = 0                        # last reduce-scatter input, freed at next reduce-scatter
+        self.post_forward_order: list[int] = []
+        self.replicated = replicated
+        self.timeline: list[Moment] = []
+        self.live = self.live_grads = 0
+        self.phase = "forward"
+        self.where = ""
+        self.transient: dict[str, int] = {}
+
+    # --------------------------------------------------------------- accounting
+    def snapshot(self, label: str) -> None:
+        dev = [m for m in self.mem if not m.offload]
+        b = dict.fromkeys(CATEGORIES, 0)
+        b["sharded_params"] = sum(m.sharded for m in dev) + self.replicated
+        b["optimizer_state"] = sum(m.optimizer for m in dev) + (
+            2 * self.replicated if self.optimizer == "adamw" else 0)
+        b["sharded_grads"] = sum(self.mem[i].reduce_bytes(names)[1] for i, names in self.reduced.items()
+                                 if not self.mem[i].offload)
+        if self.phase == "optimizer":  # (in backward, unsharded parameters' gradients are in the trace)
+            b["sharded_grads"] += self.replicated
+        for i, s in enumerate(self.state):
+            if s == "unsharded":
+                b["unsharded_params"] += self.mem[i].unsharded
+            elif s == "post_forward":
+                b["unsharded_params"] += self.mem[i].post_forward
+            elif s == "prefetched":
+                b["all_gather"] += self.mem[i].unsharded
+        for i in self.slices:
+            b["unsharded_params"] += self.mem[i].post_forward
+        b["all_gather"] += self.ag_kept
+        b["reduce_scatter"] = self.rs_kept
+        b["unsharded_grads"] = self.live_grads
+        b["activations"] = self.live - self.live_grads
+        b["inputs"] = self.trace.input_bytes
+        for k, v in self.transient.items():
+            b[k] += v
+        self.timeline.append(Moment(label, self.phase, self.where, b))
+
+    # --------------------------------------------------------------- FSDP2 actions
+    def issue(self, i: int, label: str) -> None:
+        """Start unit `i`'s all-gather: the output buffer, and the input copied into it.
+
+        The input is the local shard in param_dtype, or, after `reshard after_forward = N`,
+        the kept 1/N slice, which stays alive until the copy-out.
+        """
+        m = self.mem[i]
+        if self.state[i] == "post_forward":
+            self.slices.add(i)
+            copy_in = m.post_forward
+        else:
+            copy_in = m.unsharded // self.shard
+        self.state[i] = "prefetched"
+        self.transient = {"all_gather": copy_in}
+        self.snapshot(label)
+        self.transient = {}
+
+    def unshard(self, i: int, label: str) -> None:
+        """All-gather unit `i` (unless prefetched) and copy it out."""
+        s = self.state[i]
+        if s == "unsharded":
+            return
+        if s != "prefetched":
+            self.issue(i, label)
+        m = self.mem[i]
+        # the all-gather output (issued now or by a prefetch) lives until the copy-out is done
+        self.transient = {"all_gather": m.unsharded + m.shard_dim_copy}
+        self.state[i] = "unsharded"
+        self.snapshot(label)  # copy-out: all-gather output and unsharded parameters both alive
+        self.transient = {}
+        self.slices.discard(i)
+        if self.phase == "forward":
+            # NOTE: FSDP2 drops the previous all-gather result in this wait, but a local
+            # still holds it until the copy-out returns; this one is kept until the next
+            self.ag_kept = m.unsharded if self.shard > 1 else 0
+
+    def prefetch(self, i: int) -> None:
+        if self.state[i] in ("sharded", "post_forward"):
+            self.issue(i, f"all-gather {self.mem[i].name} (prefetch)")
+
+    def reshard(self, i: int) -> None:
+        self.state[i] = "sharded"
+
+    def post_backward(self, i: int, grads_before: int, names: Iterable[str] | None = None) -> None:
+        """Reduce-scatter the gradients of `names` (default: all not yet reduced), reshard."""
+        m = self.mem[i]
+        names = set(m.reduce_of if names is None else names) - self.reduced[i]
+        rs, _ = m.reduce_bytes(names)
+        self.rs_kept = 0  # the oldest reduce-scatter input is released first
+        self.reshard(i)   # NOTE: FSDP2 frees the unsharded parameters before reducing gradients
+        if rs:
+            # copy-in: the unsharded gradients and the reduce-scatter input both alive
+            self.transient = {"reduce_scatter": rs, "unsharded_grads": m.shard_dim_copy}
+            self.live_grads = max(grads_before, self.live_grads)
+            self.snapshot(f"reduce-scatter {m.name}")
+            # the collective itself: unsharded gradients freed. (Stock gloo also clones its
+            # input, freed whenever its work object dies; NCCL does not: not modelled.)
+            self.transient = {"reduce_scatter": rs}
+            live, grads = self.live, self.live_grads
+            self.live, self.live_grads = live - grads, 0
+            self.snapshot(f"reduce-scatter {m.name}")
+            self.live, self.live_grads = live, grads
+            self.transient = {}
+            self.rs_kept = rs
+        self.reduced[i] |= names
+
+    # --------------------------------------------------------------- driver
+    def run(self) -> list[Moment]:
+        units, names = self.units, [u.name for u in self.units]
+        prefetch_forward, prefetch_backward = self.program.prefetch("forward"), self.program.prefetch("backward")
+        ev_list = self.trace.events
+        last_bwd_pre = {ev.unit: k for k, ev in enumerate(ev_list) if ev.kind == "bwd_pre"}
+        for k, ev in enumerate(ev_list):
+            if ev.kind == "op":
+                self.live, self.live_grads = ev.live, ev.grads
+                if ev.where:
+                    self.where = ev.where
+                self.snapshot(f"{self.phase} of {self.where or '<root>'}")
+                continue
+            if ev.kind == "end_backward":
+                self.live, self.live_grads = 0, 0
+                for i in range(len(units)):
+                    if self.reduced[i] != set(self.mem[i].reduce_of):
+                        self.post_backward(i, 0)
+                    self.reshard(i)
+                self.rs_kept = 0
+                self.snapshot("end of backward")
+                continue
+            i, name = ev.unit, names[ev.unit]
+            if ev.kind in ("fwd_pre", "bwd_pre"):
+                self.where = name
+            if ev.kind == "fwd_pre":
+                self.phase = "forward"
+                self.unshard(i, f"all-gather {name} (forward)")
+                for j in prefetch_forward.get(name, ()):
+                    if j in names:
+                        self.prefetch(names.index(j))
+            elif ev.kind == "fwd_post":
+                self.post_forward_order.append(i)
+                if units[i].is_root:
+                    continue
+                if self.mem[i].post_forward == 0:
+                    self.reshard(i)
+                elif self.mem[i].post_forward < self.mem[i].unsharded:
+                    self.state[i] = "post_forward"
+            elif ev.kind == "bwd_pre":
+                if self.phase == "forward":
+                    self.ag_kept = 0  # the last forward all-gather result is released
+                self.phase = "backward"
+                self.unshard(i, f"all-gather {name} (backward)")
+                # NOTE: measured on torch 2.13: a group unit whose modules finish backward
+                # one by one issues its backward prefetch when gathered for the last of them
+                if k != last_bwd_pre[i]:
+                    continue
+                targets = prefetch_backward.get(name)
+                if targets is None:
+                    order = [j for j in reversed(self.post_forward_order) if not units[j].is_root]
+                    nxt = order[order.index(i) + 1:order.index(i) + 2] if i in order else order[:1]
+                    targets = tuple(names[j] for j in nxt)
+                for t in targets:
+                    if t in names:
+                        self.prefetch(names.index(t))
+            elif ev.kind == "bwd_post":
+                self.live, self.live_grads = ev.live, ev.grads
+                self.post_backward(i, ev.grads, ev.params)
+                self.live_grads = 0
+        self.phase, self.where = "optimizer", "optimizer step"
+        self.live = self.live_grads = 0
+        temp = 0
+        if self.optimizer == "adamw":  # foreach AdamW: sqrt(exp_avg_sq) as one temporary
+            temp = sum(m.sharded for m in self.mem if not m.offload and m.grads) + self.replicated
+        self.transient = {"optimizer_temp": temp}
+        self.snapshot("optimizer step")
+        self.transient = {}
+        return self.timeline
+
+
+def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
+             inputs: tuple | None = None, input_shape: tuple[int, ...] | None = None) -> Estimate:
+    """The per-rank memory of one training step of `compiled` at `world` ranks.
+
+    Args:
+        compiled: a `CompiledPlan` with a model graph.
+        world: number of ranks (default: the plan's world size).
+        optimizer: "adamw", "sgd" (no momentum) or "none".
+        inputs: model inputs for the activation trace (any device; only shapes are used).
+        input_shape: (batch, seq) token ids for language models, if `inputs` is not given.
+
+    Returns:
+        The `Estimate`: per-unit bytes, the peak with its breakdown and moment, the timeline,
+        the lower bound and the unsharded baseline.
+    """
+    if compiled.graph is None:
+        raise ValueError("a memory estimate needs the model")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}")
+    world = world or compiled.world_size or 1
+    program = compiled.program
+    replicate, shard = mesh_sizes(program, world)
+    graph = compiled.graph
+    if inputs is None and input_shape is not None and graph.model is not None:
+        inputs = default_input(graph.model, input_shape)
+    trace = trace_for(compiled, inputs)
+    mem = unit_memory(program, graph, world, optimizer)
+    replicated = sum(graph.params[n].nbytes for n in _replicated_params(program, graph))
+    host = sum(m.sharded + m.grads + m.optimizer for m in mem if m.offload)
+    timeline = _Replay(program, mem, optimizer, replicated, trace, shard).run()
+    peak = max(timeline, key=lambda m: m.total)
+    activations = None if inputs is None else max((e.live - e.grads for e in trace.events), default=0)
+    # Lower bound: every state sharded over all ranks, the largest single module's own
+    # parameters gathered (the finest possible unit), and this plan's activations.
+    total = sum(m.sharded + m.grads + m.optimizer for m in unit_memory(_whole(graph), graph, world, optimizer))
+    compute = _compute_dtypes(program, graph)
+    leaf = max((sum(graph.params[c].numel * _itemsize(compute[c]) for _, c in graph.own_params(p))
+                for p in graph.modules), default=0)
+    lower = total + leaf + (activations or 0) + trace.input_bytes
+    full = sum(p.nbytes for p in graph.params.values())
+    n_params = len(graph.params)
+    opt_full = (2 * full + STEP_COUNTER_BYTES * n_params) if optimizer == "adamw" else 0
+    baseline = 2 * full + opt_full + max(activations or 0, full if optimizer == "adamw" else 0) + trace.input_bytes
+    est = Estimate(world, replicate, shard, optimizer, mem, replicated, host, peak, timeline, lower, baseline,
+                   activations, trace.source, tuple(inputs[0].shape) if inputs else None)
+    if inputs is None:
+        est.notes.append("activations not counted: give an input shape (--input-shape BxS)")
+    return est
+
+
+def _compute_dtypes(program: Program, graph) -> dict[str, torch.dtype]:
+    """Each parameter's compute dtype under the plan (its stored dtype outside any unit)."""
+    out = {name: info.dtype for name, info in graph.params.items()}
+    for op in program.units:
+        for name in op.params:
+            out[name] = op.policy.precision.compute_dtype(graph.params[name].dtype)
+    return out
+
+
+def _whole(graph) -> Program:
+    """The model as one unit holding every parameter, sharded over all ranks (for the lower bound)."""
+    from planc.lower.lowering import policy_of
+    from planc.resolve.ir import DEFAULT_SETTINGS, Unit
+    root = Unit(("",), dict(DEFAULT_SETTINGS), tuple(graph.params), is_root=True)
+    op = FullyShard(name=root.name, modules=root.modules, is_root=True, mesh_dims=Mesh().dp_dims,
+                    policy=policy_of(root), params=root.params)
+    return Program(Mesh(), (op,))
+
+
+def metric(compiled, name: str, world: int | None, input_shape: tuple[int, ...] | None = None) -> float | None:
+    """A memory metric for `expect` lines, in bytes (None when it cannot be known: no model,
+    or no world size from `at world = N` or the command line).
+
+    With `input_shape` (batch, seq: `at ..., input = 8x4096`), activations are traced for
+    that input exactly as `planc explain --input-shape` traces them; `TraceError` when the
+    model cannot run on it, or there is no model to run. Estimates are cached on the
+    compiled plan per (world, input shape) (`CompiledPlan.memory_at`).
+    """
+    if compiled.graph is None or (world or compiled.world_size) is None:
+        return None
+    if input_shape is not None and compiled.graph.model is None:
+        raise TraceError("the model graph holds no model to run, so no input can be built")
+    return compiled.memory_at(world, input_shape).metric(name)

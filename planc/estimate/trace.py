@@ -1,0 +1,371 @@
+"""Record one training step of a plan: unit hooks in execution order and live bytes per op.
+
+The memory model (`planc/memory.py`) replays FSDP2's schedule over these events. With an
+input, the events come from a forward and backward of the model on fake CPU tensors (shapes
+only, no memory), each unit's precision and checkpointing applied; without one, from the
+module order alone (activations not counted).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass
+class Event:
+    """One moment of the step: `kind` is fwd_pre/fwd_post/bwd_pre/bwd_post (of `unit`),
+    `op` (live non-parameter bytes after an op), `end_backward` or `step`."""
+
+    kind: str
+    unit: int = -1
+    live: int = 0       # activations + temporaries (+ unsharded grads in `grads`) after the op
+    grads: int = 0      # unsharded gradient bytes among `live`
+    where: str = ""     # module the op ran in
+    params: tuple[str, ...] | None = None  # bwd_post: the parameters reduce-scattered (None: all)
+
+
+@dataclass
+class Trace:
+    """The events of one forward + backward, and what drove it."""
+
+    events: list[Event]
+    input_bytes: int = 0
+    source: str = "module order (no input: activations not counted)"
+
+
+def _unit_modules(units) -> dict[str, int]:
+    return {m: i for i, u in enumerate(units) if not u.is_root for m in u.modules}
+
+
+def _root_index(units) -> int | None:
+    return next((i for i, u in enumerate(units) if u.is_root), None)
+
+
+def synthetic_trace(compiled) -> Trace:
+    """Events in module order (pre-order forward, reverse backward), no activations."""
+    graph, units = compiled.graph, compiled.program.units
+    of = _unit_modules(units)
+    root = _root_index(units)
+    remaining = {i: len(u.modules) for i, u in enumerate(units) if not u.is_root}
+    fwd: list[Event] = []
+    post_order: list[int] = []
+    started: set[int] = set()
+
+    def visit(path: str) -> None:
+        i = of.get(path)
+        if i is not None and i not in started:
+            started.add(i)
+            fwd.append(Event("fwd_pre", i))
+        if i is not None:
+            fwd.append(Event("op", i, where=path))
+        for child in graph.children(path):
+            visit(child)
+        if i is not None:
+            remaining[i] -= 1
+            if remaining[i] == 0:
+                fwd.append(Event("fwd_post", i))
+                post_order.append(i)
+
+    for child in graph.children(""):
+        visit(child)
+    events = ([Event("fwd_pre", root)] if root is not None else []) + fwd
+    if root is not None:
+        events += [Event("op", root, where=""), Event("fwd_post", root), Event("bwd_pre", root)]
+    for i in reversed(post_order):
+        events += [Event("bwd_pre", i), Event("op", i, where=units[i].modules[0]), Event("bwd_post", i)]
+    events.append(Event("end_backward"))
+    return Trace(events)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of live tensors created by ops (parameters are never op outputs)."""
+
+    def __init__(self, on_op):
+        super().__init__()
+        self.live = 0
+        self.grad_storages: set[int] = set()
+        self.grads = 0
+        self._seen: dict[int, int] = {}
+        self._pinned: list = []
+        self._on_op = on_op
+
+    def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Tensors that exist before the step (parameters, inputs): their views cost nothing."""
+        for t in tensors:
+            st = t.untyped_storage()
+            self._pinned.append(st)  # keeps the id valid
+            self._seen[id(st)] = 0
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        if key in self.grad_storages:
+            self.grad_storages.discard(key)
+            self.grads -= nbytes
+        self._seen.pop(key, None)
+
+    def track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._seen:
+            return
+        nbytes = st.nbytes()
+        self._seen[key] = nbytes
+        self.live += nbytes
+        weakref.finalize(st, self._free, key, nbytes)
+
+    def mark_grad(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self._seen and key not in self.grad_storages:
+            self.grad_storages.add(key)
+            self.grads += self._seen[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        self._on_op(func)
+        return out
+
+
+class TraceError(Exception):
+    """The model could not run one step on the given inputs (the message says why)."""
+
+
+def _output_tensor(out: Any) -> torch.Tensor:
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t
+    raise TypeError("the model returned no floating-point tensor to take a loss of")
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss of one training step, as every planc measurement takes it: the output's sum."""
+    return _output_tensor(output).sum()
+
+
+def fake_model(compiled, fake_mode) -> nn.Module:
+    """A copy of the plan's model whose tensors are fake CPU tensors (shapes only, no memory),
+    each unit's parameters in its param_dtype.
+
+    Fake CPU rather than meta: operators then pick the kernels a real device would (a meta
+    `scaled_dot_product_attention` falls back to the math path and materialises the
+    attention matrix, which fused kernels never do).
+    """
+    graph = compiled.graph
+    if graph.model is None:
+        raise ValueError("the compiled plan has no model to run")
+    memo = {}
+    for t in list(graph.model.parameters()) + list(graph.model.buffers()):
+        memo[id(t)] = torch.empty_like(t, device="meta")  # deepcopy without copying storage
+    model = copy.deepcopy(graph.model, memo)
+    dtype_of = {}
+    for op in compiled.program.units:
+        for name in op.params:  # the parameters FSDP2 casts (ignored ones keep their dtype)
+            dtype_of[name] = op.policy.precision.compute_dtype(graph.params[name].dtype)
+    new: dict[str, nn.Parameter] = {}
+    with fake_mode:
+        for name, info in graph.params.items():
+            t = torch.empty(info.shape, dtype=dtype_of.get(name, info.dtype), device="cpu")
+            new[name] = nn.Parameter(t, requires_grad=info.requires_grad)
+        for mod in model.modules():
+            for local, b in list(mod._buffers.items()):
+                if b is not None:
+                    mod._buffers[local] = torch.empty(b.shape, dtype=b.dtype, device="cpu")
+    for alias, canon in graph.aliases.items():
+        owner, _, local = alias.rpartition(".")
+        model.get_submodule(owner)._parameters[local] = new[canon]
+    return model
+
+
+def _cast(tree: Any, dtype: torch.dtype) -> Any:
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
+
+
+def fake_trace(compiled, inputs: tuple) -> Trace:
+    """Run one forward and backward on fake CPU tensors and record the events of the step.
+
+    Args:
+        compiled: the compiled plan (its graph must hold the model).
+        inputs: positional inputs of the model (any device; only shapes and dtypes are used).
+
+    Returns:
+        The trace: unit hooks and live non-parameter bytes after every op.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._composable.checkpoint_activation import checkpoint as checkpoint_module
+
+    from planc.lower.program import Checkpoint
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = fake_model(compiled, fake_mode)
+    program = compiled.program
+    for op in program.of_type(Checkpoint):
+        checkpoint_module(model.get_submodule(op.module))
+    events: list[Event] = []
+    where: list[str] = [""]
+    mode = _LiveBytes(lambda func: events.append(Event("op", live=mode.live, grads=mode.grads, where=where[-1])))
+    units = program.units
+    root = _root_index(units)
+    post_done: set[int] = set()   # units whose every module finished backward
+    names_of = {i: list(u.params) for i, u in enumerate(units)}
+    params_of = {i: [model.get_parameter(p) for p in names] for i, names in names_of.items()}
+    fwd_pending: dict[int, int] = {}
+    bwd_left: dict[int, int] = {}
+
+    def post_backward(i: int, final: bool) -> None:
+        """FSDP2's post-backward: reduce-scatter the gradients there are, then reshard.
+
+        A group unit runs it each time one of its modules finishes backward (torch 2.13
+        registers the hook on every member's inputs), so `[norm, output]` reduces `output`'s
+        gradient, reshards, and is gathered again for `norm`.
+        """
+        if i in post_done:
+            return
+        if final:
+            post_done.add(i)
+        ready = tuple(n for n, p in zip(names_of[i], params_of[i]) if p.grad is not None)
+        events.append(Event("bwd_post", i, live=mode.live, grads=mode.grads, params=ready))
+        for p in params_of[i]:
+            p.grad = None  # FSDP2 frees unsharded gradients once they are reduce-scattered
+
+    handles = []
+    for i, u in enumerate(units):
+        if u.is_root:
+            continue
+        mods = [model.get_submodule(m) for m in u.modules]
+
+        def pre(mod, args, i=i, u=u):
+            if fwd_pending.get(i, 0) == 0:
+                events.append(Event("fwd_pre", i, live=mode.live))
+            fwd_pending[i] = fwd_pending.get(i, 0) + 1
+            where.append(u.name)
+            if u.policy.precision.casts_inputs:
+                return _cast(args, u.policy.precision.param_dtype)
+            return None
+
+        def post(mod, args, out, i=i, u=u):
+            where.pop()
+            if fwd_pending[i] == len(u.modules):
+                fwd_pending[i] = 0
+                events.append(Event("fwd_post", i, live=mode.live))
+            if u.policy.precision.output_dtype is not None:
+                return _cast(out, u.policy.precision.output_dtype)
+            return None
+
+        def bw_pre(mod, grad_out, i=i, u=u):
+            events.append(Event("bwd_pre", i, live=mode.live))  # per module: groups re-gather
+            where.append(u.name)
+
+        def bw_post(mod, grad_in, grad_out, i=i, u=u):
+            where.pop() if len(where) > 1 else None
+            if all(g is None for g in grad_in):
+                # no input needs a gradient (token ids): torch fires this hook before the
+                # module's backward; FSDP2 reduces such units in its end-of-backward callback
+                return
+            bwd_left[i] = bwd_left.get(i, len(u.modules)) - 1
+            post_backward(i, final=bwd_left[i] == 0)
+
+        for m in mods:
+            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post),
+                        m.register_full_backward_pre_hook(bw_pre), m.register_full_backward_hook(bw_post)]
+    owner = {id(p): i for i, ps in params_of.items() for p in ps}
+
+    def grad_done(p: torch.Tensor) -> None:
+        if p.grad is not None:
+            mode.mark_grad(p.grad)
+            if owner.get(id(p)) in post_done:  # its unit already reduce-scattered
+                p.grad = None
+
+    for p in model.parameters():
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(grad_done))
+
+    with fake_mode:
+        fake_inputs = tuple(torch.empty(t.shape, dtype=t.dtype, device="cpu") if isinstance(t, torch.Tensor)
+                            else t for t in inputs)
+    input_bytes = sum(t.nbytes for t in fake_inputs if isinstance(t, torch.Tensor))
+    mode.ignore([*model.parameters(), *model.buffers(), *(t for t in fake_inputs if isinstance(t, torch.Tensor))])
+    root_precision = units[root].policy.precision if root is not None else None
+    if root_precision is not None and root_precision.casts_inputs:
+        fake_inputs = _cast(fake_inputs, root_precision.param_dtype)
+    try:
+        with fake_mode, mode:
+            if root is not None:
+                events.append(Event("fwd_pre", root))
+            # NOTE: one expression, as in a training loop: the output is not kept during backward
+            loss = loss_of(_cast(model(*fake_inputs), root_precision.output_dtype)
+                           if root_precision is not None and root_precision.output_dtype is not None
+                           else model(*fake_inputs))
+            if root is not None:
+                events.append(Event("fwd_post", root, live=mode.live))
+                events.append(Event("bwd_pre", root, live=mode.live))
+            with warnings.catch_warnings():  # full backward hooks warn on int inputs; harmless here
+                warnings.simplefilter("ignore")
+                loss.backward()
+            del loss
+            for i in range(len(units)):  # FSDP2's end-of-backward callback
+                if i != root:
+                    post_backward(i, final=True)
+            if root is not None:
+                post_backward(root, final=True)
+            events.append(Event("end_backward", live=mode.live, grads=mode.grads))
+    finally:
+        for h in handles:
+            h.remove()
+    return Trace(events, input_bytes, "live tensors of one forward and backward on fake CPU tensors, "
+                 "each unit's precision and checkpointing applied")
+
+
+def default_input(model: nn.Module, input_shape: tuple[int, ...] | None) -> tuple | None:
+    """Token ids of `input_shape` (batch, seq) for a language model; None without a shape."""
+    if input_shape is None:
+        return None
+    return (torch.zeros(tuple(input_shape), dtype=torch.long, device="meta"),)
+
+
+# model graph -> {(step key, input key): Trace}. Keyed by the graph, not the compiled plan:
+# `planc check --world-size 8 64` compiles once per world size against one graph, and the
+# traced step does not depend on the world size.
+_TRACES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _step_key(compiled) -> tuple:
+    """What of a compiled plan one traced step depends on: the units (their modules,
+    parameters and precision), the checkpointed modules and the ignored parameters."""
+    from planc.lower.program import Checkpoint
+    program = compiled.program
+    units = tuple((u.modules, u.params, u.is_root, u.policy.precision) for u in program.units)
+    checkpointed = tuple(sorted(op.module for op in program.of_type(Checkpoint)))
+    return units, checkpointed, frozenset(compiled.resolution.ignored)
+
+
+def trace_for(compiled, inputs: tuple | None) -> Trace:
+    """The (cached) trace of one step of `compiled` with `inputs`."""
+    cache = _TRACES.setdefault(compiled.graph, {})
+    key = (_step_key(compiled), None if inputs is None else tuple(
+        (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t) for t in inputs))
+    if key not in cache:
+        if inputs is None:
+            cache[key] = synthetic_trace(compiled)
+        else:
+            try:
+                cache[key] = fake_trace(compiled, inputs)
+            except Exception as err:  # any model code can fail on unexpected inputs
+                shapes = " and ".join("x".join(map(str, t.shape)) for t in inputs if isinstance(t, torch.Tensor))
+                raise TraceError(f"the model did not run on inputs of shape {shapes}: "
+                                 f"{type(err).__name__}: {err}") from err
+    return cache[key]
+
+

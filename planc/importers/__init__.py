@@ -1,0 +1,1 @@
+"""Importers: other tools' sharding configs translated into plan text."""

@@ -1,0 +1,86 @@
+"""Lower a resolved plan to the program every backend runs (`planc/lower/program.py`).
+
+The one place that decides what is done to the model, in what order, with which
+arguments. FSDP2's defaulting rules are applied here and nowhere else:
+
+* `reshard_after_forward` left unset is True for inner units and False for the root
+  (what FSDP2 does with `None`, which is what is passed);
+* a precision left unset keeps the parameter's own dtype; the reduce dtype defaults to the
+  compute dtype (`Precision.compute_dtype` / `Precision.reduce`);
+* offloading pins memory unless the plan says not to (and never on a CPU mesh).
+
+Order (the order torchtitan's `apply_fsdp` uses): activation checkpointing and compile of
+the plain modules, `fully_shard` per unit bottom-up (the root last), then the explicit
+prefetch lists and the `FSDPModule` methods the plan sets, which need every unit sharded.
+"""
+
+from __future__ import annotations
+
+from planc.lower.program import (
+    Checkpoint,
+    Compile,
+    FullyShard,
+    Offload,
+    Op,
+    Policy,
+    Precision,
+    Program,
+    SetPrefetch,
+    UnitMethod,
+)
+from planc.model.graph import ModelGraph
+from planc.resolve.ir import Resolution, Unit
+
+# Unit settings applied by calling an `FSDPModule` method after sharding: setting -> method.
+# A setting left at None calls nothing. Adding such a knob is an option in
+# planc/resolve/options.py plus one line here; every backend handles `UnitMethod` already.
+UNIT_METHODS: dict[str, str] = {
+    "gradient_divide_factor": "set_gradient_divide_factor",
+    "force_sum_reduction": "set_force_sum_reduction_for_comms",
+}
+
+
+def policy_of(unit: Unit) -> Policy:
+    """The effective FSDP2 policy of one resolved unit (every default resolved)."""
+    argument = unit["reshard_after_forward"]
+    return Policy(
+        reshard_after_forward=(not unit.is_root) if argument is None else argument,
+        reshard_argument=argument,
+        precision=Precision(param_dtype=unit["param_dtype"], reduce_dtype=unit["reduce_dtype"],
+                            output_dtype=unit["output_dtype"], cast_forward_inputs=bool(unit["cast_inputs"])),
+        offload=Offload(enabled=bool(unit["offload"]), pin_memory=bool(unit["pin_memory"])),
+        origins=unit.settings,
+    )
+
+
+def _fully_shard(unit: Unit, res: Resolution, graph: ModelGraph, mesh_dims: tuple[str, ...]) -> FullyShard:
+    subtree: set[str] = set()
+    for path in unit.modules:
+        subtree |= graph.subtree_params(path)
+    # FSDP2 asks `shard_placement_fn` only about the parameters the call manages
+    placements = tuple((n, res.placements[n][0]) for n in unit.params if n in res.placements)
+    ignored = tuple(sorted(n for n in res.ignored if n in subtree))
+    return FullyShard(
+        name=unit.name, modules=unit.modules, is_root=unit.is_root, mesh_dims=mesh_dims, policy=policy_of(unit),
+        params=unit.params, placements=placements, ignored=ignored, rule=unit.rule, span=unit.span,
+        placement_spans={n: res.placements[n][1] for n, _ in placements},
+        ignored_spans={n: res.ignored[n] for n in ignored})
+
+
+def lower(res: Resolution, graph: ModelGraph) -> Program:
+    """The program for a resolution without errors (`CompiledPlan.program` checks that)."""
+    ops: list[Op] = []
+    for path, setting in res.checkpoint.items():
+        ops.append(Checkpoint(path, setting.value, setting))
+    for path, setting in res.compile.items():
+        ops.append(Compile(path, tuple((setting.value or {}).items()), setting))
+    dims = res.mesh.dp_dims
+    ops += [_fully_shard(u, res, graph, dims) for u in res.units]
+    for direction, table in (("forward", res.prefetch_forward), ("backward", res.prefetch_backward)):
+        ops += [SetPrefetch(name, direction, targets) for name, targets in table.items()]
+    for u in res.units:
+        for key, method in UNIT_METHODS.items():
+            setting = u.settings.get(key)
+            if setting is not None and setting.value is not None:
+                ops.append(UnitMethod(u.name, method, (setting.value,), setting))
+    return Program(res.mesh, tuple(ops))

@@ -1,0 +1,193 @@
+"""The lowered program: what will be done to the model, as a typed, ordered list of operations.
+
+It is the only contract between the compiler and its backends. `planc/lower/lowering.py`
+makes it from a resolved plan; `planc.backends.runtime` executes it, `planc.backends.emit`
+prints it, and the trace and memory models replay it. Operations name modules and
+parameters by their paths in the model, so a program can be printed, compared and replayed
+without the live model; only the runtime turns paths into objects.
+
+    Checkpoint   activation checkpointing of one module (before sharding)
+    Compile      `module.compile(...)` of one module (before sharding)
+    FullyShard   one `fully_shard` call: a unit, bottom-up, the root last
+    SetPrefetch  an explicit forward/backward prefetch list of one unit
+    UnitMethod   an `FSDPModule` method called on one unit after sharding
+                 (`set_gradient_divide_factor(1.0)` and the like)
+
+A new kind of operation is a new op type here, lowered in `lowering.py`; a backend that
+meets an op it does not know refuses it (never skips it silently).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
+
+import torch
+
+from planc.resolve.ir import Setting
+from planc.resolve.mesh import Mesh
+
+# FSDP2's own defaults for the arguments planc sets (torch 2.13; tests/test_lower.py checks
+# them against the installed torch's signatures). A backend that prints code leaves out an
+# argument equal to its default, as a person would.
+MP_DEFAULTS: Mapping[str, Any] = {"param_dtype": None, "reduce_dtype": None, "output_dtype": None,
+                                  "cast_forward_inputs": True}
+FULLY_SHARD_DEFAULTS: Mapping[str, Any] = {"reshard_after_forward": None, "shard_placement_fn": None,
+                                           "ignored_params": None}
+CPU_OFFLOAD_DEFAULTS: Mapping[str, Any] = {"pin_memory": True}
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """`MixedPrecisionPolicy` arguments, as the plan set them (None: FSDP2's default)."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def compute_dtype(self, stored: torch.dtype) -> torch.dtype:
+        """The dtype a parameter stored in `stored` is all-gathered and computed in."""
+        return self.param_dtype or stored
+
+    def reduce(self, stored: torch.dtype) -> torch.dtype:
+        """The dtype its gradient is reduced in: `reduce_dtype`, else the compute dtype."""
+        return self.reduce_dtype or self.compute_dtype(stored)
+
+    @property
+    def casts_inputs(self) -> bool:
+        """True when FSDP2 casts the unit's floating-point inputs to `param_dtype`."""
+        return self.cast_forward_inputs and self.param_dtype is not None
+
+    def changed(self) -> dict[str, Any]:
+        """The arguments that differ from `MixedPrecisionPolicy()`'s defaults, in order."""
+        return {k: getattr(self, k) for k in MP_DEFAULTS if getattr(self, k) != MP_DEFAULTS[k]}
+
+
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """`CPUOffloadPolicy(pin_memory=...)` when `enabled`, else `OffloadPolicy()` (none).
+
+    Pinning needs an accelerator: on a CPU mesh the data is on the CPU already, so the
+    backends pin only when the mesh's device is not the CPU.
+    """
+
+    enabled: bool = False
+    pin_memory: bool = True
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A unit's effective FSDP2 policy: every default resolved, each value's origin kept.
+
+    `reshard_after_forward` is what FSDP2 will do (True/False/N); `reshard_argument` is
+    what is passed (None leaves FSDP2's own default: True for inner units, False for the
+    root). `origins` maps each plan setting to the `Setting` (value, line, rule) it came from.
+    """
+
+    reshard_after_forward: bool | int
+    reshard_argument: bool | int | None
+    precision: Precision
+    offload: Offload
+    origins: Mapping[str, Setting] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """Activation checkpointing of `module` (torch's composable `checkpoint`: paths unchanged)."""
+
+    module: str
+    mode: str
+    origin: Setting
+
+
+@dataclass(frozen=True, slots=True)
+class Compile:
+    """`module.compile(**options)`, in place (module paths and state-dict keys unchanged)."""
+
+    module: str
+    options: tuple[tuple[str, Any], ...]
+    origin: Setting
+
+
+@dataclass(frozen=True)
+class FullyShard:
+    """One `fully_shard` call: `modules` as one unit (a list call for a group), on `mesh_dims`.
+
+    Attributes:
+        name: the unit's name (`<root>`, `layers.0`, `[norm, output]`).
+        modules: module paths (`("",)` for the root).
+        is_root: the root unit (the whole model), sharded last.
+        mesh_dims: the `DeviceMesh` dimensions of the data-parallel submesh, outermost first.
+        policy: the effective policy.
+        params: canonical names of the parameters this call manages (claimed by no earlier
+            call, not ignored), in registration order.
+        placements: (parameter, dim) for parameters sharded on a dim other than 0.
+        ignored: parameters in the unit's subtrees that FSDP leaves alone (`ignored_params`).
+        rule: the plan statement that made the unit, and `span` its location.
+    """
+
+    name: str
+    modules: tuple[str, ...]
+    is_root: bool
+    mesh_dims: tuple[str, ...]
+    policy: Policy
+    params: tuple[str, ...]
+    placements: tuple[tuple[str, int], ...] = ()
+    ignored: tuple[str, ...] = ()
+    rule: str = ""
+    span: Any = None
+    placement_spans: Mapping[str, Any] = field(default_factory=dict)  # parameter -> `place` line
+    ignored_spans: Mapping[str, Any] = field(default_factory=dict)    # parameter -> `ignore` line
+
+    @property
+    def is_group(self) -> bool:
+        return len(self.modules) > 1
+
+
+@dataclass(frozen=True, slots=True)
+class SetPrefetch:
+    """`unit.set_modules_to_{direction}_prefetch([targets...])`, after every unit is sharded."""
+
+    unit: str
+    direction: str  # "forward" | "backward"
+    targets: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class UnitMethod:
+    """`unit.<method>(*args)`: an `FSDPModule` method called after sharding (a runtime knob)."""
+
+    unit: str
+    method: str
+    args: tuple[Any, ...]
+    origin: Setting
+
+
+Op = Union[Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod]
+
+
+@dataclass(frozen=True)
+class Program:
+    """A lowered plan: the mesh and the operations, in the order they run."""
+
+    mesh: Mesh
+    ops: tuple[Op, ...]
+
+    @property
+    def units(self) -> tuple[FullyShard, ...]:
+        """The `fully_shard` calls in order: bottom-up, the root last."""
+        return tuple(op for op in self.ops if isinstance(op, FullyShard))
+
+    def unit(self, name: str) -> FullyShard:
+        for op in self.units:
+            if op.name == name:
+                return op
+        raise KeyError(name)
+
+    def of_type(self, kind: type) -> tuple:
+        return tuple(op for op in self.ops if isinstance(op, kind))
+
+    def prefetch(self, direction: str) -> dict[str, tuple[str, ...]]:
+        """Unit name -> the units it prefetches explicitly in `direction`."""
+        return {op.unit: op.targets for op in self.of_type(SetPrefetch) if op.direction == direction}

@@ -1,0 +1,1 @@
+"""Resolution: selectors, the option vocabulary, and a plan resolved against a model graph (the IR)."""
