@@ -21,7 +21,7 @@ from hypothesis import strategies as hs
 
 from planc.cli import fmt as fmt_cli
 from planc.diagnostics import PlanError
-from planc.lang import fmt
+from planc.lang import fmt, printer
 from planc.lang.fmt import format_plan, strip_spans
 from planc.lang.parse import parse_text
 
@@ -426,7 +426,7 @@ def test_a_printer_bug_is_caught_before_writing(tmp_path, monkeypatch):
     # simulate a formatter bug that drops `optional`: the re-parse check must refuse it
     plan = tmp_path / "p.plan"
     plan.write_text("optional  unit a\n")
-    monkeypatch.setattr(fmt, "_opt", lambda optional: "")
+    monkeypatch.setattr(printer, "_optional", lambda s: "")
     with pytest.raises(fmt.FormatError):
         format_plan(plan.read_text(), str(plan))
     code, out = run_fmt(str(plan))

@@ -127,6 +127,64 @@ def test_many_errors_are_capped():
     assert 1 <= len(diags) <= 10 and all(d.code == "P001" for d in diags)
 
 
+# ===================================================================== pathological families
+
+LOOKALIKE_CHARS = ["\u0440", "\u0430", "\u2212", "\u00a0", "\u200b", "\ufeff", "\u201c", "\uff1d", "\u00d7"]
+VALID = "model planc.zoo:gpt_tiny\nmesh (replicate = 1, shard = *)\nunit blocks.* { reshard after_forward = false }\n" \
+        "expect memory.peak <= 1GiB at world = 8, input = 2x16\nplace **.c_fc.weight Shard(0)\n"
+
+
+@FAST
+@given(st.integers(0, len(VALID)), st.sampled_from(LOOKALIKE_CHARS), st.booleans())
+def test_unicode_lookalikes_and_boms(position, char, bom):
+    text = ("\ufeff" if bom else "") + VALID[:position] + char + VALID[position:]
+    parse(text)
+
+
+@FAST
+@given(st.sampled_from(["mesh (shard = {})", "expect units == {}", "expect memory.peak <= 1GiB at world = {}",
+                        "unit a[{}]", "unit a[-{}:]", "unit a {{ reshard {} }}", "unit a where size >= {}M",
+                        "expect memory.peak <= {}.5GiB", "expect memory.peak <= 1GiB at input = {}x{}"]),
+       st.integers(1, 6000))
+def test_huge_integers(template, digits):
+    number = "9" * digits
+    plan, diags = parse(template.format(number, number))
+    if digits > 19:
+        assert [d.code for d in diags] == ["P103"], diags
+
+
+@SLOW
+@given(st.integers(2, 12), st.data())
+def test_include_graphs(n, data):
+    """Random include graphs over n files: cycles, diamonds, missing files, FIFOs, directories."""
+    with tempfile.TemporaryDirectory() as folder:
+        for i in range(n):
+            targets = data.draw(st.lists(st.integers(0, n + 2), max_size=4), label=f"includes of f{i}")
+            body = "".join(f'include "f{t}.plan"\n' for t in targets) + f"unit u{i}\n"
+            with open(os.path.join(folder, f"f{i}.plan"), "w") as f:
+                f.write(body)
+        special = data.draw(st.sampled_from(["none", "fifo", "dir"]), label="special file")
+        if special == "fifo" and hasattr(os, "mkfifo"):
+            os.mkfifo(os.path.join(folder, f"f{n}.plan"))
+        elif special == "dir":
+            os.mkdir(os.path.join(folder, f"f{n}.plan"))
+        plan, diags = load_with_diagnostics(os.path.join(folder, "f0.plan"))
+        sources = dict(plan.sources) if plan is not None else {}
+        assert_well_formed(diags, sources, os.path.join(folder, "f0.plan"))
+        assert all(d.code in ("P003", "P004", "P006") for d in diags), diags
+
+
+def test_exponential_includes_are_cut_short():
+    with tempfile.TemporaryDirectory() as folder:
+        for i in range(30):
+            with open(os.path.join(folder, f"d{i}.plan"), "w") as f:
+                f.write(f'include "d{i + 1}.plan"\ninclude "d{i + 1}.plan"\n')
+        with open(os.path.join(folder, "d30.plan"), "w") as f:
+            f.write("unit a\n")
+        _, diags = load_with_diagnostics(os.path.join(folder, "d0.plan"))
+        assert [d.code for d in diags] == ["P006"]
+
+
 # ===================================================================== compiler on random plans
 
 SEGMENTS = ["blocks", "*", "**", "0", "1", "-1", "mlp", "attn", "w*", "{mlp,attn}", "ln_*", "blocks[0]",

@@ -97,7 +97,7 @@ def test_expect_input_of_any_arity_parses_validation_judges_it():
 ])
 def test_bad_at_clauses_are_syntax_errors(text, expected):
     (d,) = errors(text)
-    assert d.code == "P001" and expected in d.help[0], d
+    assert d.code == "P001" and expected in d.help[-1], d
 
 
 def test_input_and_world_are_names_outside_the_at_clause():

@@ -9,7 +9,7 @@ from pathlib import Path
 from planc.cli.common import use_color
 from planc.diagnostics import PlanError, render
 from planc.lang.fmt import FormatError, format_plan
-from planc.lang.parse import _read
+from planc.lang.load import read_plan_file
 
 
 def _diff(path: str, old: str, new: str, limit: int = 40) -> str:
@@ -34,7 +34,7 @@ def main(args) -> int:
         if path == "-":  # editors: plan on stdin, formatted plan on stdout
             text, err = sys.stdin.read(), None
         else:
-            text, err = _read(path, None)
+            text, err = read_plan_file(path, None)
         if err is not None:
             print(render.render_text([err], {}, color=use_color(sys.stderr)), file=sys.stderr)
             code = max(code, 2)

@@ -1,6 +1,6 @@
 """The `planc` command line: argument parsing and dispatch to one module per command.
 
-    check  tree  explain  emit  fmt  import  codes
+    check  tree  explain  emit  fmt  import  lsp  codes
 
 No traceback reaches the user: unexpected failures are reported as internal errors.
 """
@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Sequence
 
-from planc.cli import check, codes, emit, explain, fmt, importer, tree
+from planc.cli import check, codes, emit, explain, fmt, importer, lsp, tree
 from planc.cli.common import EXIT_USAGE, UsageError
 
 # ===================================================================== argument parsing
@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--model", metavar="MODULE:CALLABLE")
     i.add_argument("-o", "--output", help="write the plan here (default: stdout)")
     i.set_defaults(func=importer.main)
+
+    s = sub.add_parser("lsp", help="serve the language server over stdio, for editors (needs the lsp extra)")
+    s.add_argument("--stdio", action="store_true", help="talk over stdin/stdout (the default, and the only transport)")
+    s.set_defaults(func=lsp.main)
 
     k = sub.add_parser("codes", help="list diagnostic codes, or explain one")
     k.add_argument("code", nargs="?")

@@ -30,6 +30,10 @@ CODES: dict[str, Code] = {
     "P004": Code("include cycle", "Plans include each other in a loop. Break the cycle: a base plan should "
                  "not include the plans built on it."),
     "P005": Code("nesting too deep", "The plan nests brackets deeper than planc accepts."),
+    "P006": Code("includes expand too far", "A file included from several places is spliced once per "
+                 "`include`, so plans that include the same base files from many places grow exponentially. "
+                 "One plan's includes may splice at most 1000 files and 8 MiB of text. Include each base "
+                 "plan once, from the top plan.\n\n    # a.plan includes b.plan and c.plan, both include d.plan, ..."),
     # --- names and values (P1xx)
     "P101": Code("unknown option", "A block names an option planc does not know. Options are `precision`, "
                  "`reshard`, `offload`, `prefetch`, `checkpoint`, `compile`, `reduction`, and the FSDP1 "
@@ -64,6 +68,9 @@ CODES: dict[str, Code] = {
                  "so removing it changes nothing.", "warning"),
     "P208": Code("bad selector", "A selector is malformed for the model: an index out of range, an "
                  "unknown predicate, a slice on a module without children."),
+    "P209": Code("plan does nothing", "The plan (with its includes) has no statements: it is empty or holds "
+                 "only comments. It is valid, and shards the model as one root unit, but it is more likely "
+                 "a wrong or truncated file.\n\n    # only a comment", "warning"),
     # --- structure (P3xx)
     "P301": Code("tied parameters split across units", "One parameter is held by modules in two units "
                  "(tied input/output embeddings). FSDP2 fails at the first forward: `Parameter ... is "

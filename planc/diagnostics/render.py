@@ -13,6 +13,7 @@ One pure function per format. Text output looks like rustc and ruff:
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Mapping, Sequence
 
@@ -26,20 +27,31 @@ def _paint(text: str, style: str, color: bool) -> str:
     return f"{_COLORS[style]}{text}{_COLORS['reset']}" if color else text
 
 
+@functools.lru_cache(maxsize=16)
+def _lines(text: str) -> tuple[str, ...]:
+    """A source's lines, split once per source ("\n" ends a line, as for the parser)."""
+    return tuple(row.rstrip("\r") for row in text.split("\n"))
+
+
 def _snippet(span: Span, label: str, sources: Mapping[str, str], color: bool,
              caret: str = "^", width: int = 0) -> list[str]:
     text = sources.get(span.file)
     if text is None:
         return []
-    lines = [row.rstrip("\r") for row in text.split("\n")]  # "\n" ends a line, as for the parser
+    lines = _lines(text)
     if not 1 <= span.line <= len(lines):
         return []
     raw = lines[span.line - 1]
     # columns are counted in the raw text; carets go under the text as shown (tabs expanded)
-    start = len(raw[:span.column - 1].expandtabs(4))
     end_raw = span.end_column if span.end_line == span.line else len(raw) + 1
-    end = len(raw[:max(end_raw - 1, span.column - 1)].expandtabs(4))
-    line = raw.expandtabs(4)
+    if "\t" in raw:
+        start = len(raw[:span.column - 1].expandtabs(4))
+        end = len(raw[:max(end_raw - 1, span.column - 1)].expandtabs(4))
+        line = raw.expandtabs(4)
+    else:  # no tabs: columns are offsets (no copy of a huge line per diagnostic)
+        start = min(span.column - 1, len(raw))
+        end = min(max(end_raw - 1, span.column - 1), len(raw))
+        line = raw
     if len(line) > 200:  # a huge line: show a window around the span
         first = max(0, start - 60)
         lead = "... " if first else ""
@@ -89,29 +101,35 @@ def render_text(diags: Sequence[Diagnostic], sources: Mapping[str, str], *, colo
     return "\n".join(parts)
 
 
+JSON_VERSION = 1
+
+
+def _position(s: Span | None) -> dict:
+    return {"file": s.file if s else None, "line": s.line if s else None, "column": s.column if s else None,
+            "end_line": s.end_line if s else None, "end_column": s.end_column if s else None}
+
+
 def to_dict(d: Diagnostic) -> dict:
-    """The JSON shape of one diagnostic (stable: CI tools read it)."""
-    s = d.span
+    """The JSON shape of one diagnostic (stable: CI tools read it; docs/ci.md documents it).
+
+    Version 1: positions are 1-based, `end_column` exclusive, all null without a span;
+    `help` and `notes` are lists of strings; each `related` entry has a full position and a label.
+    """
     return {
         "code": d.code,
         "severity": d.severity,
         "message": d.message,
-        "file": s.file if s else None,
-        "line": s.line if s else None,
-        "column": s.column if s else None,
-        "end_line": s.end_line if s else None,
-        "end_column": s.end_column if s else None,
+        **_position(d.span),
         "label": d.label,
-        "help": "\n".join(d.help) if d.help else None,
+        "help": list(d.help),
         "notes": list(d.notes),
-        "related": [{"file": r.file, "line": r.line, "column": r.column, "label": label}
-                    for r, label in d.related],
+        "related": [{**_position(r), "label": label} for r, label in d.related],
     }
 
 
 def render_json(diags: Sequence[Diagnostic], **extra) -> str:
-    """One JSON object with a `diagnostics` list (and whatever `extra` adds)."""
-    return json.dumps({"diagnostics": [to_dict(d) for d in diags], **extra}, indent=2)
+    """One JSON object: `version`, a `diagnostics` list (and whatever `extra` adds)."""
+    return json.dumps({"version": JSON_VERSION, "diagnostics": [to_dict(d) for d in diags], **extra}, indent=2)
 
 
 def _escape_data(text: str) -> str:
@@ -130,8 +148,11 @@ def render_github(diags: Sequence[Diagnostic]) -> str:
         props = [f"title={_escape_prop(d.code + ' ' + d.message.split(':')[0])}"]
         if d.span:
             s = d.span
-            props = [f"file={_escape_prop(s.file)}", f"line={s.line}", f"col={s.column}",
-                     f"endLine={s.end_line}", f"endColumn={s.end_column}"] + props
+            if s.end_line == s.line:
+                where = [f"line={s.line}", f"col={s.column}", f"endLine={s.end_line}", f"endColumn={s.end_column}"]
+            else:  # GitHub misplaces columns of multi-line spans (ruff omits them too)
+                where = [f"line={s.line}", f"endLine={s.end_line}"]
+            props = [f"file={_escape_prop(s.file)}", *where] + props
         body = f"[{d.code}] {d.message}" + "".join(f"\nhelp: {h}" for h in d.help)
         lines.append(f"::{kinds[d.severity]} {','.join(props)}::{_escape_data(body)}")
     return "\n".join(lines)

@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from planc.diagnostics import Diagnostic, Span, suggestion
+from planc.lang import printer
+from planc.lang import syntax as st
+from planc.lang.transform import parse_quantity
 from planc.model.graph import ModelGraph
 
 # FSDP1 ShardingStrategy, by name and by accelerate's 1-based number.
@@ -57,26 +60,63 @@ class _Entry:
     node: Any
 
 
+# The nodes the importer builds come from no source text; they print through `planc.lang.printer`.
+_NOWHERE = Span.point("<import>")
+
+
+def _mesh(replicate: int | None, shard: int | None) -> st.MeshStmt:
+    """`mesh (replicate = R, shard = S)`, None for `*`."""
+    return st.MeshStmt(span=_NOWHERE, dims=(st.MeshDim(span=_NOWHERE, name="replicate", size=replicate),
+                                            st.MeshDim(span=_NOWHERE, name="shard", size=shard)))
+
+
+def _value(v: str | int) -> st.Value:
+    if isinstance(v, int):
+        return st.Number(span=_NOWHERE, value=v, text=str(v))
+    return st.Name(span=_NOWHERE, value=v)
+
+
+def _option(name: str, *positional: str | int, **keywords: str | int) -> st.Option:
+    """A block option such as `precision param = bf16, reduce = bf16`."""
+    args = [st.Arg(span=_NOWHERE, key=None, key_span=None, value=_value(v)) for v in positional]
+    args += [st.Arg(span=_NOWHERE, key=k, key_span=_NOWHERE, value=_value(v)) for k, v in keywords.items()]
+    return st.Option(span=_NOWHERE, name=name, name_span=_NOWHERE, args=tuple(args))
+
+
+def _count(text: str) -> float:
+    return parse_quantity(text)[0] if text[-1].isalpha() else float(text)
+
+
+def _everywhere(*, classes: tuple[str, ...] = (), min_size: str | None = None) -> st.Selector:
+    """`** : A | B` or `** where size >= 100M`: modules at any depth."""
+    path = st.Path(span=_NOWHERE, segments=(st.Segment(span=_NOWHERE, pattern="**"),))
+    guard = st.Guard(span=_NOWHERE, classes=classes) if classes else None
+    where = st.Where(span=_NOWHERE, field="size", op=">=",
+                     value=st.Number(span=_NOWHERE, value=_count(min_size), text=min_size)) if min_size else None
+    return st.Selector(span=_NOWHERE, base=path, guard=guard, where=where)
+
+
 @dataclass
 class _Draft:
     """The plan being written: header comments, model, mesh, defaults options, rules."""
 
     header: list[str] = field(default_factory=list)
     model: str | None = None
-    mesh: str = "mesh (replicate = 1, shard = *)"
-    defaults: list[str] = field(default_factory=list)
-    units: list[str] = field(default_factory=list)
-    checkpoints: list[str] = field(default_factory=list)
+    mesh: st.MeshStmt = field(default_factory=lambda: _mesh(1, None))
+    defaults: list[st.Option] = field(default_factory=list)
+    units: list[st.UnitStmt] = field(default_factory=list)
+    checkpoints: list[st.CheckpointStmt] = field(default_factory=list)
 
     def text(self) -> str:
         """The plan in `planc fmt`'s canonical layout: a blank line between kinds of statement."""
-        groups = [[f"# {line}" if line else "#" for line in self.header] +
-                  ([f"model {self.model}"] if self.model else []), [self.mesh]]
+        model = [printer.head(st.ModelStmt(span=_NOWHERE, ref=self.model))] if self.model else []
+        groups = [[f"# {line}" if line else "#" for line in self.header] + model, [printer.head(self.mesh)]]
+        defaults = st.DefaultsStmt(span=_NOWHERE, block=st.Block(span=_NOWHERE, options=tuple(self.defaults)))
         if len(self.defaults) == 1:
-            groups.append([f"defaults {{ {self.defaults[0]} }}"])
+            groups.append([printer.statement(defaults)])
         elif self.defaults:
-            groups.append(["defaults {", *(f"  {opt}" for opt in self.defaults), "}"])
-        groups += [g for g in (self.units, self.checkpoints) if g]
+            groups.append(["defaults {", *(f"  {printer.text(opt)}" for opt in self.defaults), "}"])
+        groups += [[printer.statement(s) for s in g] for g in (self.units, self.checkpoints) if g]
         return "\n\n".join("\n".join(g) for g in groups if g) + "\n"
 
 
@@ -246,7 +286,7 @@ def translate(source: str, file: str = "<config>", *, graph: ModelGraph | None =
     if reshard is None and strategy != "NO_SHARD":
         reshard = strategy in ("FULL_SHARD", "HYBRID_SHARD")
     if strategy == "NO_SHARD":
-        draft.mesh = "mesh (replicate = *, shard = 1)"
+        draft.mesh = _mesh(None, 1)
     elif strategy.startswith("HYBRID"):
         procs = top.get("num_processes")
         machines = top.get("num_machines")
@@ -254,15 +294,15 @@ def translate(source: str, file: str = "<config>", *, graph: ModelGraph | None =
         m = cfg.entry(machines[1]).value if machines else None
         if isinstance(p, int) and isinstance(m, int) and m >= 1 and p % m == 0:
             # FSDP1 hybrid sharding shards within a machine and replicates across machines
-            draft.mesh = f"mesh (replicate = *, shard = {p // m})"
+            draft.mesh = _mesh(None, p // m)
         else:
-            draft.mesh = "mesh (replicate = *, shard = 8)"
+            draft.mesh = _mesh(None, 8)
             where = (get.get("fsdp_sharding_strategy") or get.get("fsdp_reshard_after_forward")).span
             diags.append(_error("P704", "hybrid sharding without `num_processes` and `num_machines`", where,
                                 "shard group size unknown", ("assumed 8 ranks per machine; edit the `mesh` line",),
                                 severity="warning"))
     if reshard is not None:
-        draft.defaults.append(f"reshard after_forward = {'true' if reshard else 'false'}")
+        draft.defaults.append(_option("reshard", after_forward="true" if reshard else "false"))
 
     # --- mixed precision (top level): accelerate uses MixedPrecision(dtype, dtype, dtype)
     if "mixed_precision" in top:
@@ -277,15 +317,15 @@ def translate(source: str, file: str = "<config>", *, graph: ModelGraph | None =
                                  "the script; the plan keeps fp32 parameters",), severity="warning"))
         elif PRECISIONS[word]:
             dt = PRECISIONS[word]
-            draft.defaults.insert(0, f"precision param = {dt}, reduce = {dt}")
+            draft.defaults.insert(0, _option("precision", param=dt, reduce=dt))
             draft.header.append(f"accelerate reduces gradients in {dt}; torchtitan reduces in fp32 "
                                 "(`reduce = fp32`), which is safer for long runs.")
 
     # --- offload and prefetch
     if "fsdp_offload_params" in get and _bool(get["fsdp_offload_params"], "fsdp_offload_params", diags):
-        draft.defaults.append("offload cpu")
+        draft.defaults.append(_option("offload", "cpu"))
     if "fsdp_forward_prefetch" in get and _bool(get["fsdp_forward_prefetch"], "fsdp_forward_prefetch", diags):
-        draft.defaults.append("prefetch forward = 1")  # FSDP1: prefetch the next all-gather in forward
+        draft.defaults.append(_option("prefetch", forward=1))  # FSDP1: prefetch the next all-gather in forward
     for key in ("fsdp_backward_prefetch", "fsdp_backward_prefetch_policy"):
         if key in get:
             entry = get[key]
@@ -301,13 +341,14 @@ def translate(source: str, file: str = "<config>", *, graph: ModelGraph | None =
     # --- auto wrap policy: the units
     selector = _wrap_selector(get, graph, diags, draft, file)
     if selector:
-        draft.units.append(f"unit {selector}")
+        draft.units.append(st.UnitStmt(span=_NOWHERE, target=selector, block=None))
     if "fsdp_activation_checkpointing" in get:
         entry = get["fsdp_activation_checkpointing"]
         if _bool(entry, "fsdp_activation_checkpointing", diags):
             if selector:
                 # accelerate checkpoints exactly the modules its wrap policy wraps
-                draft.checkpoints.append(f"checkpoint {selector} full")
+                draft.checkpoints.append(st.CheckpointStmt(
+                    span=_NOWHERE, selector=selector, mode=st.Name(span=_NOWHERE, value="full")))
             else:
                 diags.append(_error("P704", "activation checkpointing without a wrap policy", entry.span,
                                     "checkpoints nothing", ("accelerate checkpoints the modules its auto wrap "
@@ -320,7 +361,7 @@ def translate(source: str, file: str = "<config>", *, graph: ModelGraph | None =
 
 
 def _wrap_selector(get: dict[str, _Entry], graph: ModelGraph | None, diags: list[Diagnostic],
-                   draft: _Draft, file: str) -> str | None:
+                   draft: _Draft, file: str) -> st.Selector | None:
     """The selector accelerate's auto wrap policy amounts to, or None for no units but the root."""
     policy_entry = get.get("fsdp_auto_wrap_policy")
     policy = str(policy_entry.value).upper() if policy_entry else "NO_WRAP"
@@ -350,7 +391,7 @@ def _wrap_selector(get: dict[str, _Entry], graph: ModelGraph | None, diags: list
                                         suggestion(name, graph.class_names) or
                                         ("run `planc tree --model ...` to see the classes",)))
         # torch's transformer_auto_wrap_policy wraps every instance, at any depth
-        return "** : " + " | ".join(dict.fromkeys(n for n, _ in names))
+        return _everywhere(classes=tuple(dict.fromkeys(n for n, _ in names)))
     if policy == "SIZE_BASED_WRAP":
         entry = get.get("fsdp_min_num_params")
         n = entry.value if entry else 0
@@ -369,5 +410,5 @@ def _wrap_selector(get: dict[str, _Entry], graph: ModelGraph | None, diags: list
                                     "FSDP1's size policy never wraps a MultiheadAttention nor anything in "
                                     "it; the plan may make one a unit: compare with `planc explain`",),
                                 severity="warning"))
-        return f"** where size >= {_quantity(n)}"
+        return _everywhere(min_size=_quantity(n))
     return None

@@ -1,5 +1,6 @@
 """Format .plan files canonically, keeping every comment and never changing the meaning.
 
+Only layout and comments live here; every node's spelling is `planc.lang.printer`'s.
 The layout: one statement per line, in the original order (order is meaning: later rules
 override earlier ones); one blank line between groups of statements of different kinds
 (model/include, mesh, defaults, unit/root, checkpoint/compile, ignore/place, expect) and
@@ -18,11 +19,11 @@ so a formatter bug can never silently change a plan.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from planc.diagnostics import Span
+from planc.lang import printer
 from planc.lang import syntax as st
 from planc.lang.parse import parse_text
 
@@ -35,10 +36,6 @@ _KIND = {
     st.UnitStmt: "unit", st.RootStmt: "unit", st.CheckpointStmt: "transform", st.CompileStmt: "transform",
     st.IgnoreStmt: "param", st.PlaceStmt: "param", st.ExpectUnit: "expect", st.ExpectMetric: "expect",
 }
-
-# A model reference that needs no quotes (the grammar's MODEL_REF terminal).
-_MODEL_REF = re.compile(r"[A-Za-z_][\w.]*:[\w./-]+")
-
 
 class FormatError(Exception):
     """The formatted text would not mean what the input meant (a bug in the formatter)."""
@@ -60,50 +57,7 @@ def strip_spans(node: Any) -> Any:
 
 # ===================================================================== printing nodes
 
-
-def _mesh(s: st.MeshStmt) -> str:
-    out = "mesh"
-    if s.strategy:
-        out += f" {s.strategy}"
-    if s.dims:
-        out += " (" + ", ".join(f"{d.name} = {'*' if d.size is None else d.size}" for d in s.dims) + ")"
-    return out
-
-
-def _opt(optional: bool) -> str:
-    return "optional " if optional else ""
-
-
-def statement_head(s: st.Statement) -> str:
-    """A statement in canonical spelling, without its block."""
-    if isinstance(s, st.ModelStmt):
-        return f"model {s.ref}" if _MODEL_REF.fullmatch(s.ref) else f'model "{s.ref}"'
-    if isinstance(s, st.IncludeStmt):
-        return f"include {st.String(span=s.span, value=s.path)}"
-    if isinstance(s, st.MeshStmt):
-        return _mesh(s)
-    if isinstance(s, st.DefaultsStmt):
-        return "defaults"
-    if isinstance(s, st.UnitStmt):
-        return f"{_opt(s.optional)}unit {s.target}"
-    if isinstance(s, st.RootStmt):
-        return "root none" if s.disabled else "root"
-    if isinstance(s, st.CheckpointStmt):
-        return f"{_opt(s.optional)}checkpoint {s.selector}" + (f" {s.mode}" if s.mode else "")
-    if isinstance(s, st.CompileStmt):
-        return f"{_opt(s.optional)}compile {s.selector}"
-    if isinstance(s, st.IgnoreStmt):
-        return f"{_opt(s.optional)}ignore {s.selector}"
-    if isinstance(s, st.PlaceStmt):
-        return f"{_opt(s.optional)}place {s.selector} {s.placement}"
-    if isinstance(s, st.ExpectUnit):
-        return f"expect {'not ' if s.negated else ''}unit {s.target}"
-    if isinstance(s, st.ExpectMetric):
-        # canonical order: world first, then input
-        at = ([f"world = {s.world}"] if s.world is not None else []) + \
-            ([f"input = {'x'.join(map(str, s.input_shape))}"] if s.input_shape is not None else [])
-        return f"expect {s.metric} {s.op} {s.value}" + (" at " + ", ".join(at) if at else "")
-    raise TypeError(f"no format for {type(s).__name__}")
+statement_head = printer.head  # a statement in canonical spelling, without its block
 
 
 def _block_of(s: st.Statement) -> st.Block | None:
@@ -185,7 +139,7 @@ def _with_trailing(text: str, comment: str) -> str:
 def _block_lines(entry: _Entry, head: str, block: st.Block, lines: list[str], indent: str) -> list[str]:
     multi = len(block.options) > 1 or entry.header or any(e.comment or e.trailing for e in entry.inner)
     if not multi:
-        body = " ".join(["{", str(block.options[0]), "}"]) if block.options else "{}"
+        body = printer.block(block)
         return [indent + _with_trailing(f"{head} {body}", entry.trailing)]
     out = [indent + _with_trailing(f"{head} {{", entry.header)]
     inner = entry.inner or [_Entry(o.span.line, o.span.end_line, node=o) for o in block.options]
@@ -193,7 +147,7 @@ def _block_lines(entry: _Entry, head: str, block: st.Block, lines: list[str], in
     for e in inner:
         if prev is not None and _blank_between(lines, prev.last, e.first):
             out.append("")
-        text = e.comment if e.node is None else _with_trailing(str(e.node), e.trailing)
+        text = e.comment if e.node is None else _with_trailing(printer.text(e.node), e.trailing)
         out.append(indent + INDENT + text)
         prev = e
     out.append(indent + _with_trailing("}", entry.trailing))

@@ -1,9 +1,9 @@
 """A Pygments lexer for .plan files, registered as the `plan` lexer by an entry point.
 
 `pygmentize -l plan plans/seed.plan`, and ```` ```plan ```` blocks in Sphinx or MkDocs,
-use it once planc is installed. It follows grammar/plan.lark token by token but is
-deliberately forgiving: highlighting must work on half-written plans, so unknown option
-names are plain names (the checker, not the highlighter, reports them).
+use it once planc is installed. Its word lists come from `planc/lang/vocabulary.py`. It
+follows grammar/plan.lark token by token but is deliberately forgiving: highlighting must
+work on half-written plans, so unknown option names are plain names (the checker, not the highlighter, reports them).
 """
 
 from __future__ import annotations
@@ -13,15 +13,12 @@ from pygments.token import Comment, Keyword, Name, Number, Operator, Punctuation
 
 __all__ = ["PlanLexer"]
 
-STATEMENTS = ("model", "include", "mesh", "defaults", "unit", "root", "checkpoint", "compile", "ignore",
-              "place", "expect")
-CLAUSES = ("optional", "except", "where", "not", "at", "world", "input", "none", "units", "unit")
-CONSTANTS = ("true", "false", "yes", "no", "on", "off")
-DTYPES = ("fp32", "float32", "f32", "bf16", "bfloat16", "fp16", "float16", "half")
-# block options (planc/options.py), FSDP1 spellings included
-OPTIONS = ("precision", "reshard", "offload", "prefetch", "strategy", "sharding_strategy", "mixed_precision",
-           "cpu_offload")
-FSDP1_WORDS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+from planc.lang.vocabulary import BOOLS, CLAUSES, DTYPES, FSDP1_WORDS, STATEMENTS
+from planc.lang.vocabulary import OPTIONS as _ALL_OPTIONS
+
+CONSTANTS = BOOLS
+# block options that are not also statement keywords (those are highlighted as keywords)
+OPTIONS = tuple(o for o in _ALL_OPTIONS if o not in STATEMENTS)
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 

@@ -1,8 +1,9 @@
 """The syntax tree: what a .plan file says, as frozen dataclasses with source spans.
 
 This is what was written, not what it means: selectors are not matched, option names are
-not checked. `planc/resolve.py` turns it into the IR (`planc/ir.py`). Nodes hold tuples,
-never lists, and no parent pointers; every node carries the `Span` it came from.
+not checked. `planc/resolve/resolver.py` turns it into the IR (`planc/resolve/ir.py`);
+`planc/lang/printer.py` prints it. Nodes hold tuples, never lists, and no parent pointers;
+every node carries the `Span` it came from.
 """
 
 from __future__ import annotations
@@ -11,8 +12,14 @@ from dataclasses import dataclass
 from typing import Union
 
 from planc.diagnostics import Span
+from planc.lang import printer
 
 _node = dataclass(frozen=True, slots=True, kw_only=True)
+
+
+def _text(node) -> str:
+    """A node's canonical plan text (`planc.lang.printer`)."""
+    return printer.text(node)
 
 
 # ===================================================================== selectors
@@ -39,16 +46,7 @@ class Segment:
     def is_deep(self) -> bool:
         return self.pattern == "**"
 
-    def __str__(self) -> str:
-        if self.alternatives:
-            return "{" + ",".join(self.alternatives) + "}"
-        if self.is_slice:
-            lo = "" if self.start is None else str(self.start)
-            hi = "" if self.stop is None else str(self.stop)
-            return f"{self.pattern}[{lo}:{hi}]"
-        if self.index is not None:
-            return f"{self.pattern}[{self.index}]"
-        return self.pattern
+    __str__ = _text
 
 
 @_node
@@ -58,8 +56,7 @@ class Path:
     span: Span
     segments: tuple[Segment, ...]
 
-    def __str__(self) -> str:
-        return ".".join(str(s) for s in self.segments)
+    __str__ = _text
 
 
 @_node
@@ -69,9 +66,7 @@ class Regex:
     span: Span
     pattern: str
 
-    def __str__(self) -> str:
-        # parse unescapes `\"`; escape it again so the text parses back to this pattern
-        return 're"' + self.pattern.replace('"', '\\"') + '"'
+    __str__ = _text
 
 
 @_node
@@ -81,8 +76,7 @@ class Guard:
     span: Span
     classes: tuple[str, ...]
 
-    def __str__(self) -> str:
-        return ": " + " | ".join(self.classes)
+    __str__ = _text
 
 
 @_node
@@ -94,8 +88,7 @@ class Where:
     op: str
     value: "Number"
 
-    def __str__(self) -> str:
-        return f"where {self.field} {self.op} {self.value}"
+    __str__ = _text
 
 
 @_node
@@ -106,8 +99,7 @@ class Exclusion:
     base: Union[Path, Regex]
     guard: Guard | None = None
 
-    def __str__(self) -> str:
-        return f"except {self.base}" + (f" {self.guard}" if self.guard else "")
+    __str__ = _text
 
 
 @_node
@@ -120,14 +112,7 @@ class Selector:
     where: Where | None = None
     exclusions: tuple[Exclusion, ...] = ()
 
-    def __str__(self) -> str:
-        parts = [str(self.base)]
-        if self.guard:
-            parts.append(str(self.guard))
-        if self.where:
-            parts.append(str(self.where))
-        parts.extend(str(e) for e in self.exclusions)
-        return " ".join(parts)
+    __str__ = _text
 
 
 @_node
@@ -137,8 +122,7 @@ class Group:
     span: Span
     selectors: tuple[Selector, ...]
 
-    def __str__(self) -> str:
-        return "[" + ", ".join(str(s) for s in self.selectors) + "]"
+    __str__ = _text
 
 
 # ===================================================================== values and options
@@ -149,8 +133,7 @@ class Name:
     span: Span
     value: str
 
-    def __str__(self) -> str:
-        return self.value
+    __str__ = _text
 
 
 @_node
@@ -162,8 +145,7 @@ class Number:
     text: str
     is_bytes: bool = False
 
-    def __str__(self) -> str:
-        return self.text
+    __str__ = _text
 
 
 @_node
@@ -171,16 +153,14 @@ class String:
     span: Span
     value: str
 
-    def __str__(self) -> str:
-        return '"' + self.value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    __str__ = _text
 
 
 @_node
 class Star:
     span: Span
 
-    def __str__(self) -> str:
-        return "*"
+    __str__ = _text
 
 
 @_node
@@ -191,8 +171,7 @@ class Call:
     name: str
     args: tuple["Value", ...]
 
-    def __str__(self) -> str:
-        return f"{self.name}(" + ", ".join(str(a) for a in self.args) + ")"
+    __str__ = _text
 
 
 @_node
@@ -202,8 +181,7 @@ class SelectorList:
     span: Span
     items: tuple[Selector, ...]
 
-    def __str__(self) -> str:
-        return "[" + ", ".join(str(s) for s in self.items) + "]"
+    __str__ = _text
 
 
 Value = Union[Name, Number, String, Star, Call, SelectorList]
@@ -218,8 +196,7 @@ class Arg:
     key_span: Span | None
     value: Value
 
-    def __str__(self) -> str:
-        return f"{self.key} = {self.value}" if self.key else str(self.value)
+    __str__ = _text
 
 
 @_node
@@ -231,8 +208,7 @@ class Option:
     name_span: Span
     args: tuple[Arg, ...]
 
-    def __str__(self) -> str:
-        return self.name + ("" if not self.args else " " + ", ".join(str(a) for a in self.args))
+    __str__ = _text
 
 
 @_node

@@ -146,6 +146,7 @@ def enum(*words: str) -> Callable[[st.Value], str]:
             return word
         raise _err("P102", f"unknown value `{word}`", v.span, "expected " + " or ".join(f"`{w}`" for w in words),
                    suggestion(word, words) or ("write " + " or ".join(f"`{w}`" for w in words),))
+    convert.words = words  # the accepted words, for editors (planc/lsp completion and hover)
     return convert
 
 

@@ -17,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from planc.diagnostics import Diagnostic, suggestion
+from planc.lang import printer
 from planc.lang import syntax as st
 from planc.model.graph import ModelGraph
 from planc.resolve.ir import DEFAULT_SETTINGS, Resolution, Setting, Unit
@@ -36,19 +37,7 @@ class _Rule:
     assignments: list[Assignment] = field(default_factory=list)
 
 
-def rule_text(stmt) -> str:
-    """How a statement is named in explanations: `unit layers.*`, `defaults`, `root`."""
-    if isinstance(stmt, st.UnitStmt):
-        return f"unit {stmt.target}"
-    if isinstance(stmt, st.DefaultsStmt):
-        return "defaults"
-    if isinstance(stmt, st.RootStmt):
-        return "root"
-    if isinstance(stmt, st.CheckpointStmt):
-        return f"checkpoint {stmt.selector}"
-    if isinstance(stmt, st.CompileStmt):
-        return f"compile {stmt.selector}"
-    return type(stmt).__name__
+rule_text = printer.rule_name  # how a statement is named in explanations: `unit layers.*`
 
 
 def _block(block: st.Block | None, context, diags: list[Diagnostic]) -> list[Assignment]:
