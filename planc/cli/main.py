@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--rank", type=int, default=0, help="rank to simulate (default 0)")
     e.add_argument("--input-shape", metavar="BxS", help="input batch x sequence for activations")
     e.add_argument("--plot", metavar="FILE", help="write memory over one step (PNG or SVG)")
+    e.add_argument("--html", metavar="FILE", help="write the report as one self-contained HTML page")
     e.set_defaults(func=explain.main)
 
     m = sub.add_parser("emit", help="print the equivalent hand-written fully_shard code")

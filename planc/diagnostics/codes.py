@@ -158,6 +158,11 @@ CODES: dict[str, Code] = {
     "P604": Code("non-contiguous parameter in a unit", "FSDP2 cannot shard non-contiguous parameters "
                  "(`NotImplementedError`). Make the parameter contiguous when building the model, or "
                  "`ignore` it."),
+    "P605": Code("model the Trainer cannot take sharded", "`planc.integrations.hf.shard_for_trainer` "
+                 "marks a transformers model as sharded so that `Trainer` leaves it as it is (no DDP, no "
+                 "second sharding). Models whose class has no such flag (not a transformers 5 "
+                 "`PreTrainedModel`, or a wrapper around one) are refused before anything is sharded.\n\n"
+                 "    model = AutoModelForCausalLM.from_config(cfg); shard_for_trainer(model, plan)"),
     # --- importing accelerate FSDP configs (P7xx; `planc import`, planc/importer.py)
     "P701": Code("not an accelerate FSDP config", "The file is not YAML, not a mapping, or has no "
                  "`fsdp_config` section (accelerate writes one with `accelerate config` when "
