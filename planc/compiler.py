@@ -11,10 +11,11 @@ from functools import cached_property
 
 from torch import nn
 
-from planc.checks.validate import Context, check_mesh, metric_problems, validate
+from planc.checks.validate import Context, validate
 from planc.diagnostics import Diagnostic, PlanError, sort_diagnostics
 from planc.lang import syntax as st
 from planc.lang.parse import load
+from planc.limits import rank_count
 from planc.lower.lowering import lower
 from planc.lower.program import Program
 from planc.model.graph import ModelGraph, paused_gc
@@ -53,17 +54,13 @@ class CompiledPlan:
     def diagnostics(self) -> list[Diagnostic]:
         """Every finding of resolution and validation, errors and warnings alike."""
         res, diags = self._resolved
-        diags = list(diags)
-        if self.graph is None:
-            ctx = Context(self.plan, None, res, self.world_size)  # type: ignore[arg-type]
-            diags += list(check_mesh(ctx))
-            diags += [d for d in check_expects_without_model(ctx)]
-            return sort_diagnostics(diags)
-        # memory is estimated only for a valid plan, and only when asked for
-        clean = self.check_memory and not any(d.is_error for d in diags)
+        # which checks run follows from what the context holds (each check declares its
+        # needs, planc/checks/validate.py); memory is estimated only for a valid plan with
+        # a model, and only when asked for
+        clean = self.check_memory and self.graph is not None and not any(d.is_error for d in diags)
         ctx = Context(self.plan, self.graph, res, self.world_size, metrics=self._metric if clean else None)
         with paused_gc():
-            return sort_diagnostics(diags + validate(ctx))
+            return sort_diagnostics(list(diags) + validate(ctx))
 
     def _metric(self, name: str, world: int | None, input_shape: tuple[int, ...] | None = None) -> float | None:
         from planc.estimate.memory import metric  # the memory model is only built when a plan asks
@@ -139,13 +136,6 @@ class CompiledPlan:
         return f"<CompiledPlan {self.plan.file}: {len(self.units)} units, {len(self.errors)} errors>"
 
 
-def check_expects_without_model(ctx: Context):
-    """Metric names and units in `expect` lines can be checked without a model."""
-    for s in ctx.plan.statements:
-        if isinstance(s, st.ExpectMetric):
-            yield from metric_problems(s)
-
-
 def as_plan(plan: st.Plan | str | os.PathLike) -> st.Plan:
     """A parsed plan from a `Plan` or a path (raises `PlanError` on syntax errors)."""
     if isinstance(plan, st.Plan):
@@ -164,6 +154,7 @@ def compile(plan: st.Plan | str | os.PathLike, model: nn.Module | ModelGraph | N
         model: the model (any device, meta included), its `ModelGraph`, or None to run only
             the checks that need no model.
         world_size: number of ranks; enables mesh, reshard and placement size checks.
+            `TypeError` if not an int, `ValueError` if below 1 or above `planc.limits.MAX_RANKS`.
         strict: raise `PlanError` (carrying every diagnostic) if there is any error.
         check_memory: evaluate memory `expect`s with the memory model (an `input =` clause
             traces one step on fake tensors). `planc.apply` turns this off: the bounds are
@@ -172,8 +163,8 @@ def compile(plan: st.Plan | str | os.PathLike, model: nn.Module | ModelGraph | N
     Returns:
         The `CompiledPlan`, with `.units` in application order and `.diagnostics`.
     """
-    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1):
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if world_size is not None:
+        rank_count(world_size)
     parsed = as_plan(plan)
     graph = model if isinstance(model, ModelGraph) or model is None else ModelGraph.from_module(model)
     compiled = CompiledPlan(parsed, graph, world_size, check_memory=check_memory)

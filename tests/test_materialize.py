@@ -1,4 +1,4 @@
-"""`planc.materialize`: the model's own initialiser, rebuilt buffers, and P605 for the rest.
+"""`planc.materialize`: the model's own initialiser, rebuilt buffers, and P606 for the rest.
 
 Every shipped model (zoo, Hugging Face configs in planc/model/configs, torchtitan's Llama 3
 debug model when torchtitan is installed) is built on meta, materialized with the default
@@ -103,7 +103,7 @@ def test_refuses_what_no_initialiser_covers_naming_the_module():
     with pytest.raises(PlanError) as err:
         materialize(model, "cpu")
     (d,) = err.value.errors
-    assert d.code == "P605"
+    assert d.code == "P606"
     assert "`1`" in d.notes[0] and "`1.gain`" in d.notes[1] and "`1.table`" in d.notes[1]
     assert "`0" not in d.notes[0]  # nn.Linear's reset_parameters covered it
 

@@ -16,10 +16,10 @@ from hypothesis import strategies as hs
 import planc
 from planc import zoo
 from planc.analysis.simulate import simulate, zoo_inputs
-from planc.checks import validate
 from planc.estimate import memory
 from planc.estimate.trace import TraceError
 from planc.model.graph import ModelGraph
+from planc.quantities import show_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SEED = (ROOT / "plans" / "seed.plan").read_text()
@@ -163,7 +163,7 @@ def test_an_input_makes_a_bound_that_holds_on_state_alone_fail():
     assert without.peak.total <= 2**20 < with_input.peak.total
     assert with_input.peak.bytes["activations"] > 0
     assert d.message == ("expected memory.peak <= 1MiB at world = 8, input = 8x64, but the estimate, activations "
-                         f"included, is {validate._show_bytes(with_input.peak.total)}")
+                         f"included, is {show_bytes(with_input.peak.total)}")
     assert "--input-shape 8x64" in d.help[0]
 
 
@@ -200,7 +200,7 @@ def test_expects_use_the_estimate_explain_reports(monkeypatch, tmp_path):
     compiled, diags, _, _ = cli.compile_for_cli(str(plan), None, [None], cli.ModelCache())  # as `planc check`
     (c,) = compiled
     (p502,) = [d for d in diags if d.is_error]
-    assert p502.code == "P502" and validate._show_bytes(reported["memory"]["peak_bytes"]) in p502.message
+    assert p502.code == "P502" and show_bytes(reported["memory"]["peak_bytes"]) in p502.message
     # the three lines share one estimate (one trace), and it is the one explain printed
     used = {k: v for k, v in c._estimates.items() if k[1] is not None}
     assert list(used) == [(8, (2, 16))]

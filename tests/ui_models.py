@@ -151,3 +151,64 @@ class FixtureNet(nn.Module):
 
 def fixture_net() -> FixtureNet:
     return FixtureNet()
+
+
+# ===================================================================== hostile and odd models
+
+
+class LongNames(nn.Module):
+    """Children with 60-character names of one letter and a tail: a backtracking regex
+    (`re"(a|aa)+$"`) takes exponential time on them (P212)."""
+
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        for tail in "bcd":
+            self.add_module("a" * 60 + tail, nn.Linear(dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for child in self.children():
+            x = child(x)
+        return x
+
+
+def long_names() -> LongNames:
+    return LongNames()
+
+
+class SharedBlock(nn.Module):
+    def __init__(self, mlp: nn.Module, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class SharedNet(nn.Module):
+    """ALBERT-style sharing: one `FeedForward` object registered in both blocks (at
+    `blocks.0.mlp` and `blocks.1.mlp`), a three-way tie of one embedding weight between
+    `embed`, `head` and `extra_head`, and a root with a `model.`-prefixed child as Hugging
+    Face models have (`model.embed_tokens`)."""
+
+    def __init__(self, dim: int = 8, vocab: int = 16) -> None:
+        super().__init__()
+        shared = FeedForward(dim, 2 * dim)
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(SharedBlock(shared, dim) for _ in range(2))
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.extra_head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.extra_head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.model.embed_tokens(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) + self.extra_head(x)
+
+
+def shared_net() -> SharedNet:
+    return SharedNet()

@@ -50,7 +50,7 @@ def count(n: int) -> str:
 def _setting(unit: Unit, key: str, policy: Policy) -> dict[str, Any]:
     s = unit.settings[key]
     value = policy.reshard_after_forward if key == "reshard_after_forward" else s.value
-    return {"value": show_value(value) if not isinstance(value, (dict, tuple)) else str(value),
+    return {"value": show_value(value) if not isinstance(value, dict) else str(value),
             "set_by": s.rule, "line": f"{s.span.file}:{s.span.line}" if s.span else None}
 
 

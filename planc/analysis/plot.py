@@ -22,7 +22,7 @@ def _pyplot():
     return plt
 
 
-def plot_step(est, path: str, measured=None) -> None:
+def plot_step(est, path, measured=None, fmt: str | None = None) -> None:
     """Write memory per rank over one step (PNG or SVG, by the file's extension).
 
     Left: the estimated timeline (and the simulated one, if given), phases shaded, the units
@@ -31,10 +31,10 @@ def plot_step(est, path: str, measured=None) -> None:
 
     Args:
         est: the analytic `planc.estimate.memory.Estimate`.
-        path: output file, `.png` or `.svg`.
+        path: output file, `.png` or `.svg`; or a file object, then `fmt` says which.
         measured: a `planc.analysis.simulate.Measurement` to draw next to the estimate, if any.
     """
-    if not path.lower().endswith((".png", ".svg")):
+    if fmt is None and not path.lower().endswith((".png", ".svg")):
         raise PlotError(f"--plot {path}: write a .png or .svg file")
     plt = _pyplot()
     scale, unit = _scale(est.unsharded_peak_baseline)
@@ -88,7 +88,7 @@ def plot_step(est, path: str, measured=None) -> None:
     bars.set_title("peak per rank", fontsize=10)
     bars.legend(fontsize=6, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, format=fmt)
     plt.close(fig)
 
 

@@ -136,6 +136,10 @@ def simulate(plan, build: Callable[[], nn.Module], world: int, *, rank: int = 0,
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from planc.limits import rank_count
+    rank_count(world, "world")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank must be an int in 0..{world - 1}, got {rank!r}")
     import planc
     from planc.backends.runtime import apply, build_mesh
 

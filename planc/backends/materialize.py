@@ -13,7 +13,7 @@ from planc.diagnostics import Diagnostic, PlanError
 
 __all__ = ["materialize", "initialiser_of"]
 
-_SHOWN = 5  # modules named in a P605 before "and N more"
+_SHOWN = 5  # modules named in a P606 before "and N more"
 
 
 def materialize(model: nn.Module, device: torch.device | str,
@@ -38,7 +38,7 @@ def materialize(model: nn.Module, device: torch.device | str,
 
     Models with `tie_weights()` are re-tied afterwards (`to_empty` makes one tensor per
     registration). Finally every parameter and buffer is checked: one still holding the
-    poison was initialised by nothing, and `PlanError` P605 names its modules instead of
+    poison was initialised by nothing, and `PlanError` P606 names its modules instead of
     letting training start from garbage (boolean tensors cannot hold poison and are not
     checked; on a rank whose shard of a parameter is empty there is nothing to check).
 
@@ -57,7 +57,7 @@ def materialize(model: nn.Module, device: torch.device | str,
         The same model.
 
     Raises:
-        PlanError: P605 when some parameter or buffer was left uninitialised.
+        PlanError: P606 when some parameter or buffer was left uninitialised.
     """
     # Units offloaded to the CPU keep their local shards there (FSDP2 moves them back only
     # when pinning); everything else goes to `device`. This is `to_empty`, per parameter.
@@ -170,7 +170,7 @@ def _uninitialised(names: list[str], custom: bool, default: str) -> Diagnostic:
     more = f" and {len(modules) - _SHOWN} more" if len(modules) > _SHOWN else ""
     by = "your `init`" if custom else default
     tensors = ", ".join(f"`{n}`" for n in names[:_SHOWN]) + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
-    return Diagnostic(code="P605", severity="error", span=None,
+    return Diagnostic(code="P606", severity="error", span=None,
                       message=f"{len(names)} parameter(s) or buffer(s) left uninitialised by {by}",
                       notes=(f"in modules {shown}{more}", f"uninitialised: {tensors}"),
                       help=("pass `planc.materialize(model, device, init=fn)` with the model's real "

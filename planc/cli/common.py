@@ -70,8 +70,8 @@ def compile_for_cli(path: str, model_ref: str | None, world_sizes: Sequence[int 
                 raise UsageError(f"--model {model_ref}: {err}") from err
             stmt = next(s for s in reversed(plan.statements) if getattr(s, "ref", None) == ref)
             diags.append(Diagnostic(code="P106", severity="error", message=str(err), span=stmt.span,
-                                    label="this model", help=("check the module path and that its package is "
-                                                              "installed; or pass `--model`",)))
+                                    label="this model", help=(err.help or "check the module path and that its "
+                                                              "package is installed; or pass `--model`",)))
     compiled = [CompiledPlan(plan, graph, w) for w in world_sizes]
     seen = set()
     for c in compiled:

@@ -76,6 +76,15 @@ def main(args) -> int:
             plot_step(est, args.plot, measured=measured)
         except PlotError as err:
             raise UsageError(str(err)) from err
+    if args.html:
+        from planc.analysis.plot import PlotError
+        from planc.analysis.report_html import write_html
+        try:
+            write_html(args.html, data, c, est, measured)
+        except PlotError as err:  # matplotlib missing: the page needs the plot
+            raise UsageError(str(err).replace("--plot", "--html")) from err
+        except OSError as err:
+            raise UsageError(f"--html {args.html}: cannot write: {err.strerror}") from err
     warnings = [d for d in diags if not d.is_error]
     failed = [d for d in diags if d.is_error]  # expectations only (others stopped above)
     if failed or (warnings and args.format == "text"):

@@ -14,6 +14,7 @@ from typing import Sequence
 
 from planc.cli import check, codes, emit, explain, fmt, importer, lsp, tree
 from planc.cli.common import EXIT_USAGE, UsageError
+from planc.limits import MAX_RANKS
 
 # ===================================================================== argument parsing
 
@@ -26,6 +27,8 @@ def _world_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"`{text}` is not a number of ranks") from None
     if n < 1:
         raise argparse.ArgumentTypeError(f"a world size is at least 1 rank, not {n}")
+    if n > MAX_RANKS:
+        raise argparse.ArgumentTypeError(f"{n} ranks is more than planc's limit of {MAX_RANKS:,}")
     return n
 
 
@@ -62,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--loss", metavar="MODULE:FN", help="the step's loss: fn(output, example) -> scalar "
                    "(default: cross-entropy over fp32 logits for language models, else output.sum())")
     e.add_argument("--plot", metavar="FILE", help="write memory over one step (PNG or SVG)")
+    e.add_argument("--html", metavar="FILE", help="write the report as one self-contained HTML page")
     e.set_defaults(func=explain.main)
 
     m = sub.add_parser("emit", help="print the equivalent hand-written fully_shard code")

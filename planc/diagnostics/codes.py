@@ -65,17 +65,34 @@ CODES: dict[str, Code] = {
     "P206": Code("parameter selector matches nothing", "An `ignore` or `place` selector matches no "
                  "parameter of the model."),
     "P207": Code("rule has no effect", "Every unit and option this rule sets is set again by later rules, "
-                 "so removing it changes nothing.", "warning"),
+                 "so removing it changes nothing; or one block sets a setting twice, and the first value "
+                 "has no effect.\n\n    unit layers.* { reshard after_forward = true; reshard after_forward = false }",
+                 "warning"),
     "P208": Code("bad selector", "A selector is malformed for the model: an index out of range, an "
                  "unknown predicate, a slice on a module without children."),
     "P209": Code("plan does nothing", "The plan (with its includes) has no statements: it is empty or holds "
                  "only comments. It is valid, and shards the model as one root unit, but it is more likely "
                  "a wrong or truncated file.\n\n    # only a comment", "warning"),
+    "P210": Code("alternative matches nothing", "One branch of a `{a,b}` alternation matches nothing "
+                 "while the others match: usually a typo, which would silently leave those modules out. "
+                 "Mark the rule `optional` when the branch is there for another model family.\n\n"
+                 "    unit layers.*.{attn,mpl}   # warning: `mpl` matches nothing", "warning"),
+    "P211": Code("except excludes nothing", "An `except` removes none of the selector's matches: a "
+                 "typo there silently keeps what it was meant to drop.\n\n"
+                 "    unit layers.* except layers.99   # warning", "warning"),
+    "P212": Code("regular expression too slow", "A `re\"...\"` selector did not finish matching the "
+                 "model's names within the time budget (1 s; docs/language.md, Limits). A repeated group "
+                 "whose body can match the same text in several ways (`(a+)+`, `(.*)*`, `(a|aa)+`) "
+                 "backtracks exponentially on long names. Repeat the body once, or use a path selector.\n\n"
+                 "    unit re\"(\\w+\\.?)*attn\"   # error: write re\".*attn\""),
     # --- structure (P3xx)
     "P301": Code("tied parameters split across units", "One parameter is held by modules in two units "
                  "(tied input/output embeddings). FSDP2 fails at the first forward: `Parameter ... is "
-                 "shared with a parameter already managed by another FSDP group`. Put both modules in one "
-                 "group unit, or make neither a unit of its own."),
+                 "shared with a parameter already managed by another FSDP group`. Put every module that "
+                 "holds it in one group unit (with the other members of any group one of them is in "
+                 "already, in place of the rules that made those units), or make none a unit of its own."
+                 "\n\n    unit wte\n    unit lm_head      # error: wte.weight is lm_head.weight\n"
+                 "    unit [wte, lm_head]   # the fix, in place of both"),
     "P302": Code("parameters under no unit", "With `root none`, these parameters belong to no unit: they "
                  "stay replicated and their gradients are never synchronised, so ranks silently diverge."),
     "P303": Code("scalar parameter in a unit", "FSDP2 cannot shard 0-dim parameters (`ValueError`). "
@@ -97,6 +114,13 @@ CODES: dict[str, Code] = {
                  "parameters, so under `precision param = bf16` an ignored fp32 weight meets bf16 "
                  "activations (a dtype error in most ops). Cast it in the model, or do not ignore it.",
                  "warning"),
+    "P309": Code("shared module split across units", "One module object is registered at several "
+                 "paths (ALBERT-style sharing: one MLP used by two blocks), and different units hold it "
+                 "there. FSDP2 would shard its parameters once for each unit and fail in torch "
+                 "(`Cannot concatenate overlapping meshes`). Make the shared module a unit of its own "
+                 "(FSDP2 shards it once, and the units around its paths leave it out), or put the units "
+                 "that hold it in one group.\n\n    unit blocks.*        # error: blocks.0.mlp is blocks.1.mlp\n"
+                 "    unit blocks.0.mlp    # the fix: the shared module is a unit"),
     # --- mesh (P4xx)
     "P401": Code("mesh does not fit the world size", "The mesh dimensions do not multiply to the number "
                  "of ranks."),
@@ -109,6 +133,11 @@ CODES: dict[str, Code] = {
     "P406": Code("reshard size is a boolean in disguise", "`reshard after_forward = 1` keeps parameters "
                  "unsharded after forward (the same as `false`); a size equal to the shard size reshards "
                  "fully (the same as `true`). Write the boolean.", "warning"),
+    "P407": Code("too many ranks", "A mesh whose dimensions multiply past planc's limit of ranks "
+                 "(2**20 = 1,048,576; docs/language.md, Limits), far above any cluster; a number is "
+                 "probably a typo or a size in another unit. (One size past the limit is already a P103 "
+                 "where the plan writes it.)\n\n"
+                 "    mesh (replicate = 65536, shard = 65536)   # error: 4,294,967,296 ranks"),
     # --- expectations (P5xx)
     "P501": Code("expectation failed", "An `expect` statement does not hold for the resolved plan."),
     "P502": Code("memory expectation failed", "An `expect memory...` bound does not hold under planc's "
@@ -129,7 +158,12 @@ CODES: dict[str, Code] = {
     "P604": Code("non-contiguous parameter in a unit", "FSDP2 cannot shard non-contiguous parameters "
                  "(`NotImplementedError`). Make the parameter contiguous when building the model, or "
                  "`ignore` it."),
-    "P605": Code("initialisation unknown", "`planc.materialize` allocated the model's memory but could not "
+    "P605": Code("model the Trainer cannot take sharded", "`planc.integrations.hf.shard_for_trainer` "
+                 "marks a transformers model as sharded so that `Trainer` leaves it as it is (no DDP, no "
+                 "second sharding). Models whose class has no such flag (not a transformers 5 "
+                 "`PreTrainedModel`, or a wrapper around one) are refused before anything is sharded.\n\n"
+                 "    model = AutoModelForCausalLM.from_config(cfg); shard_for_trainer(model, plan)"),
+    "P606": Code("initialisation unknown", "`planc.materialize` allocated the model's memory but could not "
                  "tell how to initialise some parameters or buffers: after the initialiser ran they still held "
                  "the poison planc writes into fresh memory (NaN, or the lowest integer), so training would "
                  "start from garbage. planc uses the model's own initialiser when it has one (`init_states` / "
@@ -170,6 +204,11 @@ CODES: dict[str, Code] = {
                  "`reshard after_forward = true` there frees the root's parameters after forward, although "
                  "backward needs them first: FSDP2's own default for the root is `false`. Add "
                  "`root { reshard after_forward = false }` unless that is what you want.", "note"),
+    "P903": Code("prefetch target in a group unit", "An explicit prefetch list names a module that is one "
+                 "member of a group unit. FSDP2 gathers a unit as a whole, so the group is prefetched; "
+                 "planc says so, since the list reads as if only that module were.\n\n"
+                 "    unit [layers.0, layers.1]\n    unit norm { prefetch backward = [layers.1] }   # note: "
+                 "prefetches the group", "note"),
     "P901": Code("FSDP1 spelling", "An FSDP1 word was accepted and mapped to its FSDP2 meaning; the note "
                  "says what it became.", "note"),
 }

@@ -45,6 +45,7 @@ from typing import Iterable, Mapping
 import torch
 
 from planc.estimate.trace import Example, Trace, TraceError, default_input, trace_for
+from planc.limits import rank_count
 from planc.lower.program import Program
 
 # "adamw"/"adam": torch's foreach implementation (the default); "*_fused": fused=True.
@@ -438,6 +439,8 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
         raise ValueError("a memory estimate needs the model")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}")
+    if world is not None:
+        rank_count(world, "world")
     world = world or compiled.world_size or 1
     program = compiled.program
     replicate, shard = mesh_sizes(program, world)

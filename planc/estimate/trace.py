@@ -8,7 +8,9 @@ module order alone (activations not counted).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -447,6 +449,24 @@ def _step_key(compiled) -> tuple:
     return units, checkpointed, frozenset(compiled.resolution.ignored)
 
 
+# torch logs (at ERROR, with a full traceback) every op that fails under FakeTensorMode before
+# re-raising it; the error reaches the user once, as P504's one line, so mute that log
+_FAKE_TENSOR_LOGGERS = ("torch._subclasses.fake_tensor",)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_logs():
+    loggers = [logging.getLogger(name) for name in _FAKE_TENSOR_LOGGERS]
+    saved = [lg.disabled for lg in loggers]
+    for lg in loggers:
+        lg.disabled = True
+    try:
+        yield
+    finally:
+        for lg, was in zip(loggers, saved):
+            lg.disabled = was
+
+
 def trace_for(compiled, inputs: "tuple | dict | Example | None", loss: LossFn | None = None) -> Trace:
     """The (cached) trace of one step of `compiled` with `inputs` and `loss`."""
     cache = _TRACES.setdefault(compiled.graph, {})
@@ -457,7 +477,8 @@ def trace_for(compiled, inputs: "tuple | dict | Example | None", loss: LossFn | 
             cache[key] = synthetic_trace(compiled)
         else:
             try:
-                cache[key] = fake_trace(compiled, example, loss)
+                with _quiet_fake_tensor_logs():
+                    cache[key] = fake_trace(compiled, example, loss)
             except Exception as err:  # any model code can fail on unexpected inputs
                 shapes = " and ".join("x".join(map(str, t.shape)) for t in example.tensors())
                 raise TraceError(f"the model did not run on inputs of shape {shapes}: "

@@ -12,9 +12,9 @@ from lark import Transformer, v_args
 
 from planc.diagnostics import Diagnostic, Span
 from planc.lang import syntax as st
+from planc.limits import MAX_RANKS  # mesh dimension sizes and `at world =`: a million ranks
 
 MAX_INT = 2**63 - 1  # a 64-bit integer: every size, index and count in a plan fits
-MAX_RANKS = 1 << 20  # mesh dimension sizes and `at world =`: a million ranks
 _MAX_DIGITS = len(str(MAX_INT))
 
 

@@ -108,7 +108,7 @@ class ModelGraph:
                  params: dict[str, ParamInfo], aliases: dict[str, str], owners: dict[str, list[str]],
                  children: dict[str, list[str]], child_names: dict[str, list[str]], end: dict[str, int],
                  post: dict[str, int], model: nn.Module | None = None,
-                 sharded: dict[str, list[str]] | None = None):
+                 sharded: dict[str, list[str]] | None = None, shared: dict[str, tuple[str, ...]] | None = None):
         self._order = tuple(order)    # module paths, pre-order (registration order)
         self._data = data             # path -> (cls name, qualname, has_forward, module)
         self._own = own               # path -> (local name, canonical name) of its own parameters
@@ -123,6 +123,9 @@ class ModelGraph:
         self.model = model
         # What was already sharded when the graph was built (see `already_sharded`).
         self._sharded = sharded or {"fsdp": [], "dtensor": [], "checkpoint": []}
+        # A module object registered at several paths: first path -> the other paths (see
+        # `shared_modules`)
+        self._shared = shared or {}
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -145,7 +148,8 @@ class ModelGraph:
         aliases: dict[str, str] = {}
         owners: dict[str, list[str]] = {}
         seen: dict[int, str] = {}
-        visited: set[int] = set()
+        visited: dict[int, str] = {}  # module id -> the path it was first seen at
+        shared: dict[str, list[str]] = {}
         sharded: dict[str, list[str]] = {"fsdp": [], "dtensor": [], "checkpoint": []}
         classes: dict[type, tuple[str, str, bool]] = {}  # a model has few classes and many modules
         forward = nn.Module.forward
@@ -156,9 +160,11 @@ class ModelGraph:
         while stack:
             path, local_name, module, depth, parent = stack.pop()
             key = id(module)
-            if key in visited:
+            first = visited.get(key)
+            if first is not None:  # registered again here: one object, several paths (ALBERT)
+                shared.setdefault(first, []).append(path)
                 continue
-            visited.add(key)
+            visited[key] = path
             kind = type(module)
             info = classes.get(kind)
             if info is None:
@@ -210,7 +216,16 @@ class ModelGraph:
             e = end[kids[-1]] if kids else pre + 1
             end[m] = e
             post[m] = pre - depths[pre] + (e - pre) - 1
-        return cls(order, data, own, params, aliases, owners, children, child_names, end, post, model, sharded)
+        return cls(order, data, own, params, aliases, owners, children, child_names, end, post, model, sharded,
+                   {k: tuple(v) for k, v in shared.items()})
+
+    @property
+    def shared_modules(self) -> dict[str, tuple[str, ...]]:
+        """Modules registered at more than one path (one MLP object in two blocks, as ALBERT
+        shares layers): the path the graph keeps (the first in registration order) -> the
+        other paths. The graph holds each module once, at its first path; parameters under
+        the other paths are not aliases here, since FSDP2 sees one module."""
+        return self._shared
 
     @cached_property
     def g(self) -> nx.DiGraph:

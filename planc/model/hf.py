@@ -20,10 +20,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from planc.limits import MAX_HF_MODULES
 from planc.model.errors import ModelLoadError
 
 CONFIG_PACKAGE = "planc.model"
 CONFIG_DIR = "configs"
+
+# Config fields that count repeated layers, across model families (llama `num_hidden_layers`,
+# gpt2 `n_layer`, t5 `num_layers` + `num_decoder_layers`, bart `encoder_layers` + ...)
+LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers",
+                "num_encoder_layers", "encoder_layers", "decoder_layers")
+# Modules one layer holds, rounded up from the shipped configs (12 to 25 a layer)
+MODULES_PER_LAYER = 30
 
 
 def shipped_configs() -> dict[str, Path]:
@@ -79,6 +87,34 @@ def load_config(path: Path):
                              f"{transformers.__version__}" + (f"; did you mean `{hint[0]}`?" if hint else "")) from err
 
 
+def layer_counts(config) -> dict[str, int]:
+    """`field -> count` for every layer-count field of `config` and of its sub-configs
+    (`text_config`, `vision_config`, ...), keyed by dotted field name."""
+    found: dict[str, int] = {}
+
+    def walk(fields: dict, prefix: str) -> None:
+        for key, value in fields.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            elif key in LAYER_FIELDS and isinstance(value, int) and not isinstance(value, bool):
+                found[prefix + key] = value
+    walk(config.to_dict(), "")
+    return found
+
+
+def check_size(config, ref: str) -> None:
+    """Refuse, before building, a config whose layer counts describe more than
+    `MAX_HF_MODULES` modules: building one takes minutes (about 25 modules a layer)."""
+    counts = layer_counts(config)
+    estimate = MODULES_PER_LAYER * sum(max(n, 0) for n in counts.values())
+    if estimate > MAX_HF_MODULES:
+        shown = ", ".join(f"{k} = {v:,}" for k, v in counts.items())
+        raise ModelLoadError(
+            f"`hf:{ref}` describes about {estimate:,} modules ({shown}), more than planc builds "
+            f"({MAX_HF_MODULES:,}): building it would take minutes",
+            help=f"check the layer count{'s' * (len(counts) > 1)} in the config ({', '.join(counts)})")
+
+
 def model_class(config) -> type:
     """The class named by `config.architectures[0]`, or `AutoModel`'s choice."""
     transformers = _transformers()
@@ -106,10 +142,12 @@ def build_hf_model(ref: str, device: str | torch.device = "meta", *,
         attn_implementation: "sdpa" (default) or "eager"; both train on CPU.
 
     Raises:
-        ModelLoadError: the config is missing or invalid, or transformers is not installed.
+        ModelLoadError: the config is missing or invalid, describes more modules than
+            `planc.limits.MAX_HF_MODULES`, or transformers is not installed.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a config never needs the hub; never hang on it
     config = load_config(config_path(ref, base))
+    check_size(config, ref)
     cls = model_class(config)
     try:
         with torch.device(device):

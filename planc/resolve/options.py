@@ -345,6 +345,8 @@ def _show(value: Any) -> str:
         return DTYPE_NAMES.get(value, str(value))
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, tuple):  # an explicit prefetch list: selectors, as the plan wrote them
+        return "[" + ", ".join(_show(v) for v in value) + "]"
     return str(value)
 
 

@@ -46,7 +46,18 @@ def _block(block: st.Block | None, context, diags: list[Diagnostic]) -> list[Ass
         assignments, errs = parse_option(opt, context)
         out.extend(assignments)
         diags.extend(errs)
+    diags.extend(_set_twice(out))
     return out
+
+
+def _set_twice(assigned: list[Assignment]) -> list[Diagnostic]:
+    """P207 (warning): one block sets a setting twice; the first assignment has no effect."""
+    last = {a.key: a for a in assigned}
+    return [Diagnostic(code="P207", severity="warning", span=a.span,
+                       message=f"`{a.key}` is set twice in one block: this value has no effect",
+                       label="set again later in this block", related=((last[a.key].span, "this one counts"),),
+                       help=(f"keep one `{a.option}` for `{a.key}`",))
+            for a in assigned if last[a.key] is not a and last[a.key].span != a.span]
 
 
 def resolve_mesh(stmt: st.MeshStmt | None, diags: list[Diagnostic]) -> Mesh:
@@ -407,6 +418,8 @@ class Resolver:
                             if path in by_module:
                                 if by_module[path].name not in targets:
                                     targets.append(by_module[path].name)
+                                if by_module[path].is_group:
+                                    self.diags.append(_group_prefetch_note(path, by_module[path], sel))
                             else:
                                 self.diags.append(Diagnostic(
                                     code="P305", severity="error", span=sel.span,
@@ -414,6 +427,15 @@ class Resolver:
                                     label=f"`{path}` is not sharded on its own",
                                     help=(f"add `unit {path}`, or prefetch the unit that holds it",)))
                 table[unit.name] = tuple(targets)
+
+
+def _group_prefetch_note(path: str, group: Unit, sel: st.Selector) -> Diagnostic:
+    """P903: a prefetch target that is one module of a group unit prefetches the group."""
+    return Diagnostic(code="P903", severity="note", span=sel.span,
+                      message=f"prefetch target `{path}` is one module of group unit `{group.name}`: "
+                              "the whole group is prefetched",
+                      label=f"prefetches `{group.name}`",
+                      help=("FSDP2 all-gathers a unit as a whole; to prefetch less, split the group into units",))
 
 
 def _selectors_of(stmt) -> list[st.Selector]:

@@ -8,12 +8,18 @@ segment that failed and suggest the children that exist there.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
+import time
+import weakref
 from dataclasses import dataclass, field
+
+import regex
 
 from planc.diagnostics import Diagnostic, Span, suggestion
 from planc.lang import syntax as st
+from planc.limits import REGEX_BUDGET_S
 from planc.model.graph import ModelGraph
 
 SIZE_FIELDS = ("size",)
@@ -135,7 +141,26 @@ def _no_match(graph: ModelGraph, sel: st.Selector, walk: _Walk, what: str) -> Di
             names.update(local for local, _ in graph.own_params(p))
     help_: list[str] = []
     word = seg.pattern or (seg.alternatives[0] if seg.alternatives else "")
-    if (seg.index is not None or seg.is_slice) and word in names:
+    modules_there = [f"{p}.{word}" if p else word for p in parents if word in graph.child_names(p)]
+    first_failed = len(walk.reached) < 2 or not walk.reached[1]  # nothing at the root has that name
+    prefixed = _with_prefix(graph, sel, what) if first_failed else None
+    if what == "parameter" and failing == len(path.segments) - 1 and modules_there:
+        # `place blocks.0.norm ...`: a module where a parameter was meant
+        module = modules_there[0]
+        own = [f"{module}.{local}" for local, _ in graph.own_params(module)]
+        if own:
+            help_.append(f"`{module}` is a module; name its parameter{'s' * (len(own) > 1)}: "
+                         + ", ".join(f"`{n}`" for n in own[:4]) + (", ..." if len(own) > 4 else "")
+                         + (f" (or `{module}.*` for all of them)" if len(own) > 1 else ""))
+        else:
+            help_.append(f"`{module}` is a module with no parameters of its own; `{module}.**` names "
+                         "every parameter below it")
+    elif prefixed:
+        help_.append(f"did you mean `{prefixed}`?")
+    elif failing == 0 and len(path.segments) == 1 and word == "root" and what == "module":
+        help_.append("the root module is always a unit; set its options with a `root { ... }` statement, "
+                     "e.g. `root { reshard after_forward = false }`")
+    elif (seg.index is not None or seg.is_slice) and word in names:
         sizes = {len(graph.children(f"{p}.{word}" if p else word)) for p in parents
                  if (f"{p}.{word}" if p else word) in graph}
         help_.append(f"`{word}` has {', '.join(map(str, sorted(sizes)))} children; "
@@ -153,12 +178,109 @@ def _no_match(graph: ModelGraph, sel: st.Selector, walk: _Walk, what: str) -> Di
                       span=seg.span, label=f"no {what} here", help=tuple(help_))
 
 
-def _regex(pattern: str, span: Span) -> tuple[re.Pattern | None, Diagnostic | None]:
+def _with_prefix(graph: ModelGraph, sel: st.Selector, what: str) -> str | None:
+    """`model.embed_tokens` for `embed_tokens`: the selector, under the one module prefix
+    that makes it match (Hugging Face models nest their layers under `model.`, `transformer.`),
+    if exactly one of at most 32 candidate prefixes does."""
+    first = sel.base.segments[0]
+    if first.is_deep:
+        return None
+    words = first.alternatives or (first.pattern,)
+    prefixes = sorted({m.rpartition(".")[0] for m in graph.modules
+                       if "." in m and any(_name_matches(w, m.rpartition(".")[2]) or w == "*" for w in words)},
+                      key=graph.pre)
+    hits = []
+    for prefix in prefixes[:32]:
+        walk = _Walk(graph, (*(st.Segment(span=first.span, pattern=p) for p in prefix.split(".")),
+                             *sel.base.segments), params=what == "parameter")
+        if walk.parameters() if what == "parameter" else walk.modules():
+            hits.append(prefix)
+    return f"{hits[0]}.{sel.base}" if len(hits) == 1 else None
+
+
+def _regex(pattern: str, span: Span) -> tuple[regex.Pattern | None, Diagnostic | None]:
+    """The compiled pattern, or P105. Python's `re` judges the syntax (the language promises
+    Python regexes); the `regex` package, a superset of `re`'s syntax, matches, because its
+    matches take a timeout (`_regex_hits`)."""
     try:
-        return re.compile(pattern), None
-    except re.error as err:
-        return None, Diagnostic(code="P105", severity="error", message=f"invalid regular expression: {err.msg}",
+        re.compile(pattern)
+        return regex.compile(pattern), None
+    except (re.error, regex.error) as err:
+        msg = getattr(err, "msg", None) or str(err)
+        return None, Diagnostic(code="P105", severity="error", message=f"invalid regular expression: {msg}",
                                 span=span, label="does not compile", help=("regexes use Python's `re` syntax",))
+
+
+# graph -> (kind, pattern) -> the names a regex fully matches, or None when it ran out of
+# time; a selector is matched again by later checks (P207, expect) and pays only once
+_hits: "weakref.WeakKeyDictionary[ModelGraph, dict]" = weakref.WeakKeyDictionary()
+
+
+# What can see past a line's ends, or changes what `^`/`$` mean: with any of these in a
+# pattern, matching the names joined by newlines could differ from matching each name
+_NOT_LINEWISE = regex.compile(r"\\[AZzG]|\(\?[aiLmsux\-]|\(\?<?[=!]")
+
+
+def _joined_fullmatches(pattern: str, names: list[str], deadline: float) -> set[str] | None:
+    """The names `pattern` fully matches, found in one timed search over the names joined by
+    newlines (a match call with a timeout costs ~4 us, ten times the match itself, so one
+    call per name would make a 100k-module model pay 0.4 s per regex).
+
+    None when that could differ from matching each name alone: a name holds a newline, the
+    pattern looks around or sets flags, or a match runs across a newline (its pattern can
+    match one, and the scan may then have skipped names).
+    """
+    if _NOT_LINEWISE.search(pattern) or any("\n" in n for n in names):
+        return None
+    try:
+        lines = regex.compile(f"^(?:{pattern})$", regex.MULTILINE)
+    except regex.error:
+        return None
+    found: set[str] = set()
+    for m in lines.finditer("\n".join(names), timeout=max(deadline - time.monotonic(), 1e-3)):
+        text = m.group()
+        if "\n" in text:
+            return None
+        found.add(text)
+        if time.monotonic() > deadline:
+            raise TimeoutError
+    return found
+
+
+def _regex_hits(graph: ModelGraph, base: st.Regex, kind: str) -> tuple[set[str], list[Diagnostic]]:
+    """Module paths (`kind="modules"`, never the root) or parameter names (`"params"`, aliases
+    included) that `base` fully matches, within `REGEX_BUDGET_S` for all of them (P212)."""
+    rx, error = _regex(base.pattern, base.span)
+    if error:
+        return set(), [error]
+    cache = _hits.setdefault(graph, {})
+    key = (kind, base.pattern)
+    if key not in cache:
+        names = [p for p in graph.modules if p] if kind == "modules" else list(graph.aliases)
+        deadline = time.monotonic() + REGEX_BUDGET_S
+        try:
+            found = _joined_fullmatches(base.pattern, names, deadline)
+            if found is None:
+                found = set()
+                for name in names:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError
+                    if rx.fullmatch(name, timeout=left):
+                        found.add(name)
+        except TimeoutError:
+            found = None
+        cache[key] = found
+    if cache[key] is None:
+        what = "module paths" if kind == "modules" else "parameter names"
+        return set(), [Diagnostic(
+            code="P212", severity="error", span=base.span, label="too slow to match",
+            message=f"regular expression `{base}` did not finish matching the model's {what} "
+                    f"within {REGEX_BUDGET_S:g} s",
+            help=("a repeated group whose body can match the same text several ways (`(a+)+`, `(.*)*`, "
+                  "`(a|aa)+`) backtracks exponentially; repeat the body once (`a+`, `.*`), or use a path "
+                  "selector such as `blocks.*.attn`",))]
+    return set(cache[key]), []
 
 
 def check_regexes(sel: st.Selector) -> list[Diagnostic]:
@@ -180,10 +302,8 @@ def check_regexes(sel: st.Selector) -> list[Diagnostic]:
 
 def _base_modules(graph: ModelGraph, base, sel: st.Selector) -> tuple[set[str], _Walk | None, list[Diagnostic]]:
     if isinstance(base, st.Regex):
-        rx, err = _regex(base.pattern, base.span)
-        if err:
-            return set(), None, [err]
-        return {p for p in graph.modules if p and rx.fullmatch(p)}, None, []
+        paths, errs = _regex_hits(graph, base, "modules")
+        return paths, None, errs
     walk = _Walk(graph, base.segments, params=False)
     return walk.modules(), walk, []
 
@@ -257,6 +377,51 @@ def _size_filter(graph: ModelGraph, where: st.Where, paths: set[str]) -> set[str
     return chosen
 
 
+def _excludes_nothing(exc: st.Exclusion, what: str) -> Diagnostic:
+    """P211 (warning): an `except` none of whose matches the selector had."""
+    return Diagnostic(code="P211", severity="warning", span=exc.span,
+                      message=f"`{exc}` excludes nothing: the selector matches no {what} it names",
+                      label="excludes nothing",
+                      help=("remove it, or check the path with `planc tree --model ...` (a typo here "
+                            "silently keeps what it was meant to drop)",))
+
+
+_dead: "weakref.WeakKeyDictionary[ModelGraph, dict]" = weakref.WeakKeyDictionary()
+
+
+def _dead_alternatives(graph: ModelGraph, path: st.Path, what: str) -> list[Diagnostic]:
+    """P210 (warning): a branch of `{a,b}` that matches nothing while the others do (one walk
+    per branch, so cached per graph: later checks match the same selectors again)."""
+    if not any(len(seg.alternatives) > 1 for seg in path.segments):
+        return []
+    cache = _dead.setdefault(graph, {})
+    if (path, what) not in cache:
+        cache[(path, what)] = _walk_alternatives(graph, path, what)
+    return list(cache[(path, what)])
+
+
+def _walk_alternatives(graph: ModelGraph, path: st.Path, what: str) -> list[Diagnostic]:
+    found = []
+    for i, seg in enumerate(path.segments):
+        if len(seg.alternatives) < 2:
+            continue
+        for alt in seg.alternatives:
+            alone = (*path.segments[:i], dataclasses.replace(seg, alternatives=(alt,)), *path.segments[i + 1:])
+            walk = _Walk(graph, alone, params=what == "parameter")
+            if not (walk.parameters() if what == "parameter" else walk.modules()):
+                here = {n for p in walk.reached[i] for n in graph.child_names(p)} if i < len(walk.reached) else set()
+                if what == "parameter":
+                    here |= {local for p in walk.reached[i] for local, _ in graph.own_params(p)} \
+                        if i < len(walk.reached) else set()
+                found.append(Diagnostic(
+                    code="P210", severity="warning", span=seg.span,
+                    message=f"alternative `{alt}` in `{seg}` matches no {what}; the others do",
+                    label=f"`{alt}` matches nothing",
+                    help=suggestion(alt, here - set(seg.alternatives)) or
+                    ("remove it, or mark the rule `optional` if it is there for another model",)))
+    return found
+
+
 def match_modules(graph: ModelGraph, sel: st.Selector, *, optional: bool = False) -> Match:
     """Module paths matched by `sel` (never the root), in model (pre-)order."""
     out = Match()
@@ -282,8 +447,12 @@ def match_modules(graph: ModelGraph, sel: st.Selector, *, optional: bool = False
         if exc.guard:
             removed, gd = _guard(graph, exc.guard, removed, optional)
             out.diagnostics.extend(gd)
+        if not errs and not optional and paths and not (removed & paths):
+            out.diagnostics.append(_excludes_nothing(exc, "module"))
         paths -= removed
-    if not paths and not optional and not any(d.code in ("P202", "P105") for d in out.diagnostics):
+    if paths and not optional and isinstance(sel.base, st.Path):
+        out.diagnostics.extend(_dead_alternatives(graph, sel.base, "module"))
+    if not paths and not optional and not any(d.code in ("P202", "P105", "P212") for d in out.diagnostics):
         why = ("of the " + str(matched) + " module(s) its path matches, none passes " +
                ("the class guard" if sel.guard else "the size predicate" if sel.where else "its exclusions"))
         if sel.guard:
@@ -307,18 +476,25 @@ def match_params(graph: ModelGraph, sel: st.Selector, *, optional: bool = False)
     if out.diagnostics:
         return out
     if isinstance(sel.base, st.Regex):
-        rx, _ = _regex(sel.base.pattern, sel.base.span)
-        names = {n for n in graph.aliases if rx.fullmatch(n)}
+        names, errs = _regex_hits(graph, sel.base, "params")
+        if errs:
+            out.diagnostics = errs
+            return out
         walk = None
     else:
         walk = _Walk(graph, sel.base.segments, params=True)
         names = walk.parameters()
     for exc in sel.exclusions:
         if isinstance(exc.base, st.Regex):
-            rx, err = _regex(exc.base.pattern, exc.base.span)
-            names -= {n for n in names if rx and rx.fullmatch(n)}
+            removed, errs = _regex_hits(graph, exc.base, "params")
+            out.diagnostics.extend(errs)
         else:
-            names -= _Walk(graph, exc.base.segments, params=True).parameters()
+            removed, errs = _Walk(graph, exc.base.segments, params=True).parameters(), []
+        if not errs and not optional and names and not (removed & names):
+            out.diagnostics.append(_excludes_nothing(exc, "parameter"))
+        names -= removed
+    if names and not optional and walk is not None:
+        out.diagnostics.extend(_dead_alternatives(graph, sel.base, "parameter"))
     canon = {graph.aliases[n] for n in names}
     if not canon and not optional:
         if walk is not None:

@@ -1,0 +1,79 @@
+"""Shard a transformers model with a plan so that `Trainer` (and accelerate) train it as it is.
+
+The Trainer hands its model to `accelerate.Accelerator.prepare`, which wraps a multi-process
+model in DDP unless accelerate's own FSDP mode is on; DDP refuses DTensor parameters
+(`aten.cat.default got mixed torch.Tensor and DTensor`). transformers (5.x) already knows
+models that arrive sharded: one sharded at load time by `from_pretrained(distributed_config=...)`
+says so with `is_distributed_loading_by_transformers`, and the Trainer then prepares it with
+`prepare_model(..., device_placement=False, evaluation_mode=True)`: no DDP, no second sharding,
+no `.to(device)`, and FSDP's own gradient reduction (deferred within gradient accumulation).
+`shard_for_trainer` applies a plan and marks the model the same way (the flag, and the
+public `config.distributed_config` the Trainer reads the data-parallel sizes from).
+
+    applied = shard_for_trainer(model, "plans/llama.plan")    # after init_process_group
+    Trainer(model=model, args=TrainingArguments(..., save_strategy="no"), ...).train()
+
+The mark is the private attribute behind that public property (transformers has no setter);
+it is what `from_pretrained(distributed_config=...)` sets, and the Trainer reads nothing else.
+Like such a model, one marked here cannot resume from a Trainer checkpoint (the Trainer asks
+for `save_strategy="no"` or `save_only_model=True`). Tested with transformers 5.24 and
+accelerate 1.16 on gloo (tests/test_trainers_dist.py); see docs/trainers.md.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from planc.diagnostics import Diagnostic, PlanError
+
+# transformers.distributed.mixin.DistributedMixin: the flag under the read-only property
+# `is_distributed_loading_by_transformers`, which `Trainer.__init__` reads.
+MARK = "_is_distributed_loading_by_transformers"
+
+
+def shard_for_trainer(model: nn.Module, plan, *, mesh=None):
+    """`planc.apply(model, plan)`, then mark `model` as sharded for transformers' Trainer.
+
+    Args:
+        model: a transformers `PreTrainedModel` (on meta, CPU or the device), not yet sharded.
+        plan: as for `planc.apply`: a path, a parsed plan or a compiled plan.
+        mesh: as for `planc.apply`; by default built over the default process group.
+
+    Returns:
+        The `AppliedPlan`.
+
+    Raises:
+        PlanError: P605 if the model is not a transformers model whose Trainer takes a sharded
+            model as it is (checked before anything changes); else whatever `planc.apply` raises.
+    """
+    if not hasattr(type(model), MARK):
+        raise PlanError([not_trainer_model(model)])
+    from planc.backends.runtime import apply
+    applied = apply(model, plan, mesh=mesh)
+    setattr(model, MARK, True)
+    # The Trainer reads the data-parallel layout from here (gradient accumulation defers the
+    # reduce-scatter, or with HSDP only the all-reduce across replicas, to the last micro-batch).
+    model.config.distributed_config = distributed_config(applied.mesh)
+    return applied
+
+
+def distributed_config(mesh):
+    """transformers' `DistributedConfig` for a planc mesh: `shard` -> fsdp, `replicate` -> replicas."""
+    from transformers.distributed import DistributedConfig
+    sizes = dict(zip(mesh.mesh_dim_names or ("shard",), mesh.mesh.shape))
+    return DistributedConfig(fsdp_size=sizes.get("shard", 1), dp_replicate_size=sizes.get("replicate", 1))
+
+
+def not_trainer_model(model: nn.Module) -> Diagnostic:
+    """P605: the model's class has no flag the Trainer reads to leave a sharded model alone."""
+    try:
+        import transformers
+        version = f"transformers {transformers.__version__}"
+    except ImportError:
+        version = "transformers is not installed"
+    return Diagnostic(code="P605", severity="error", span=None,
+                      message=f"`{type(model).__name__}` is not a model transformers' Trainer trains "
+                              f"sharded as it is ({version})",
+                      notes=(f"its class has no `{MARK}` (transformers >= 5 `PreTrainedModel`s have it)",),
+                      help=("pass the `PreTrainedModel` itself (not a wrapper), with transformers 5 or newer; "
+                            "or call `planc.apply` and train it with your own loop",))
