@@ -88,3 +88,15 @@ def test_mesh_dimension_names_reach_every_unit():
     program = _compiled("model planc.zoo:seed_transformer_tiny\nmesh (dp_replicate = 2, fsdp = *)\n"
                         "unit transformer_layers.*\n", "planc.zoo:seed_transformer_tiny").program
     assert {op.mesh_dims for op in program.units} == {("dp_replicate", "fsdp")}
+
+
+def test_torchtitan_reshard_policy_names_and_compile_backend():
+    # torchtitan's `reshard_after_forward_policy` words, and `compile backend = ...`
+    text = ("model planc.zoo:seed_transformer_tiny\nunit embedding { reshard after_forward = never }\n"
+            "unit transformer_layers.* { reshard always; compile backend = aot_eager, fullgraph = true }\n"
+            "root { reshard default }\n")
+    program = _compiled(text, "planc.zoo:seed_transformer_tiny").program
+    got = {u.name: (u.policy.reshard_argument, u.policy.reshard_after_forward) for u in program.units}
+    assert got["embedding"] == (False, False) and got["transformer_layers.0"] == (True, True)
+    assert got["<root>"] == (None, False)  # `default`: FSDP2's own (false for the root)
+    assert {op.options for op in program.of_type(Compile)} == {(("backend", "aot_eager"), ("fullgraph", True))}

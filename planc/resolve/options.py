@@ -51,6 +51,10 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 
 BOOLS = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False}
 
+# torchtitan's `reshard_after_forward_policy` words (without pipeline parallelism): `default`
+# leaves FSDP2's own default (true for inner units, false for the root).
+RESHARD_POLICIES: dict[str, bool | None] = {"always": True, "never": False, "default": None}
+
 # FSDP1 sharding strategies and what they become in FSDP2.
 FSDP1_RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
 FSDP1_MESH = {"NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"}
@@ -114,11 +118,18 @@ def reshard(v: st.Value) -> bool | int:
     word = _word(v, "`true`, `false` or a group size")
     if word in FSDP1_RESHARD:
         return FSDP1_RESHARD[word]
+    if word in RESHARD_POLICIES:
+        return RESHARD_POLICIES[word]
     if word.lower() in BOOLS:
         return BOOLS[word.lower()]
     raise _err("P102", f"expected `true`, `false` or a group size, found `{word}`", v.span, "not a reshard value",
-               suggestion(word, ["true", "false", *FSDP1_RESHARD]) or
+               suggestion(word, ["true", "false", *FSDP1_RESHARD, *RESHARD_POLICIES]) or
                ("write `true` (free after forward), `false` (keep until backward) or a group size such as `8`",))
+
+
+def compile_backend(v: st.Value) -> str:
+    """A `torch.compile` backend by name (`inductor`, `aot_eager`, ...): torch checks it when compiling."""
+    return _word(v, "a backend name such as `inductor`")
 
 
 def prefetch(v: st.Value) -> int | tuple[st.Selector, ...]:
@@ -185,7 +196,7 @@ def _offload(values: dict[str, Any], opt: st.Option) -> list[tuple[str, Any]]:
 def _compile(values: dict[str, Any], opt: st.Option) -> list[tuple[str, Any]]:
     if values.get("enabled", True) is False:
         return [("compile", None)]
-    return [("compile", {k: values[k] for k in ("fullgraph", "dynamic") if k in values})]
+    return [("compile", {k: values[k] for k in ("backend", "fullgraph", "dynamic") if k in values})]
 
 
 def _checkpoint(values: dict[str, Any], opt: st.Option) -> list[tuple[str, Any]]:
@@ -237,7 +248,8 @@ OPTIONS: dict[str, OptionSpec] = {
         positional=("mode",), bare={"mode": "full"}, expand=_checkpoint,
         summary="activation checkpointing of each module of the unit (applied before sharding)"),
     "compile": OptionSpec(
-        params=(Param("enabled", boolean, None), Param("fullgraph", boolean, None), Param("dynamic", boolean, None)),
+        params=(Param("enabled", boolean, None), Param("fullgraph", boolean, None), Param("dynamic", boolean, None),
+                Param("backend", compile_backend, None)),
         positional=("enabled",), bare={"enabled": True}, expand=_compile,
         summary="torch.compile each module of the unit (applied before sharding)"),
     "reduction": OptionSpec(
