@@ -69,12 +69,16 @@ CASES = {
     # a setting made by an FSDPModule method (sum the gradients, as torchtitan's loss needs);
     # force_sum: gloo has no PREMUL_SUM
     "reduction": ("plans/seed.plan", "planc.zoo:seed_transformer_tiny", True),
+    # op-level selective activation checkpointing (the policy printed from planc/lower/checkpointing.py)
+    "selective": ("plans/seed.plan", "planc.zoo:seed_transformer_tiny", True),
 }
 
 
 def _plan_text(case: str) -> str:
     path, _, _ = CASES[case]
     text = path if "\n" in path else (ROOT / path).read_text(encoding="utf-8")
+    if case == "selective":
+        text += "\ncheckpoint transformer_layers.* selective\n"
     if case == "reduction":
         text += "\ndefaults { reduction divide_factor = 1.0, force_sum = true }\n"
     if case.endswith("_no_compile"):
@@ -209,6 +213,9 @@ def test_the_comparison_is_not_vacuous(results):
     assert hsdp["params"]["embedding.weight"]["placements"] == ("Replicate()", "Shard(dim=0)")
     numbered = results[0]["dict_layers"]["emit"]["before_step"]["units"]
     assert {("layers.0",), ("layers.0.0",), ("out", "tok")} <= set(numbered)
+    selective = results[0]["selective"]["emit"]
+    assert selective["before_step"]["checkpointed"] == ["transformer_layers.0", "transformer_layers.1"]
+    assert selective["step"]["loss"] == results[0]["seed"]["emit"]["step"]["loss"]  # recompute changes nothing
     summed = results[0]["reduction"]["emit"]
     # every unit with parameters (the root here has none: no parameter group) sums
     assert {tuple(u["reduction"]) for u in summed["before_step"]["units"].values()} == {((1.0, True),), ()}

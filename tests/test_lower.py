@@ -90,6 +90,14 @@ def test_mesh_dimension_names_reach_every_unit():
     assert {op.mesh_dims for op in program.units} == {("dp_replicate", "fsdp")}
 
 
+def test_checkpoint_modes_reach_the_program():
+    text = ("model planc.zoo:seed_transformer_tiny\nunit transformer_layers.* { checkpoint selective }\n"
+            "checkpoint embedding\n")
+    program = _compiled(text, "planc.zoo:seed_transformer_tiny").program
+    assert {op.module: op.mode for op in program.of_type(Checkpoint)} == {
+        "transformer_layers.0": "selective", "transformer_layers.1": "selective", "embedding": "full"}
+
+
 def test_torchtitan_reshard_policy_names_and_compile_backend():
     # torchtitan's `reshard_after_forward_policy` words, and `compile backend = ...`
     text = ("model planc.zoo:seed_transformer_tiny\nunit embedding { reshard after_forward = never }\n"

@@ -295,6 +295,7 @@ def test_estimate_within_10_percent_of_simulation_at_8_ranks(name, builder):
 VARIANTS = {  # seed.plan plus one change each; offload is left out: on a CPU-only build the
     # simulation cannot tell host memory from device memory
     "checkpoint": "checkpoint transformer_layers.* full\n",
+    "checkpoint_selective": "checkpoint transformer_layers.* selective\n",
     "reshard_2": "unit transformer_layers.* { reshard after_forward = 2 }\n",
     "no_reshard": "unit transformer_layers.* { reshard after_forward = false }\n",
     "fp32": "defaults { precision param = fp32, reduce = fp32 }\n",
@@ -309,6 +310,16 @@ def test_plan_variants_within_10_percent_of_simulation(variant):
     est = memory.estimate(planc.compile(plan, tiny(), 8), 8, input_shape=SHAPE)
     sim = simulate(plan, zoo.seed_transformer_tiny, 8, inputs=zoo_inputs(SHAPE))
     assert abs(est.peak.total - sim.peak) <= 0.10 * sim.peak, (est.peak.label, sim.moment)
+
+
+def test_selective_checkpointing_keeps_less_than_none_and_more_than_full():
+    """`selective` keeps matmul and attention outputs: activations fall between no
+    checkpointing and `full`, in the analytic model as in the runtime's own policy."""
+    acts = {}
+    for mode in ("", "selective", "full"):
+        text = SEED + (f"checkpoint transformer_layers.* {mode}\n" if mode else "")
+        acts[mode] = memory.estimate(planc.compile(planc.loads(text), tiny(), 8), 8, input_shape=SHAPE).activations
+    assert acts[""] > acts["selective"] > acts["full"], acts
 
 
 def test_sgd_and_root_only_match_simulation():

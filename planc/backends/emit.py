@@ -461,7 +461,8 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
         body.append(f"{ind}# NOTE: checkpointing and compile wrap the plain modules before `fully_shard` hooks them.")
     for (kind, direction), ops in sections:
         if kind is Checkpoint:
-            body += _emit_calls([_Call((op.module,), lambda e, p=op.module: f"checkpoint({e(p)})",
+            body += _emit_calls([_Call((op.module,), lambda e, op=op: f"checkpoint({e(op.module)}"
+                                       + (", context_fn=selective_checkpoint_context)" if op.mode == "selective" else ")"),
                                        (_where(op.origin.span, op.origin.rule),)) for op in ops], model, ind)
         elif kind is Compile:
             body += _emit_calls([_Call((op.module,), lambda e, op=op: f"{e(op.module)}.compile(" +
@@ -511,6 +512,11 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     imports.append("from torch.distributed.fsdp import " + ", ".join(fsdp + ["fully_shard"]))
     if "placement_fn(" in uses:
         imports.append("from torch.distributed.tensor import Shard")
+    selective = "context_fn=selective_checkpoint_context" in uses
+    if selective:
+        imports.append("from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts")
+        if "import torch" not in imports:
+            imports.insert(0, "import torch")
     dims = program.mesh.dp_dims
     mesh_doc = (f"a {len(dims)}-D device mesh (" + ", ".join(f'"{d}"' for d in dims) + ")") if len(dims) > 1 \
         else "a 1-D device mesh"
@@ -526,9 +532,24 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     text = "\n".join(head)
     if "placement_fn(" in uses:
         text += "\n" + PLACEMENT_FN.rstrip("\n")
+    if selective:
+        text += "\n\n" + _selective_source()
     text += "\n\n\ndef apply_plan(model, mesh):\n"
     text += f'    """Shard `model` in place on `mesh` ({mesh_doc}) and return it."""\n'
     return text + "\n".join(body) + "\n"
 
 
 _PRINTABLE = (Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod)
+
+
+def _selective_source() -> str:
+    """`selective` checkpointing as planc/lower/checkpointing.py defines it: its op set and its
+    two functions, printed from their source (one definition for apply, the trace and emit)."""
+    import inspect
+
+    from planc.lower import checkpointing
+    ops = sorted(f"torch.ops.aten.{op.__name__}" for op in checkpointing.SAVED_OPS)
+    lines = ["# Ops whose outputs `selective` checkpointing keeps (planc/lower/checkpointing.py)",
+             "SAVED_OPS = frozenset({", *(f"    {op}," for op in ops), "})", "", "", ""]
+    return "\n".join(lines) + "\n\n\n".join(inspect.getsource(f).rstrip() for f in (
+        checkpointing.save_compute_heavy_ops, checkpointing.selective_checkpoint_context))

@@ -39,6 +39,7 @@ from planc.compiler import CompiledPlan, as_plan
 from planc.compiler import compile as compile_plan
 from planc.diagnostics import Diagnostic, PlanError, Span, sort_diagnostics
 from planc.lang import syntax as st
+from planc.lower.checkpointing import context_fn
 from planc.lower.program import Checkpoint, Compile, FullyShard, Program, SetPrefetch, UnitMethod
 from planc.model.graph import ModelGraph
 from planc.resolve.ir import Unit
@@ -407,7 +408,7 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
         # bottom-up (a call owns the parameters of its subtree not claimed by an earlier
         # call on a descendant); prefetch lists and unit methods need every unit sharded.
         if isinstance(op, Checkpoint):
-            checkpoint(model.get_submodule(op.module))
+            checkpoint(model.get_submodule(op.module), context_fn=context_fn(op.mode))
         elif isinstance(op, Compile):
             model.get_submodule(op.module).compile(**dict(op.options))
         elif isinstance(op, FullyShard):

@@ -299,13 +299,14 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._composable.checkpoint_activation import checkpoint as checkpoint_module
 
+    from planc.lower.checkpointing import context_fn
     from planc.lower.program import Checkpoint
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = fake_model(compiled, fake_mode)
     program = compiled.program
     for op in program.of_type(Checkpoint):
-        checkpoint_module(model.get_submodule(op.module))
+        checkpoint_module(model.get_submodule(op.module), context_fn=context_fn(op.mode))
     events: list[Event] = []
     where: list[str] = [""]
     mode = _LiveBytes(lambda func: events.append(Event("op", live=mode.live, grads=mode.grads, where=where[-1])))
@@ -445,7 +446,7 @@ def _step_key(compiled) -> tuple:
     from planc.lower.program import Checkpoint
     program = compiled.program
     units = tuple((u.modules, u.params, u.is_root, u.policy.precision) for u in program.units)
-    checkpointed = tuple(sorted(op.module for op in program.of_type(Checkpoint)))
+    checkpointed = tuple(sorted((op.module, op.mode) for op in program.of_type(Checkpoint)))
     return units, checkpointed, frozenset(compiled.resolution.ignored)
 
 

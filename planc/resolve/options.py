@@ -51,6 +51,9 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 
 BOOLS = {"true": True, "false": False, "yes": True, "no": False, "on": True, "off": False}
 
+# Activation checkpointing modes (planc/lower/checkpointing.py says what each means).
+CHECKPOINT_MODES = ("full", "selective")
+
 # torchtitan's `reshard_after_forward_policy` words (without pipeline parallelism): `default`
 # leaves FSDP2's own default (true for inner units, false for the root).
 RESHARD_POLICIES: dict[str, bool | None] = {"always": True, "never": False, "default": None}
@@ -244,9 +247,10 @@ OPTIONS: dict[str, OptionSpec] = {
         params=(Param("forward", prefetch, "prefetch_forward"), Param("backward", prefetch, "prefetch_backward")),
         summary="units to all-gather ahead: a depth (next N units) or an explicit list"),
     "checkpoint": OptionSpec(
-        params=(Param("mode", enum("full", "none"), None),),
+        params=(Param("mode", enum(*CHECKPOINT_MODES, "none"), None),),
         positional=("mode",), bare={"mode": "full"}, expand=_checkpoint,
-        summary="activation checkpointing of each module of the unit (applied before sharding)"),
+        summary="activation checkpointing of each module of the unit (applied before sharding): `full`, or "
+                "`selective` (keep matmul and attention outputs, recompute the rest)"),
     "compile": OptionSpec(
         params=(Param("enabled", boolean, None), Param("fullgraph", boolean, None), Param("dynamic", boolean, None),
                 Param("backend", compile_backend, None)),

@@ -22,7 +22,7 @@ from planc.lang import syntax as st
 from planc.model.graph import ModelGraph
 from planc.resolve.ir import DEFAULT_SETTINGS, Resolution, Setting, Unit
 from planc.resolve.mesh import ROLES, Mesh
-from planc.resolve.options import MODULE_SETTINGS, Assignment, parse_option
+from planc.resolve.options import CHECKPOINT_MODES, MODULE_SETTINGS, Assignment, parse_option
 from planc.resolve.selectors import check_regexes, match_modules, match_params
 
 DEFAULTS_ORDER = -(10**9)  # defaults sort below every rule, whatever their position
@@ -467,11 +467,14 @@ def _placement_dim(stmt: st.PlaceStmt, diags: list[Diagnostic]) -> int | None:
 
 
 def _checkpoint_mode(stmt: st.CheckpointStmt, diags: list[Diagnostic]) -> str:
-    if stmt.mode is None or stmt.mode.value in ("full",):
+    if stmt.mode is None:
         return "full"
+    if stmt.mode.value in CHECKPOINT_MODES:
+        return stmt.mode.value
     diags.append(Diagnostic(code="P102", severity="error", message=f"unknown checkpoint mode `{stmt.mode.value}`",
                             span=stmt.mode.span, label="not a mode",
-                            help=suggestion(stmt.mode.value, ["full"]) or ("the mode is `full`",)))
+                            help=suggestion(stmt.mode.value, CHECKPOINT_MODES) or
+                            ("the modes are `full` and `selective`",)))
     return "full"
 
 
