@@ -98,6 +98,18 @@ def test_checkpoint_modes_reach_the_program():
         "transformer_layers.0": "selective", "transformer_layers.1": "selective", "embedding": "full"}
 
 
+def test_checkpoint_every_nth_unit_of_a_rule():
+    # torchtitan's `selective_ac_option = "2"`: the 2nd, 4th, ... block of those a rule checkpoints
+    text = "model planc.zoo:seed_transformer\nunit transformer_layers.* { checkpoint selective, every = 2 }\n"
+    program = _compiled(text, "planc.zoo:seed_transformer").program
+    assert [op.module for op in program.of_type(Checkpoint)] == [f"transformer_layers.{i}" for i in range(1, 24, 2)]
+    assert {op.mode for op in program.of_type(Checkpoint)} == {"selective"}
+    diags = planc.compile(planc.loads("model planc.zoo:seed_transformer\nunit transformer_layers.* "
+                                      "{ checkpoint every = 0 }\n"), build_model("planc.zoo:seed_transformer"),
+                          strict=False).errors
+    assert [d.code for d in diags] == ["P103"] and "at least 1" in diags[0].message
+
+
 def test_torchtitan_reshard_policy_names_and_compile_backend():
     # torchtitan's `reshard_after_forward_policy` words, and `compile backend = ...`
     text = ("model planc.zoo:seed_transformer_tiny\nunit embedding { reshard after_forward = never }\n"

@@ -32,6 +32,7 @@ SETTING_DEFAULTS: dict[str, Any] = {
     "prefetch_forward": None,
     "prefetch_backward": None,
     "checkpoint": None,
+    "checkpoint_every": None,
     "compile": None,
     "gradient_divide_factor": None,
     "force_sum_reduction": None,
@@ -39,7 +40,7 @@ SETTING_DEFAULTS: dict[str, Any] = {
 
 # Settings that transform modules rather than configure `fully_shard`; they make no sense
 # on the root (checkpointing or compiling the whole model is a different program).
-MODULE_SETTINGS = ("checkpoint", "compile")
+MODULE_SETTINGS = ("checkpoint", "checkpoint_every", "compile")
 
 DTYPES: dict[str, torch.dtype | None] = {
     "fp32": torch.float32, "float32": torch.float32, "f32": torch.float32,
@@ -153,6 +154,13 @@ def positive_number(v: st.Value) -> float:
                ("write a number such as `1.0`",))
 
 
+def positive_int(v: st.Value) -> int:
+    if isinstance(v, st.Number) and not v.is_bytes and float(v.value).is_integer() and v.value >= 1:
+        return int(v.value)
+    raise _err("P103", f"expected a whole number of at least 1, found `{v}`", v.span, "not a count",
+               ("write a count such as `2`",))
+
+
 def enum(*words: str) -> Callable[[st.Value], str]:
     def convert(v: st.Value) -> str:
         word = _word(v, "one of " + ", ".join(f"`{w}`" for w in words))
@@ -204,7 +212,10 @@ def _compile(values: dict[str, Any], opt: st.Option) -> list[tuple[str, Any]]:
 
 def _checkpoint(values: dict[str, Any], opt: st.Option) -> list[tuple[str, Any]]:
     mode = values.get("mode", "full")
-    return [("checkpoint", None if mode == "none" else mode)]
+    out = [("checkpoint", None if mode == "none" else mode)]
+    if "every" in values:
+        out.append(("checkpoint_every", values["every"]))
+    return out
 
 
 def _strategy(values: dict[str, Any], opt: st.Option) -> list[tuple[str, Any]]:
@@ -247,7 +258,7 @@ OPTIONS: dict[str, OptionSpec] = {
         params=(Param("forward", prefetch, "prefetch_forward"), Param("backward", prefetch, "prefetch_backward")),
         summary="units to all-gather ahead: a depth (next N units) or an explicit list"),
     "checkpoint": OptionSpec(
-        params=(Param("mode", enum(*CHECKPOINT_MODES, "none"), None),),
+        params=(Param("mode", enum(*CHECKPOINT_MODES, "none"), None), Param("every", positive_int, None)),
         positional=("mode",), bare={"mode": "full"}, expand=_checkpoint,
         summary="activation checkpointing of each module of the unit (applied before sharding): `full`, or "
                 "`selective` (keep matmul and attention outputs, recompute the rest)"),

@@ -361,11 +361,17 @@ class Resolver:
     def _module_transforms(self, stmts) -> None:
         g = self.graph
         table = {"checkpoint": self.out.checkpoint, "compile": self.out.compile}
-        for unit in self.out.units:
-            if unit.is_root:
-                continue
+        # `checkpoint every = N` (torchtitan's `selective_ac_option = "N"`): of the units one rule
+        # checkpoints, in model order, only every Nth (the Nth, 2Nth, ...) is checkpointed
+        counted: dict[int, int] = {}
+        for unit in sorted((u for u in self.out.units if not u.is_root), key=lambda u: g.pre(u.modules[0])):
             for key, target in table.items():
                 setting = unit.settings[key]
+                every = unit.settings["checkpoint_every"].value if key == "checkpoint" else None
+                if every and setting.value is not None:
+                    counted[setting.order] = n = counted.get(setting.order, 0) + 1
+                    if n % every:
+                        continue
                 if setting.value is not None or setting.order >= 0:
                     for m in unit.modules:
                         target[m] = setting
