@@ -9,6 +9,8 @@ import torch
 
 from planc.checks.context import Context, by_key, err, listed
 from planc.diagnostics import Diagnostic
+from planc.lower.lowering import policy_of
+from planc.lower.program import Precision
 from planc.resolve.ir import Unit
 from planc.resolve.options import DTYPE_NAMES
 
@@ -31,8 +33,13 @@ def check_ignored_precision(ctx: Context) -> Iterator[Diagnostic]:
                   ("cast it in the model's forward, or do not ignore it",), severity="warning")
 
 
+def _precision(u: Unit) -> Precision:
+    """The unit's precision with FSDP2's defaults applied (planc/lower: the one place they live)."""
+    return policy_of(u).precision
+
+
 def _dtype(u: Unit, model_dtype: torch.dtype) -> torch.dtype:
-    return u["param_dtype"] or model_dtype
+    return _precision(u).compute_dtype(model_dtype)
 
 
 def check_precision(ctx: Context) -> Iterator[Diagnostic]:
@@ -48,7 +55,7 @@ def check_precision(ctx: Context) -> Iterator[Diagnostic]:
         if du == do:
             continue
         gaps = []
-        if not (u["cast_inputs"] and u["param_dtype"] is not None):
+        if not _precision(u).casts_inputs:
             gaps.append(f"its inputs arrive in {DTYPE_NAMES[do]} but it computes in {DTYPE_NAMES[du]}")
         if u["output_dtype"] != do:
             gaps.append(f"its outputs return in {DTYPE_NAMES[u['output_dtype'] or du]} to {{outer}} "
@@ -86,7 +93,7 @@ def _sibling_precision(ctx: Context, model_dtype: torch.dtype) -> Iterator[Diagn
             continue  # not neighbours at one level: nesting is checked above
         sent = a["output_dtype"] or _dtype(a, model_dtype)
         computes = _dtype(b, model_dtype)
-        if sent != computes and not (b["cast_inputs"] and b["param_dtype"] is not None):
+        if sent != computes and not _precision(b).casts_inputs:
             setting = b.settings["cast_inputs"] if b.settings["cast_inputs"].span else b.settings["param_dtype"]
             found.append(((setting.span or b.span, DTYPE_NAMES[sent], DTYPE_NAMES[computes]), (a.name, b.name)))
     for (span, sent, computes), pairs in by_key(found).items():
