@@ -3,7 +3,7 @@
 The page holds the module tree with each unit's modules in the unit's colour, the per-unit
 table, the memory summary and the memory-over-one-step plot as inline SVG. Everything is
 inline (CSS, SVG; no script, no font, no network reference), so the file can be attached to
-a review or a CI artifact and opened anywhere. The numbers are `planc.explain.report(...)`'s
+a review or a CI artifact and opened anywhere. The numbers are `planc.analysis.explain.report(...)`'s
 JSON data; the plot is `planc.plot.plot_step` (matplotlib, the `plot` extra) written to a
 string.
 """
@@ -42,7 +42,7 @@ def colors(data: dict[str, Any]) -> dict[str, str]:
 
 
 def render_html(data: dict[str, Any], compiled, est, measured=None) -> str:
-    """The whole page for one `explain` report (`data` from `planc.explain.report`)."""
+    """The whole page for one `explain` report (`data` from `planc.analysis.explain.report`)."""
     color = colors(data)
     title = f"planc explain {data['plan']}"
     mesh = data["mesh"]

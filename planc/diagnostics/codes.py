@@ -171,7 +171,7 @@ CODES: dict[str, Code] = {
                  "`initialize_weights`), else `reset_parameters()` per module. Pass `init=` with the model's "
                  "real initialiser, covering every module named.\n\n"
                  "    planc.materialize(model, \"cuda\", init=lambda m: m.init_rope_cache())"),
-    # --- importing accelerate FSDP configs (P7xx; `planc import`, planc/importer.py)
+    # --- importing accelerate FSDP configs (P7xx; `planc import`, planc/importers/accelerate.py)
     "P701": Code("not an accelerate FSDP config", "The file is not YAML, not a mapping, or has no "
                  "`fsdp_config` section (accelerate writes one with `accelerate config` when "
                  "`distributed_type: FSDP`)."),

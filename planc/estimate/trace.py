@@ -1,6 +1,6 @@
 """Record one training step of a plan: unit hooks in execution order and live bytes per op.
 
-The memory model (`planc/memory.py`) replays FSDP2's schedule over these events. With an
+The memory model (`planc/estimate/memory.py`) replays FSDP2's schedule over these events. With an
 input, the events come from a forward and backward of the model on fake CPU tensors (shapes
 only, no memory), each unit's precision and checkpointing applied; without one, from the
 module order alone (activations not counted).

@@ -2,7 +2,7 @@
 option names and values, dtypes, statement keywords and metrics.
 
 It reads the current line as text (a line being typed rarely parses) and the model tree of
-the last analysis; the vocabulary comes from `planc.options` and `planc.validate`.
+the last analysis; the vocabulary comes from `planc.resolve.options` and `planc.checks`.
 """
 
 from __future__ import annotations

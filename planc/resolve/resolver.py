@@ -7,7 +7,7 @@ records the statement that set it.
 
 Structural problems found while resolving (selectors that match nothing, a module claimed
 by two units, unknown option names) are reported here; checks over the finished result live
-in `planc/validate.py`.
+in `planc/checks/`.
 """
 
 from __future__ import annotations
