@@ -19,7 +19,8 @@ from planc.limits import rank_count
 from planc.lower.lowering import lower
 from planc.lower.program import Program
 from planc.model.graph import ModelGraph, paused_gc
-from planc.resolve.ir import Mesh, Resolution, Unit
+from planc.resolve.ir import Resolution, Unit
+from planc.resolve.mesh import Mesh
 from planc.resolve.resolver import resolve
 
 

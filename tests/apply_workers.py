@@ -116,7 +116,7 @@ def _same(a: dict, b: dict) -> list[str]:
 def refusals(rank: int, world: int, cases: list[tuple[str, str, str, bool]]) -> dict:
     """Apply each bad (case, plan text, builder, pass a 1-D mesh) and check nothing changed."""
     from planc.backends.runtime import build_mesh
-    from planc.resolve.ir import Mesh
+    from planc.resolve.mesh import Mesh
 
     out = {}
     for case, text, builder, pass_mesh in cases:

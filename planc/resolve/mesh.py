@@ -33,7 +33,6 @@ class Axis:
     role: str
     size: int | None
     dim: str
-    span: Span | None = None
 
     def __str__(self) -> str:
         return f"{self.dim} = {'*' if self.size is None else self.size}"
