@@ -8,6 +8,7 @@ without the live model; only the runtime turns paths into objects.
 
     Checkpoint   activation checkpointing of one module (before sharding)
     Compile      `module.compile(...)` of one module (before sharding)
+    Parallelize  one tensor-parallel style on one module, on the tensor axis (first of all)
     FullyShard   one `fully_shard` call: a unit, bottom-up, the root last
     SetPrefetch  an explicit forward/backward prefetch list of one unit
     UnitMethod   an `FSDPModule` method called on one unit after sharding
@@ -93,6 +94,63 @@ class Policy:
 
 
 @dataclass(frozen=True, slots=True)
+class Layout:
+    """A DTensor placement on the tensor axis: `Replicate()`, `Shard(dim)` or `Partial()`.
+
+    Written in a plan as `replicate`, `shard(1)`, `partial`; a layout of None (`none`) is a
+    positional input the style leaves alone.
+    """
+
+    kind: str  # "replicate" | "shard" | "partial"
+    dim: int | None = None
+
+    def __str__(self) -> str:
+        return f"shard({self.dim})" if self.kind == "shard" else self.kind
+
+
+REPLICATE = Layout("replicate")
+
+# The tensor-parallel styles a plan can name, each one of torch's `ParallelStyle`s:
+# colwise / rowwise -> ColwiseParallel / RowwiseParallel (on nn.Embedding rowwise splits the
+# vocabulary), sequence -> SequenceParallel, replicate -> the parameters replicated on the
+# tensor axis (torchtitan's NoParallel), prepare_input / prepare_output / prepare ->
+# PrepareModuleInput / PrepareModuleOutput / PrepareModuleInputOutput.
+STYLE_KINDS = ("colwise", "rowwise", "sequence", "replicate", "prepare_input", "prepare_output", "prepare")
+
+
+@dataclass(frozen=True)
+class TensorStyle:
+    """One tensor-parallel style and its arguments as the plan set them (None: torch's default).
+
+    Layout tuples are positional (None entries: inputs left alone); kwarg layouts are
+    (keyword, layout) pairs in the plan's order. `loss_parallel` marks the output projection
+    whose vocabulary-sharded logits the loss is computed on (`loss_parallel()` context).
+    """
+
+    kind: str
+    input_layouts: tuple[Layout | None, ...] | None = None
+    output_layouts: tuple[Layout | None, ...] | None = None
+    desired_input_layouts: tuple[Layout | None, ...] | None = None
+    desired_output_layouts: tuple[Layout | None, ...] | None = None
+    input_kwarg_layouts: tuple[tuple[str, Layout | None], ...] = ()
+    desired_input_kwarg_layouts: tuple[tuple[str, Layout | None], ...] = ()
+    use_local_output: bool | None = None
+    sequence_dim: int | None = None
+    loss_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class Parallelize:
+    """`parallelize_module(module, mesh[mesh_dim], style)`: one style on one module, before any FSDP."""
+
+    module: str
+    style: TensorStyle
+    mesh_dim: str
+    origin: Setting
+    span: Any = None
+
+
+@dataclass(frozen=True, slots=True)
 class Checkpoint:
     """Activation checkpointing of `module` (torch's composable `checkpoint`: paths unchanged)."""
 
@@ -164,7 +222,7 @@ class UnitMethod:
     origin: Setting
 
 
-Op = Union[Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod]
+Op = Union[Parallelize, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod]
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,10 @@ from planc.diagnostics import Span
 ROLES: dict[str, str] = {
     "replicate": "replicate", "dp_replicate": "replicate",
     "shard": "shard", "dp_shard": "shard", "fsdp": "shard",
+    "tensor": "tensor", "tp": "tensor",
 }
 DATA_PARALLEL = ("replicate", "shard")  # the data-parallel roles, outermost first
+TENSOR = "tensor"                        # the tensor-parallel role (innermost: within a node)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,16 @@ class Mesh:
         """A replicate x shard mesh (`None` sizes are `*`): 1-D FSDP when replicate is 1, else HSDP."""
         return cls(_axes(replicate, shard, names), span)
 
+    @classmethod
+    def of(cls, replicate: int | None = 1, shard: int | None = None, tensor: int | None = None, *,
+           span: Span | None = None, names: dict[str, str] | None = None) -> "Mesh":
+        """A replicate x shard [x tensor] mesh; `names` maps a role to its `DeviceMesh` name."""
+        names = names or {}
+        axes = _axes(replicate, shard, (names.get("replicate", "replicate"), names.get("shard", "shard")))
+        if tensor is not None:
+            axes += (Axis(TENSOR, tensor, names.get(TENSOR, TENSOR)),)
+        return cls(axes, span)
+
     # ----------------------------------------------------------------- axes
     def axis(self, role: str) -> Axis | None:
         return next((a for a in self.axes if a.role == role), None)
@@ -70,6 +82,18 @@ class Mesh:
         """Size of the shard axis (None for `*`)."""
         a = self.axis("shard")
         return 1 if a is None else a.size
+
+    @property
+    def tensor(self) -> int:
+        """Size of the tensor-parallel axis (1 when there is none)."""
+        a = self.axis(TENSOR)
+        return 1 if a is None else (a.size or 1)
+
+    @property
+    def tensor_dim(self) -> str | None:
+        """The `DeviceMesh` dimension name of the tensor-parallel axis, or None without one."""
+        a = self.axis(TENSOR)
+        return None if a is None else a.dim
 
     @property
     def is_hsdp(self) -> bool:

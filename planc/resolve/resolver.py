@@ -116,6 +116,8 @@ def resolve_mesh(stmt: st.MeshStmt | None, diags: list[Diagnostic]) -> Mesh:
                                 span=stmt.span, label="cannot split the world two ways",
                                 help=("fix one size, e.g. `mesh (replicate = *, shard = 8)`",)))
         return Mesh(span=stmt.span)
+    if "tensor" in sizes:
+        return Mesh.of(replicate, shard, sizes["tensor"], span=stmt.span, names=names)
     return Mesh.data_parallel(replicate, shard, span=stmt.span, names=dims)
 
 
