@@ -40,7 +40,17 @@ from planc.compiler import compile as compile_plan
 from planc.diagnostics import Diagnostic, PlanError, Span, sort_diagnostics
 from planc.lang import syntax as st
 from planc.lower.checkpointing import context_fn
-from planc.lower.program import Checkpoint, Compile, FullyShard, Program, SetPrefetch, UnitMethod
+from planc.lower.program import (
+    Checkpoint,
+    Compile,
+    FullyShard,
+    Layout,
+    Parallelize,
+    Program,
+    SetPrefetch,
+    TensorStyle,
+    UnitMethod,
+)
 from planc.model.graph import ModelGraph
 from planc.resolve.ir import Unit
 from planc.resolve.mesh import Mesh
@@ -91,14 +101,14 @@ def build_mesh(plan_mesh: Mesh, world_size: int | None = None, device: str | Non
         raise PlanError([Diagnostic(code="P401", severity="error", span=plan_mesh.span,
                                     message=f"mesh {plan_mesh} does not fit {world_size} ranks",
                                     label="this mesh")])
-    axes = plan_mesh.dp_axes
+    axes = plan_mesh.device_axes
     return init_device_mesh(device or device_type(), tuple(sizes[a.role] for a in axes),
                             mesh_dim_names=tuple(a.dim for a in axes))
 
 
 def check_mesh_fits(mesh: DeviceMesh, plan_mesh: Mesh) -> list[Diagnostic]:
     """P602 if a given device mesh has another shape (or other dimension names) than the plan's mesh."""
-    axes = plan_mesh.dp_axes
+    axes = plan_mesh.device_axes
     sizes = plan_mesh.sizes(mesh.size())
     want = None if sizes is None else tuple(sizes[a.role] for a in axes)
     dims = tuple(a.dim for a in axes)
@@ -209,6 +219,18 @@ class AppliedPlan:
     model: nn.Module
     units: list[AppliedUnit] = field(default_factory=list)
     unit_of_module: dict[str, Unit] = field(default_factory=dict)
+
+    def loss_parallel(self):
+        """The context the loss and its backward run in: torch's `loss_parallel()` when the plan
+        shards the logits on the vocabulary (`parallel output colwise { loss_parallel }`), else a no-op."""
+        import contextlib
+
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        program = self.compiled.program
+        if any(op.style.loss_parallel for op in program.of_type(Parallelize)):
+            return loss_parallel()
+        return contextlib.nullcontext()
 
     def unit(self, name: str) -> AppliedUnit:
         """The applied unit called `name` (`<root>`, `layers.0`, `[norm, output]`)."""
@@ -383,6 +405,83 @@ def apply(model: nn.Module, plan: st.Plan | CompiledPlan | str | os.PathLike, *,
     return run(compiled.program, model, mesh, compiled)
 
 
+# ===================================================================== tensor parallelism
+
+
+def placement(layout: Layout | None):
+    """The DTensor placement of a plan layout (None stays None: an input left alone)."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    if layout is None:
+        return None
+    return {"replicate": Replicate, "partial": Partial}[layout.kind]() if layout.kind != "shard" else Shard(layout.dim)
+
+
+class ReplicateParallel:
+    """Parameters replicated on the tensor axis, inputs made Replicate DTensors, outputs local
+    (torchtitan's `NoParallel`): a module TP does not split still lives on the same meshes."""
+
+    def __new__(cls):
+        from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
+        from torch.distributed.tensor.parallel import ParallelStyle
+
+        class _Replicate(ParallelStyle):
+            def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+                def params(name, mod, mesh):
+                    for key, p in list(mod.named_parameters(recurse=False)):
+                        mod.register_parameter(key, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]),
+                                                                 requires_grad=p.requires_grad))
+
+                def inputs(mod, args, mesh):
+                    return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                                 if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+
+                def outputs(mod, out, mesh):
+                    return out.to_local() if isinstance(out, DTensor) else out
+
+                return distribute_module(module, device_mesh, params, inputs, outputs)
+
+        return _Replicate()
+
+
+def torch_style(style: TensorStyle):
+    """The torch `ParallelStyle` a plan's style names, with the plan's arguments (torch's defaults otherwise)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleInputOutput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    def layouts(ls):
+        return None if ls is None else tuple(placement(x) for x in ls)
+
+    def kw(pairs):
+        return {k: placement(v) for k, v in pairs} or None
+
+    local = {} if style.use_local_output is None else {"use_local_output": style.use_local_output}
+    if style.kind in ("colwise", "rowwise"):
+        cls = ColwiseParallel if style.kind == "colwise" else RowwiseParallel
+        one = {k: placement(v[0]) for k, v in (("input_layouts", style.input_layouts),
+                                                ("output_layouts", style.output_layouts)) if v is not None}
+        return cls(**one, **local)
+    if style.kind == "sequence":
+        return SequenceParallel(**({} if style.sequence_dim is None else {"sequence_dim": style.sequence_dim}), **local)
+    if style.kind == "replicate":
+        return ReplicateParallel()
+    inputs = dict(input_layouts=layouts(style.input_layouts), desired_input_layouts=layouts(style.desired_input_layouts),
+                  input_kwarg_layouts=kw(style.input_kwarg_layouts),
+                  desired_input_kwarg_layouts=kw(style.desired_input_kwarg_layouts))
+    outputs = dict(output_layouts=layouts(style.output_layouts), desired_output_layouts=layouts(style.desired_output_layouts))
+    if style.kind == "prepare_input":
+        return PrepareModuleInput(**inputs, **local)
+    if style.kind == "prepare_output":
+        return PrepareModuleOutput(**outputs, **local)
+    return PrepareModuleInputOutput(**inputs, **outputs, **local)
+
+
 def _submesh(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
     """The submesh a unit is sharded on: the mesh itself when it has exactly those dimensions."""
     if mesh.ndim == len(dims) and (len(dims) == 1 or tuple(mesh.mesh_dim_names or ()) == dims):
@@ -398,6 +497,15 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
     """
     from torch.distributed._composable import checkpoint
 
+    # tensor parallelism runs first (the lowering puts it first): it replaces parameters with
+    # DTensors, so the `fully_shard` arguments are computed after it, on the parameters FSDP sees
+    tp = [op for op in program.ops if isinstance(op, Parallelize)]
+    if program.ops[:len(tp)] != tuple(tp):
+        raise TypeError("the runtime needs every `Parallelize` operation before the others")
+    for op in tp:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(model.get_submodule(op.module), _submesh(mesh, (op.mesh_dim,)), torch_style(op.style))
     calls = {id(op): (unit_modules(op, model), fully_shard_kwargs(op, model, _submesh(mesh, op.mesh_dims)))
              for op in program.units}
     applied = AppliedPlan(compiled=compiled, mesh=mesh, model=model)
@@ -407,6 +515,8 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
         # and compile wrap the plain modules first, `fully_shard` then hooks around them,
         # bottom-up (a call owns the parameters of its subtree not claimed by an earlier
         # call on a descendant); prefetch lists and unit methods need every unit sharded.
+        if isinstance(op, Parallelize):
+            continue  # done above
         if isinstance(op, Checkpoint):
             checkpoint(model.get_submodule(op.module), context_fn=context_fn(op.mode))
         elif isinstance(op, Compile):

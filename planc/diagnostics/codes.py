@@ -49,6 +49,16 @@ CODES: dict[str, Code] = {
                  "expression."),
     "P106": Code("model not loadable", "The model the plan names (or `--model`) could not be imported or "
                  "built on the meta device."),
+    "P107": Code("unknown tensor-parallel style", "A `parallel` statement names a style planc does not know. Styles "
+                 "are `colwise`, `rowwise`, `sequence`, `replicate`, `prepare_input`, `prepare_output` and `prepare`.\n\n"
+                 "    parallel layers.*.attention.wq columnwise   # did you mean `colwise`?"),
+    "P108": Code("bad tensor-parallel style option", "A `parallel` statement's block has an option its style does not "
+                 "take, a value that is not a layout (`replicate`, `shard(N)`, `partial`, `none`), or `loss_parallel` "
+                 "with an output layout other than `shard(-1)`.\n\n"
+                 "    parallel norm sequence { input shard(1) }   # SequenceParallel takes no input layouts"),
+    "P109": Code("tensor parallelism without a tensor axis", "A `parallel` statement needs the mesh's tensor axis, "
+                 "the innermost dimension: `mesh (shard = *, tensor = 8)`.\n\n"
+                 "    mesh (shard = *)\n    parallel layers.*.attention.wq colwise   # error: no tensor axis"),
     # --- selectors (P2xx)
     "P201": Code("selector matches nothing", "A selector matches no module of the model. Check the path "
                  "with `planc tree`; mark the rule `optional` if matching nothing is fine.\n\n"

@@ -127,6 +127,7 @@ _HEADS: dict[str, Callable[[Any], str]] = {
     "CheckpointStmt": lambda s: f"{_optional(s)}checkpoint {_selector(s.selector)}" +
     (f" {s.mode.value}" if s.mode else ""),
     "CompileStmt": lambda s: f"{_optional(s)}compile {_selector(s.selector)}",
+    "ParallelStmt": lambda s: f"{_optional(s)}parallel {_selector(s.selector)} {s.style.value}",
     "IgnoreStmt": lambda s: f"{_optional(s)}ignore {_selector(s.selector)}",
     "PlaceStmt": lambda s: f"{_optional(s)}place {_selector(s.selector)} {_call(s.placement)}",
     "ExpectUnit": lambda s: f"expect {'not ' if s.negated else ''}unit {text(s.target)}",
@@ -154,6 +155,7 @@ _RULE_NAMES: dict[str, Callable[[Any], str]] = {
     "RootStmt": lambda s: "root",
     "CheckpointStmt": lambda s: f"checkpoint {_selector(s.selector)}",
     "CompileStmt": lambda s: f"compile {_selector(s.selector)}",
+    "ParallelStmt": lambda s: f"parallel {_selector(s.selector)} {s.style.value}",
 }
 
 

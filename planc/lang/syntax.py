@@ -283,6 +283,17 @@ class CheckpointStmt:
 
 
 @_node
+class ParallelStmt:
+    """`parallel <selector> <style> [{ layouts }]`: a tensor-parallel style on each matched module."""
+
+    span: Span
+    selector: Selector
+    style: Name
+    block: Block | None
+    optional: bool = False
+
+
+@_node
 class CompileStmt:
     span: Span
     selector: Selector

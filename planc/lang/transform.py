@@ -114,6 +114,12 @@ class ToSyntax(Transformer):
                                  mode=st.Name(span=self._tok(mode), value=str(mode)) if mode else None)
 
     @v_args(meta=True)
+    def parallel_stmt(self, meta, items):
+        optional, selector, style, block = items
+        return st.ParallelStmt(span=self._span(meta), selector=selector, optional=optional is not None,
+                               style=st.Name(span=self._tok(style), value=str(style)), block=block)
+
+    @v_args(meta=True)
     def compile_stmt(self, meta, items):
         optional, selector = items
         return st.CompileStmt(span=self._span(meta), selector=selector, optional=optional is not None)

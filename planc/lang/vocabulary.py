@@ -16,12 +16,12 @@ import sys
 from pathlib import Path
 
 # Statement keywords of the grammar, in the order the grammar lists them.
-STATEMENTS = ("model", "include", "mesh", "defaults", "unit", "root", "checkpoint", "compile", "ignore",
-              "place", "expect")
+STATEMENTS = ("model", "include", "mesh", "defaults", "unit", "root", "checkpoint", "parallel", "compile",
+              "ignore", "place", "expect")
 # The same with `optional`, likeliest first: the order syntax-error help lists them in.
 STATEMENT_ORDER = ("unit", "checkpoint", "compile", "defaults", "root", "mesh", "model", "include",
-                   "ignore", "place", "expect", "optional")
-OPTIONAL_STATEMENTS = ("unit", "checkpoint", "compile", "ignore", "place")
+                   "ignore", "place", "expect", "parallel", "optional")
+OPTIONAL_STATEMENTS = ("unit", "checkpoint", "parallel", "compile", "ignore", "place")
 # Keywords inside statements.
 CLAUSES = ("optional", "except", "where", "not", "at", "world", "input", "none", "units", "unit")
 # Block option names (`options.OPTIONS`), FSDP1 spellings included.

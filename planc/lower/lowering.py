@@ -22,6 +22,7 @@ from planc.lower.program import (
     FullyShard,
     Offload,
     Op,
+    Parallelize,
     Policy,
     Precision,
     Program,
@@ -70,6 +71,13 @@ def _fully_shard(unit: Unit, res: Resolution, graph: ModelGraph, mesh_dims: tupl
 def lower(res: Resolution, graph: ModelGraph) -> Program:
     """The program for a resolution without errors (`CompiledPlan.program` checks that)."""
     ops: list[Op] = []
+    # tensor parallelism first (torchtitan's order): FSDP then shards the TP-sharded
+    # parameters on the data-parallel submesh of the same root mesh
+    tp_dim = res.mesh.tensor_dim
+    if tp_dim is not None:
+        for path in sorted(res.parallel, key=graph.pre):
+            setting = res.parallel[path]
+            ops.append(Parallelize(path, setting.value, tp_dim, setting, setting.span))
     for path, setting in res.checkpoint.items():
         ops.append(Checkpoint(path, setting.value, setting))
     for path, setting in res.compile.items():

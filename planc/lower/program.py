@@ -27,6 +27,7 @@ import torch
 
 from planc.resolve.ir import Setting
 from planc.resolve.mesh import Mesh
+from planc.resolve.tensor import REPLICATE, STYLE_KINDS, Layout, TensorStyle  # noqa: F401 (part of the program's contract)
 
 # FSDP2's own defaults for the arguments planc sets (torch 2.13; tests/test_lower.py checks
 # them against the installed torch's signatures). A backend that prints code leaves out an
@@ -91,52 +92,6 @@ class Policy:
     precision: Precision
     offload: Offload
     origins: Mapping[str, Setting] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """A DTensor placement on the tensor axis: `Replicate()`, `Shard(dim)` or `Partial()`.
-
-    Written in a plan as `replicate`, `shard(1)`, `partial`; a layout of None (`none`) is a
-    positional input the style leaves alone.
-    """
-
-    kind: str  # "replicate" | "shard" | "partial"
-    dim: int | None = None
-
-    def __str__(self) -> str:
-        return f"shard({self.dim})" if self.kind == "shard" else self.kind
-
-
-REPLICATE = Layout("replicate")
-
-# The tensor-parallel styles a plan can name, each one of torch's `ParallelStyle`s:
-# colwise / rowwise -> ColwiseParallel / RowwiseParallel (on nn.Embedding rowwise splits the
-# vocabulary), sequence -> SequenceParallel, replicate -> the parameters replicated on the
-# tensor axis (torchtitan's NoParallel), prepare_input / prepare_output / prepare ->
-# PrepareModuleInput / PrepareModuleOutput / PrepareModuleInputOutput.
-STYLE_KINDS = ("colwise", "rowwise", "sequence", "replicate", "prepare_input", "prepare_output", "prepare")
-
-
-@dataclass(frozen=True)
-class TensorStyle:
-    """One tensor-parallel style and its arguments as the plan set them (None: torch's default).
-
-    Layout tuples are positional (None entries: inputs left alone); kwarg layouts are
-    (keyword, layout) pairs in the plan's order. `loss_parallel` marks the output projection
-    whose vocabulary-sharded logits the loss is computed on (`loss_parallel()` context).
-    """
-
-    kind: str
-    input_layouts: tuple[Layout | None, ...] | None = None
-    output_layouts: tuple[Layout | None, ...] | None = None
-    desired_input_layouts: tuple[Layout | None, ...] | None = None
-    desired_output_layouts: tuple[Layout | None, ...] | None = None
-    input_kwarg_layouts: tuple[tuple[str, Layout | None], ...] = ()
-    desired_input_kwarg_layouts: tuple[tuple[str, Layout | None], ...] = ()
-    use_local_output: bool | None = None
-    sequence_dim: int | None = None
-    loss_parallel: bool = False
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from planc.lsp.hover import values_of
 from planc.model.graph import ModelGraph
 from planc.resolve.options import DTYPES, FSDP1_MESH, OPTIONS
 
-STATEMENTS = ("model", "include", "mesh", "defaults", "unit", "root", "checkpoint", "compile", "ignore",
+STATEMENTS = ("model", "include", "mesh", "defaults", "unit", "root", "checkpoint", "parallel", "compile", "ignore",
               "place", "expect", "optional")
-OPTIONALS = ("unit", "checkpoint", "compile", "ignore", "place")
+OPTIONALS = ("unit", "checkpoint", "parallel", "compile", "ignore", "place")
 MAX_INDICES = 32  # indices offered inside `name[`
 
 

@@ -105,6 +105,11 @@ class Mesh:
         return tuple(a for a in self.axes if a.role in DATA_PARALLEL and (a.role == "shard" or self.is_hsdp))
 
     @property
+    def device_axes(self) -> tuple[Axis, ...]:
+        """The axes of the `DeviceMesh` planc builds: the data-parallel axes, then the tensor axis if any."""
+        return self.dp_axes + tuple(a for a in self.axes if a.role == TENSOR)
+
+    @property
     def dp_dims(self) -> tuple[str, ...]:
         """The `DeviceMesh` dimension names of the data-parallel submesh, outermost first."""
         return tuple(a.dim for a in self.dp_axes)

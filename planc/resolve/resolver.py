@@ -24,6 +24,7 @@ from planc.resolve.ir import DEFAULT_SETTINGS, Resolution, Setting, Unit
 from planc.resolve.mesh import ROLES, Mesh
 from planc.resolve.options import CHECKPOINT_MODES, MODULE_SETTINGS, Assignment, parse_option
 from planc.resolve.selectors import check_regexes, match_modules, match_params
+from planc.resolve.tensor import TensorStyle, tensor_style
 
 DEFAULTS_ORDER = -(10**9)  # defaults sort below every rule, whatever their position
 
@@ -163,6 +164,7 @@ class Resolver:
                 if sum(d.is_error for d in self.diags) > errors:
                     self.out.broken.add(i)
         self._dead_defaults(per_defaults)
+        styles = self._styles(stmts)
         if self.graph is None:
             self._check_without_model()
             return self.out, self.diags
@@ -171,8 +173,38 @@ class Resolver:
         self._build_units(stmts, keys, creators, defaults, rules)
         self._parameters(stmts)
         self._module_transforms(stmts)
+        self._tensor_parallel(stmts, styles)
         self._prefetch()
         return self.out, self.diags
+
+    # ----------------------------------------------------------------- tensor parallelism
+    def _styles(self, stmts) -> dict[int, TensorStyle]:
+        """Each `parallel` statement's style (statement index -> style); a bad one is diagnosed and dropped."""
+        styles: dict[int, TensorStyle] = {}
+        for i, s in enumerate(stmts):
+            if isinstance(s, st.ParallelStmt):
+                style = tensor_style(s, self.diags)
+                if style is None:
+                    self.out.broken.add(i)
+                    continue
+                styles[i] = style
+                if self.out.mesh.tensor_dim is None:
+                    self.diags.append(Diagnostic(
+                        code="P109", severity="error", message="a tensor-parallel style, but the mesh has no tensor axis",
+                        span=s.span, label=f"`{s.style.value}` needs a tensor axis",
+                        help=("add the innermost axis to the mesh: `mesh (shard = *, tensor = 8)`",)))
+        return styles
+
+    def _tensor_parallel(self, stmts, styles: dict[int, TensorStyle]) -> None:
+        """module -> style: a later `parallel` statement replaces an earlier one on the same module."""
+        for i, style in styles.items():
+            s = stmts[i]
+            m = match_modules(self.graph, s.selector, optional=s.optional)
+            self.diags.extend(m.diagnostics)
+            for path in m.paths:
+                self.out.parallel[path] = Setting(style, s.span, rule_text(s), i)
+            if m.paths:
+                self.out.rule_effects[i] = self.out.rule_effects.get(i, 0) + len(m.paths)
 
     def _dead_defaults(self, blocks: list[tuple[st.DefaultsStmt, list[Assignment]]]) -> None:
         """P207 for a `defaults` block whose every setting a later `defaults` sets again."""
@@ -449,7 +481,7 @@ def _group_prefetch_note(path: str, group: Unit, sel: st.Selector) -> Diagnostic
 def _selectors_of(stmt) -> list[st.Selector]:
     if isinstance(stmt, (st.UnitStmt, st.ExpectUnit)):
         return list(stmt.target.selectors) if isinstance(stmt.target, st.Group) else [stmt.target]
-    if isinstance(stmt, (st.CheckpointStmt, st.CompileStmt, st.IgnoreStmt, st.PlaceStmt)):
+    if isinstance(stmt, (st.CheckpointStmt, st.CompileStmt, st.IgnoreStmt, st.PlaceStmt, st.ParallelStmt)):
         return [stmt.selector]
     return []
 

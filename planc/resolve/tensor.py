@@ -1,0 +1,181 @@
+"""Resolve a `parallel` statement's style and block to a `TensorStyle` (tensor parallelism).
+
+    parallel layers.*.attention.wo rowwise { output shard(1) }
+    parallel output colwise { input shard(1); loss_parallel }
+    parallel layers.*.attention prepare_input { input shard(1), none; desired_input replicate, none }
+
+The style word names one of torch's `ParallelStyle`s (`STYLE_KINDS`); the block's options
+are that style's arguments. Each option is accepted only by the styles torch accepts it for,
+so a `sequence_dim` on a colwise style is a located P108, not a `TypeError` at apply time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planc.diagnostics import Diagnostic, suggestion
+from planc.lang import syntax as st
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A DTensor placement on the tensor axis: `Replicate()`, `Shard(dim)` or `Partial()`.
+
+    Written in a plan as `replicate`, `shard(1)`, `partial`; a layout of None (`none`) is a
+    positional input the style leaves alone.
+    """
+
+    kind: str  # "replicate" | "shard" | "partial"
+    dim: int | None = None
+
+    def __str__(self) -> str:
+        return f"shard({self.dim})" if self.kind == "shard" else self.kind
+
+
+REPLICATE = Layout("replicate")
+
+# The tensor-parallel styles a plan can name, each one of torch's `ParallelStyle`s:
+# colwise / rowwise -> ColwiseParallel / RowwiseParallel (on nn.Embedding rowwise splits the
+# vocabulary), sequence -> SequenceParallel, replicate -> the parameters replicated on the
+# tensor axis (torchtitan's NoParallel), prepare_input / prepare_output / prepare ->
+# PrepareModuleInput / PrepareModuleOutput / PrepareModuleInputOutput.
+STYLE_KINDS = ("colwise", "rowwise", "sequence", "replicate", "prepare_input", "prepare_output", "prepare")
+
+
+@dataclass(frozen=True)
+class TensorStyle:
+    """One tensor-parallel style and its arguments as the plan set them (None: torch's default).
+
+    Layout tuples are positional (None entries: inputs left alone); kwarg layouts are
+    (keyword, layout) pairs in the plan's order. `loss_parallel` marks the output projection
+    whose vocabulary-sharded logits the loss is computed on (`loss_parallel()` context).
+    """
+
+    kind: str
+    input_layouts: tuple[Layout | None, ...] | None = None
+    output_layouts: tuple[Layout | None, ...] | None = None
+    desired_input_layouts: tuple[Layout | None, ...] | None = None
+    desired_output_layouts: tuple[Layout | None, ...] | None = None
+    input_kwarg_layouts: tuple[tuple[str, Layout | None], ...] = ()
+    desired_input_kwarg_layouts: tuple[tuple[str, Layout | None], ...] = ()
+    use_local_output: bool | None = None
+    sequence_dim: int | None = None
+    loss_parallel: bool = False
+
+
+
+_LINEAR = ("colwise", "rowwise")
+# option -> (TensorStyle field, the styles that take it, what it holds)
+STYLE_OPTIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "input": ("input_layouts", (*_LINEAR, "prepare_input", "prepare"), "layouts"),
+    "output": ("output_layouts", (*_LINEAR, "prepare_output", "prepare"), "layouts"),
+    "desired_input": ("desired_input_layouts", ("prepare_input", "prepare"), "layouts"),
+    "desired_output": ("desired_output_layouts", ("prepare_output", "prepare"), "layouts"),
+    "input_kwargs": ("input_kwarg_layouts", ("prepare_input", "prepare"), "kwarg layouts"),
+    "desired_input_kwargs": ("desired_input_kwarg_layouts", ("prepare_input", "prepare"), "kwarg layouts"),
+    "local_output": ("use_local_output", (*_LINEAR, "sequence", "prepare_input", "prepare_output", "prepare"), "bool"),
+    "sequence_dim": ("sequence_dim", ("sequence",), "int"),
+    "loss_parallel": ("loss_parallel", ("colwise",), "flag"),
+}
+_BOOLS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
+
+
+def _bad(span, message: str, label: str, *help_: str) -> Diagnostic:
+    return Diagnostic(code="P108", severity="error", message=message, span=span, label=label, help=help_)
+
+
+def _layout(value, diags: list[Diagnostic]) -> tuple[bool, Layout | None]:
+    """(ok, layout) for `replicate`, `partial`, `none` or `shard(N)`."""
+    if isinstance(value, st.Name) and value.value in ("replicate", "partial"):
+        return True, Layout(value.value)
+    if isinstance(value, st.Name) and value.value == "none":
+        return True, None
+    if (isinstance(value, st.Call) and value.name == "shard" and len(value.args) == 1
+            and isinstance(value.args[0], st.Number) and float(value.args[0].value).is_integer()):
+        return True, Layout("shard", int(value.args[0].value))
+    diags.append(_bad(value.span, f"`{value}` is not a layout", "expected a layout",
+                      "layouts are `replicate`, `shard(N)` (the dimension split), `partial` and `none`"))
+    return False, None
+
+
+def tensor_style(stmt: st.ParallelStmt, diags: list[Diagnostic]) -> TensorStyle | None:
+    """The style a `parallel` statement asks for, or None (with diagnostics) when it is wrong."""
+    kind = stmt.style.value
+    if kind not in STYLE_KINDS:
+        diags.append(Diagnostic(code="P107", severity="error", message=f"unknown tensor-parallel style `{kind}`",
+                                span=stmt.style.span, label="not a style",
+                                help=suggestion(kind, STYLE_KINDS) or ("styles are " + ", ".join(STYLE_KINDS),)))
+        return None
+    fields: dict = {}
+    ok = True
+    for opt in stmt.block.options if stmt.block else ():
+        spec = STYLE_OPTIONS.get(opt.name)
+        if spec is None:
+            diags.append(_bad(opt.name_span, f"unknown option `{opt.name}` for a tensor-parallel style",
+                              "not a style option", *(suggestion(opt.name, STYLE_OPTIONS)
+                                                      or ("style options are " + ", ".join(STYLE_OPTIONS),))))
+            ok = False
+            continue
+        field, takers, holds = spec
+        if kind not in takers:
+            diags.append(_bad(opt.name_span, f"`{opt.name}` does not apply to a {kind} style", f"not a {kind} option",
+                              f"`{opt.name}` is taken by " + ", ".join(takers)))
+            ok = False
+            continue
+        if field in fields:
+            diags.append(_bad(opt.name_span, f"`{opt.name}` given twice", "repeated", f"keep one `{opt.name}`"))
+            ok = False
+            continue
+        positional = [a for a in opt.args if a.key is None]
+        keyed = [a for a in opt.args if a.key is not None]
+        if holds == "flag":
+            if opt.args:
+                diags.append(_bad(opt.span, f"`{opt.name}` takes no value", "a flag", f"write `{opt.name}` alone"))
+                ok = False
+                continue
+            fields[field] = True
+        elif holds == "layouts":
+            if keyed or not positional:
+                diags.append(_bad(opt.span, f"`{opt.name}` takes positional layouts", "expected layouts",
+                                  f"write e.g. `{opt.name} shard(1)`, one layout per positional input"))
+                ok = False
+                continue
+            if kind in _LINEAR and len(positional) > 1:
+                diags.append(_bad(opt.span, f"a {kind} style takes one `{opt.name}` layout", f"{len(positional)} layouts",
+                                  "a linear layer has one input and one output; keep one layout"))
+                ok = False
+                continue
+            results = [_layout(a.value, diags) for a in positional]
+            ok &= all(r[0] for r in results)
+            fields[field] = tuple(r[1] for r in results)
+        elif holds == "kwarg layouts":
+            if positional or not keyed:
+                diags.append(_bad(opt.span, f"`{opt.name}` takes `name = layout` pairs", "expected keyword layouts",
+                                  f"write e.g. `{opt.name} freqs_cis = replicate`"))
+                ok = False
+                continue
+            pairs = [(a.key, _layout(a.value, diags)) for a in keyed]
+            ok &= all(r[0] for _, r in pairs)
+            fields[field] = tuple((k, r[1]) for k, r in pairs)
+        else:
+            value = positional[0].value if len(positional) == 1 and not keyed else None
+            if holds == "bool" and isinstance(value, st.Name) and value.value in _BOOLS:
+                fields[field] = _BOOLS[value.value]
+            elif holds == "int" and isinstance(value, st.Number) and float(value.value).is_integer():
+                fields[field] = int(value.value)
+            else:
+                diags.append(_bad(opt.span, f"`{opt.name}` takes {'true or false' if holds == 'bool' else 'an integer'}",
+                                  "bad value", f"write e.g. `{opt.name} {'false' if holds == 'bool' else '1'}`"))
+                ok = False
+                continue
+    if not ok:
+        return None
+    if fields.get("loss_parallel"):
+        if fields.get("output_layouts", (Layout("shard", -1),)) != (Layout("shard", -1),) or fields.get("use_local_output"):
+            diags.append(_bad(stmt.span, "`loss_parallel` needs the logits sharded on the vocabulary",
+                              "conflicting output", "leave `output` and `local_output` out: loss parallel sets "
+                              "`output shard(-1)` and `local_output false`"))
+            return None
+        fields["output_layouts"] = (Layout("shard", -1),)
+        fields["use_local_output"] = False
+    return TensorStyle(kind=kind, **fields)
