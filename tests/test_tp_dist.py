@@ -80,7 +80,19 @@ def _ranks(rank: int, world: int) -> dict:
                   for n, t in model.named_parameters() if isinstance(t, DTensor)}
     plain = [n for n, t in model.named_parameters() if not isinstance(t, DTensor)]
     dp_rank = mesh["shard"].get_local_rank()
-    return {"losses": steps(model, data, dp_rank, 2, world), "placements": placements, "plain": plain}
+    losses = steps(model, data, dp_rank, 2, world)
+
+    # the code `planc emit` prints for the same plan, run on a fresh copy on the same mesh
+    from planc.backends.emit import emit_python
+    from planc.model.hf import build_hf_model
+
+    namespace: dict = {}
+    exec(emit_python(planc.compile(planc.loads(PLAN), build_hf_model("llama-tiny"), world)), namespace)
+    emitted = namespace["apply_plan"](build(), mesh)
+    emitted_placements = {n: (tuple(mesh.mesh_dim_names), tuple(str(p) for p in t.placements), tuple(t.to_local().shape))
+                          for n, t in emitted.named_parameters() if isinstance(t, DTensor)}
+    return {"losses": losses, "placements": placements, "plain": plain,
+            "emitted_losses": steps(emitted, data, dp_rank, 2, world), "emitted_placements": emitted_placements}
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +106,12 @@ def test_losses_match_one_unsharded_process(results):
     for r in results:
         assert r["losses"] == pytest.approx(expected, rel=1e-5)
     assert expected[-1] < expected[0]  # it trains
+
+
+def test_emitted_code_shards_identically_and_trains_bitwise_equal(results):
+    for r in results:
+        assert r["emitted_placements"] == r["placements"]
+        assert r["emitted_losses"] == r["losses"]
 
 
 def test_every_parameter_is_a_2d_dtensor_with_the_planned_placements(results):

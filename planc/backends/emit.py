@@ -27,9 +27,12 @@ from planc.lower.program import (
     Checkpoint,
     Compile,
     FullyShard,
+    Layout,
     Offload,
+    Parallelize,
     Precision,
     SetPrefetch,
+    TensorStyle,
     UnitMethod,
 )
 from planc.resolve.ir import Setting
@@ -113,14 +116,14 @@ class _Call:
 class _Unit:
     """A `FullyShard` op's arguments as source, in `fully_shard`'s order, defaults left out."""
 
-    def __init__(self, op: FullyShard):
+    def __init__(self, op: FullyShard, mesh: str = "mesh"):
         self.op = op
         policy = op.policy
         self.param_paths = [n for n, _ in op.placements] + list(op.ignored)
         self.mp_policy = _precision(policy.precision) if policy.precision.changed() else None
         # (kwarg, source or a param-list marker); None values are FSDP2's defaults
         self.args: list[tuple[str, Any]] = [
-            ("mesh", "mesh"),
+            ("mesh", mesh),
             ("reshard_after_forward", None if policy.reshard_argument == FULLY_SHARD_DEFAULTS["reshard_after_forward"]
              else repr(policy.reshard_argument)),
             ("mp_policy", self.mp_policy),
@@ -432,7 +435,8 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     program = compiled.program
     plan_path = plan_path or compiled.plan.file
     model_ref = model_ref or compiled.plan.model_ref or type(model).__name__
-    units = [_Unit(op) for op in program.units]
+    tp_dim = program.mesh.tensor_dim if program.of_type(Parallelize) else None
+    units = [_Unit(op, "dp_mesh" if tp_dim else "mesh") for op in program.units]
 
     # a MixedPrecisionPolicy shared by several calls is named once
     counts: dict[str, int] = {}
@@ -457,10 +461,20 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
 
     body: list[str] = []
     ind = "    "
+    if tp_dim:
+        dp = program.mesh.dp_dims
+        body += [f"{ind}# NOTE: tensor parallelism first, on the tensor axis; FSDP then shards on the data-parallel",
+                 f"{ind}# submesh of the same root mesh.",
+                 f"{ind}tp_mesh = mesh[{tp_dim!r}]",
+                 f"{ind}dp_mesh = mesh[{dp[0]!r}]" if len(dp) == 1 else f"{ind}dp_mesh = mesh[{dp!r}]"]
     if program.of_type(Checkpoint) or program.of_type(Compile):
         body.append(f"{ind}# NOTE: checkpointing and compile wrap the plain modules before `fully_shard` hooks them.")
     for (kind, direction), ops in sections:
-        if kind is Checkpoint:
+        if kind is Parallelize:
+            body += _emit_calls([_Call((op.module,), lambda e, op=op: f"parallelize_module({e(op.module)}, tp_mesh, "
+                                       f"{style_source(op.style)})", (_where(op.origin.span, op.origin.rule),))
+                                 for op in ops], model, ind)
+        elif kind is Checkpoint:
             body += _emit_calls([_Call((op.module,), lambda e, op=op: f"checkpoint({e(op.module)}"
                                        + (", context_fn=selective_checkpoint_context)" if op.mode == "selective" else ")"),
                                        (_where(op.origin.span, op.origin.rule),)) for op in ops], model, ind)
@@ -510,14 +524,20 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     fsdp = sorted({n for n in ("CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy")
                    if re.search(rf"\b{n}\(", uses)})
     imports.append("from torch.distributed.fsdp import " + ", ".join(fsdp + ["fully_shard"]))
-    if "placement_fn(" in uses:
-        imports.append("from torch.distributed.tensor import Shard")
+    placements = sorted({n for n in ("Partial", "Replicate", "Shard") if re.search(rf"\b{n}\(", uses)})
+    if placements:
+        imports.append("from torch.distributed.tensor import " + ", ".join(placements))
+    if tp_dim:
+        styles = sorted({n for n in _TORCH_STYLES.values() if re.search(rf"\b{n}\(", uses)})
+        imports.append("from torch.distributed.tensor.parallel import " + ", ".join(styles + ["parallelize_module"]))
+        if "ReplicateParallel(" in uses:
+            imports.append("from planc.backends.runtime import ReplicateParallel  # torchtitan's NoParallel")
     selective = "context_fn=selective_checkpoint_context" in uses
     if selective:
         imports.append("from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts")
         if "import torch" not in imports:
             imports.insert(0, "import torch")
-    dims = program.mesh.dp_dims
+    dims = tuple(a.dim for a in program.mesh.device_axes)
     mesh_doc = (f"a {len(dims)}-D device mesh (" + ", ".join(f'"{d}"' for d in dims) + ")") if len(dims) > 1 \
         else "a 1-D device mesh"
     head = [
@@ -539,7 +559,40 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     return text + "\n".join(body) + "\n"
 
 
-_PRINTABLE = (Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod)
+_PRINTABLE = (Parallelize, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod)
+
+_TORCH_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel", "sequence": "SequenceParallel",
+                 "prepare_input": "PrepareModuleInput", "prepare_output": "PrepareModuleOutput",
+                 "prepare": "PrepareModuleInputOutput"}
+
+
+def _placement(layout: Layout | None) -> str:
+    if layout is None:
+        return "None"
+    return f"Shard({layout.dim})" if layout.kind == "shard" else f"{layout.kind.capitalize()}()"
+
+
+def style_source(style: TensorStyle) -> str:
+    """The torch `ParallelStyle` constructor call a plan style stands for (what the runtime builds)."""
+    if style.kind == "replicate":
+        return "ReplicateParallel()"
+    args: list[str] = []
+    linear = style.kind in ("colwise", "rowwise")
+    for name, layouts in (("input_layouts", style.input_layouts), ("desired_input_layouts", style.desired_input_layouts),
+                          ("output_layouts", style.output_layouts), ("desired_output_layouts", style.desired_output_layouts)):
+        if layouts is not None:
+            one = linear or len(layouts) == 1
+            args.append(f"{name}=" + (_placement(layouts[0]) if one else
+                                      "(" + ", ".join(_placement(x) for x in layouts) + ("," if len(layouts) == 1 else "") + ")"))
+    for name, pairs in (("input_kwarg_layouts", style.input_kwarg_layouts),
+                        ("desired_input_kwarg_layouts", style.desired_input_kwarg_layouts)):
+        if pairs:
+            args.append(f"{name}={{" + ", ".join(f"{k!r}: {_placement(v)}" for k, v in pairs) + "}")
+    if style.sequence_dim is not None:
+        args.append(f"sequence_dim={style.sequence_dim}")
+    if style.use_local_output is not None:
+        args.append(f"use_local_output={style.use_local_output}")
+    return f"{_TORCH_STYLES[style.kind]}({', '.join(args)})"
 
 
 def _selective_source() -> str:
