@@ -91,7 +91,11 @@ def _ranks(rank: int, world: int) -> dict:
     emitted = namespace["apply_plan"](build(), mesh)
     emitted_placements = {n: (tuple(mesh.mesh_dim_names), tuple(str(p) for p in t.placements), tuple(t.to_local().shape))
                           for n, t in emitted.named_parameters() if isinstance(t, DTensor)}
-    return {"losses": losses, "placements": placements, "plain": plain,
+    from planc.estimate.memory import unit_memory
+
+    estimated = sum(m.sharded for m in unit_memory(applied.compiled.program, applied.compiled.graph, world))
+    local_bytes = sum(t.to_local().numel() * t.element_size() for t in model.parameters())
+    return {"losses": losses, "placements": placements, "plain": plain, "estimated": estimated, "local": local_bytes,
             "emitted_losses": steps(emitted, data, dp_rank, 2, world), "emitted_placements": emitted_placements}
 
 
@@ -112,6 +116,12 @@ def test_emitted_code_shards_identically_and_trains_bitwise_equal(results):
     for r in results:
         assert r["emitted_placements"] == r["placements"]
         assert r["emitted_losses"] == r["losses"]
+
+
+def test_sharded_bytes_per_rank_equal_the_estimate_with_tensor_parallel_local_shapes(results):
+    # every dim of the tiny Llama divides 2 x 2, so each rank holds the same bytes
+    for r in results:
+        assert r["local"] == r["estimated"]
 
 
 def test_every_parameter_is_a_2d_dtensor_with_the_planned_placements(results):

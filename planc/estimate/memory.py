@@ -46,6 +46,7 @@ import torch
 
 from planc.estimate.trace import Example, Trace, TraceError, default_input, trace_for
 from planc.limits import rank_count
+from planc.lower.lowering import tensor_dims
 from planc.lower.program import Program
 
 # "adamw"/"adam": torch's foreach implementation (the default); "*_fused": fused=True.
@@ -111,6 +112,8 @@ class UnitMemory:
 def unit_memory(program: Program, graph, world: int, optimizer: str = "adamw") -> list[UnitMemory]:
     """Per-rank bytes of every `fully_shard` call of `program` at `world` ranks."""
     replicate, shard = mesh_sizes(program, world)
+    sizes = program.mesh.sizes(world) or {}
+    tp, tp_dims = sizes.get("tensor", 1), tensor_dims(program, graph)
     out = []
     for i, op in enumerate(program.units):
         names = list(op.params)
@@ -123,7 +126,11 @@ def unit_memory(program: Program, graph, world: int, optimizer: str = "adamw") -
         reduce_of = {}
         for name, info in zip(names, infos):
             dim = placed.get(name, 0)
-            per_rank = shard_numel(info.shape, shard, dim)
+            shape = info.shape
+            if name in tp_dims and tp > 1:  # FSDP shards the tensor-parallel local shard
+                shape = tuple(-(-n // tp) if d == tp_dims[name] else n for d, n in enumerate(shape))
+            numel = math.prod(shape)
+            per_rank = shard_numel(shape, shard, dim)
             sharded += per_rank * _itemsize(info.dtype)
             unsharded += per_rank * shard * _itemsize(pdt)
             if dim and shard > 1:  # chunk + cat through a temporary of the full size
@@ -131,7 +138,7 @@ def unit_memory(program: Program, graph, world: int, optimizer: str = "adamw") -
             count += info.numel
             if info.requires_grad:
                 reduce_of[name] = (per_rank * shard * _itemsize(rdt), per_rank * _itemsize(info.dtype))
-                grad_unsharded += info.numel * _itemsize(pdt)
+                grad_unsharded += numel * _itemsize(pdt)
                 rs += per_rank * shard * _itemsize(rdt)
                 grads += per_rank * _itemsize(info.dtype)
                 if has_moments(optimizer):
