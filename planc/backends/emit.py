@@ -525,6 +525,8 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
                    if re.search(rf"\b{n}\(", uses)})
     imports.append("from torch.distributed.fsdp import " + ", ".join(fsdp + ["fully_shard"]))
     placements = sorted({n for n in ("Partial", "Replicate", "Shard") if re.search(rf"\b{n}\(", uses)})
+    if "placement_fn(" in uses:  # the helper printed above the function builds `Shard(dim)`
+        placements = sorted({*placements, "Shard"})
     if placements:
         imports.append("from torch.distributed.tensor import " + ", ".join(placements))
     if tp_dim:

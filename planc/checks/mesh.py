@@ -4,6 +4,7 @@ the shard size (P403, P404)."""
 
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 from planc.checks.context import Context, by_key, err, listed
@@ -50,12 +51,12 @@ def check_mesh(ctx: Context) -> Iterator[Diagnostic]:
     mesh, world = ctx.res.mesh, ctx.world_size
     if world is None or mesh.span is None:
         return
-    r, s = mesh.replicate, mesh.shard
-    if r is not None and s is not None and r * s != world:
-        yield err("P401", f"mesh {mesh} has {r * s} ranks, but the world size is {world}", mesh.span,
-                  f"{r} x {s} != {world}", ("use `*` for one dimension to fill the world",))
-    elif (r is None and s and world % s) or (s is None and r and world % r):
-        fixed = s if r is None else r
+    sizes = [a.size for a in mesh.axes]
+    fixed = math.prod(n for n in sizes if n is not None)
+    if None not in sizes and fixed != world:
+        yield err("P401", f"mesh {mesh} has {fixed} ranks, but the world size is {world}", mesh.span,
+                  " x ".join(map(str, sizes)) + f" != {world}", ("use `*` for one dimension to fill the world",))
+    elif None in sizes and fixed and world % fixed:
         yield err("P401", f"mesh {mesh} cannot fill a world of {world} ranks", mesh.span,
                   f"{world} is not a multiple of {fixed}", (f"pick a size that divides {world}",))
 

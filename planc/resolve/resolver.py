@@ -21,7 +21,7 @@ from planc.lang import printer
 from planc.lang import syntax as st
 from planc.model.graph import ModelGraph
 from planc.resolve.ir import DEFAULT_SETTINGS, Resolution, Setting, Unit
-from planc.resolve.mesh import ROLES, Mesh
+from planc.resolve.mesh import ROLES, Axis, Mesh
 from planc.resolve.options import CHECKPOINT_MODES, MODULE_SETTINGS, Assignment, parse_option
 from planc.resolve.selectors import check_regexes, match_modules, match_params
 from planc.resolve.tensor import TensorStyle, tensor_style
@@ -118,7 +118,13 @@ def resolve_mesh(stmt: st.MeshStmt | None, diags: list[Diagnostic]) -> Mesh:
                                 help=("fix one size, e.g. `mesh (replicate = *, shard = 8)`",)))
         return Mesh(span=stmt.span)
     if "tensor" in sizes:
-        return Mesh.of(replicate, shard, sizes["tensor"], span=stmt.span, names=names)
+        if sizes["tensor"] is None and (replicate is None or shard is None):
+            diags.append(Diagnostic(code="P405", severity="error", message="two mesh dimensions are `*`",
+                                    span=stmt.span, label="cannot split the world two ways",
+                                    help=("fix the tensor-parallel size, e.g. `mesh (shard = *, tensor = 8)`",)))
+            return Mesh(span=stmt.span)
+        dp = Mesh.data_parallel(replicate, shard, names=dims).axes
+        return Mesh(dp + (Axis("tensor", sizes["tensor"], names["tensor"]),), stmt.span)
     return Mesh.data_parallel(replicate, shard, span=stmt.span, names=dims)
 
 
