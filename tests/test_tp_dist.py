@@ -4,7 +4,9 @@ Hugging Face Llama tiny (4 query heads, 2 KV heads) trains 3 AdamW steps under a
 (TP on attention and MLP, the embedding rowwise, the norms replicated on the tensor axis,
 FSDP on the data-parallel axis); its losses equal one unsharded process within 1e-5
 relative, and every parameter reads back as a 2-D DTensor with the placements the plan
-asks for. One launch; all checks read its results.
+asks for. The same in each launch: the code `planc emit` prints (identical placements,
+bitwise-equal losses), and the plan with loss parallel (logits sharded on the vocabulary,
+the loss inside `applied.loss_parallel()`). One launch; all checks read its results.
 """
 
 from __future__ import annotations
@@ -39,6 +41,19 @@ parallel model.norm replicate
 """
 
 
+# The same plan with the logits left sharded on the vocabulary: the loss is computed on them
+# inside `applied.loss_parallel()` (torch's `loss_parallel()`), as torchtitan's training loop does.
+LOSS_PARALLEL_PLAN = PLAN.replace("parallel lm_head colwise { output replicate }", "parallel lm_head colwise { loss_parallel }")
+assert LOSS_PARALLEL_PLAN != PLAN
+
+
+def logits_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy from the logits (what the model's own `loss` computes)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(0, 1))
+
+
 def build() -> torch.nn.Module:
     os.environ["HF_HUB_OFFLINE"] = "1"
     from planc.model.hf import build_hf_model
@@ -47,7 +62,7 @@ def build() -> torch.nn.Module:
     return build_hf_model("llama-tiny", device="cpu")
 
 
-def steps(model, data, dp_rank: int, dp: int, world: int) -> list[float]:
+def steps(model, data, dp_rank: int, dp: int, world: int, context=None) -> list[float]:
     import torch.distributed as dist
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
@@ -55,11 +70,18 @@ def steps(model, data, dp_rank: int, dp: int, world: int) -> list[float]:
     for tokens in data:
         per = tokens.shape[0] // dp
         local = tokens[dp_rank * per:(dp_rank + 1) * per]
-        loss = model(input_ids=local, labels=local).loss
-        loss.backward()
+        if context is None:
+            loss = model(input_ids=local, labels=local).loss
+            loss.backward()
+        else:  # loss parallel: the loss and its backward inside the context, on vocabulary-sharded logits
+            logits = model(input_ids=local).logits
+            with context():
+                loss = logits_loss(logits, local)
+                loss.backward()
         opt.step()
         opt.zero_grad()
-        value = loss.detach().clone()
+        value = loss.detach()
+        value = (value.full_tensor() if hasattr(value, "full_tensor") else value).clone()  # loss parallel: a DTensor
         if world > 1:
             dist.all_reduce(value)  # tensor ranks hold equal losses: the mean over all is the mean over dp
             value /= world
@@ -95,7 +117,11 @@ def _ranks(rank: int, world: int) -> dict:
 
     estimated = sum(m.sharded for m in unit_memory(applied.compiled.program, applied.compiled.graph, world))
     local_bytes = sum(t.to_local().numel() * t.element_size() for t in model.parameters())
+    sharded_logits = build()
+    lp = planc.apply(sharded_logits, planc.loads(LOSS_PARALLEL_PLAN), mesh=mesh)
+    lp_losses = steps(sharded_logits, data, dp_rank, 2, world, context=lp.loss_parallel)
     return {"losses": losses, "placements": placements, "plain": plain, "estimated": estimated, "local": local_bytes,
+            "loss_parallel": lp_losses,
             "emitted_losses": steps(emitted, data, dp_rank, 2, world), "emitted_placements": emitted_placements}
 
 
@@ -110,6 +136,15 @@ def test_losses_match_one_unsharded_process(results):
     for r in results:
         assert r["losses"] == pytest.approx(expected, rel=1e-5)
     assert expected[-1] < expected[0]  # it trains
+
+
+def test_loss_parallel_on_vocabulary_sharded_logits_matches_one_process(results):
+    model = build()
+    import contextlib
+
+    expected = steps(model, batches(model), 0, 1, 1, context=contextlib.nullcontext)
+    for r in results:
+        assert r["loss_parallel"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_emitted_code_shards_identically_and_trains_bitwise_equal(results):
