@@ -1,8 +1,8 @@
 """The device mesh a plan asks for: an ordered tuple of named axes, sizes filled from the world.
 
 Modelled on torchtitan's `ParallelDims`: each axis has a *role* (what planc does along it:
-`replicate` or `shard` for data parallelism; `tensor`, `expert` and `context` are the roles
-the language reserves for later parallelisms) and a *dimension name*, the name the real
+`replicate` or `shard` for data parallelism, `tensor` for tensor parallelism, the innermost
+axis; `expert` and `context` are left for later) and a *dimension name*, the name the real
 `DeviceMesh` dimension gets. The name is the word the plan wrote: `mesh (replicate = 2,
 shard = *)` builds dimensions `("replicate", "shard")`, torchtitan's spelling
 `mesh (dp_replicate = 2, fsdp = *)` builds `("dp_replicate", "fsdp")`.
@@ -57,16 +57,6 @@ class Mesh:
         """A replicate x shard mesh (`None` sizes are `*`): 1-D FSDP when replicate is 1, else HSDP."""
         return cls(_axes(replicate, shard, names), span)
 
-    @classmethod
-    def of(cls, replicate: int | None = 1, shard: int | None = None, tensor: int | None = None, *,
-           span: Span | None = None, names: dict[str, str] | None = None) -> "Mesh":
-        """A replicate x shard [x tensor] mesh; `names` maps a role to its `DeviceMesh` name."""
-        names = names or {}
-        axes = _axes(replicate, shard, (names.get("replicate", "replicate"), names.get("shard", "shard")))
-        if tensor is not None:
-            axes += (Axis(TENSOR, tensor, names.get(TENSOR, TENSOR)),)
-        return cls(axes, span)
-
     # ----------------------------------------------------------------- axes
     def axis(self, role: str) -> Axis | None:
         return next((a for a in self.axes if a.role == role), None)
@@ -82,12 +72,6 @@ class Mesh:
         """Size of the shard axis (None for `*`)."""
         a = self.axis("shard")
         return 1 if a is None else a.size
-
-    @property
-    def tensor(self) -> int:
-        """Size of the tensor-parallel axis (1 when there is none)."""
-        a = self.axis(TENSOR)
-        return 1 if a is None else (a.size or 1)
 
     @property
     def tensor_dim(self) -> str | None:

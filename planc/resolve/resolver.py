@@ -76,7 +76,7 @@ def resolve_mesh(stmt: st.MeshStmt | None, diags: list[Diagnostic]) -> Mesh:
         if role is None:
             diags.append(Diagnostic(code="P102", severity="error", message=f"unknown mesh dimension `{dim.name}`",
                                     span=dim.span, label="not a mesh dimension",
-                                    help=suggestion(dim.name, ROLES) or ("mesh dimensions are `replicate` and `shard`",)))
+                                    help=suggestion(dim.name, ROLES) or ("mesh dimensions: `replicate`, `shard`, `tensor`",)))
             continue
         if role in sizes:
             diags.append(Diagnostic(code="P103", severity="error", message=f"mesh dimension `{role}` given twice",
