@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from planc.compiler import CompiledPlan, as_plan
 from planc.compiler import compile as compile_plan
@@ -417,31 +418,26 @@ def placement(layout: Layout | None):
     return {"replicate": Replicate, "partial": Partial}[layout.kind]() if layout.kind != "shard" else Shard(layout.dim)
 
 
-class ReplicateParallel:
+class ReplicateParallel(ParallelStyle):
     """Parameters replicated on the tensor axis, inputs made Replicate DTensors, outputs local
     (torchtitan's `NoParallel`): a module TP does not split still lives on the same meshes."""
 
-    def __new__(cls):
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
-        from torch.distributed.tensor.parallel import ParallelStyle
 
-        class _Replicate(ParallelStyle):
-            def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-                def params(name, mod, mesh):
-                    for key, p in list(mod.named_parameters(recurse=False)):
-                        mod.register_parameter(key, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]),
-                                                                 requires_grad=p.requires_grad))
+        def params(name, mod, mesh):
+            for key, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]),
+                                                         requires_grad=p.requires_grad))
 
-                def inputs(mod, args, mesh):
-                    return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
-                                 if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+        def inputs(mod, args, mesh):
+            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
 
-                def outputs(mod, out, mesh):
-                    return out.to_local() if isinstance(out, DTensor) else out
+        def outputs(mod, out, mesh):
+            return out.to_local() if isinstance(out, DTensor) else out
 
-                return distribute_module(module, device_mesh, params, inputs, outputs)
-
-        return _Replicate()
+        return distribute_module(module, device_mesh, params, inputs, outputs)
 
 
 def torch_style(style: TensorStyle):
