@@ -2,7 +2,8 @@
 
 `<name>.stderr` holds exactly what `planc check` prints for the plan (colour off) followed by
 a last line `exit: N`. A plan picks its model with its own `model` line and may set the world
-size with a first-line comment `# world-size: 8`. When a change in output is intended, run
+size with a first-line comment `# world-size: 8` (`# world-size: 8, simulate` adds `--simulate`).
+When a change in output is intended, run
 
     PLANC_UPDATE_GOLDENS=1 pytest tests/test_ui.py
 
@@ -46,6 +47,8 @@ def check_args(plan: pathlib.Path) -> list[str]:
     m = WORLD.match(first)
     if m:
         args += ["--world-size", *m.group(1).split()]
+        if re.search(r"\bsimulate\b", first[m.end():]):  # `# world-size: 4, simulate`: planc check --simulate
+            args.append("--simulate")
     return args
 
 

@@ -212,3 +212,61 @@ class SharedNet(nn.Module):
 
 def shared_net() -> SharedNet:
     return SharedNet()
+
+
+class HeadsAttention(nn.Module):
+    """Self-attention whose forward splits q/k/v into heads, either with the global head count
+    (`view(b, s, n_heads, head_dim)`, which breaks under colwise tensor parallelism) or with the
+    local one (`view(b, s, -1, head_dim)`, which works when tp divides the heads). The local kind
+    keeps only `head_dim`, so no static check can read its head count: only the simulation finds it."""
+
+    def __init__(self, dim: int, heads: int, global_heads: bool) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        if global_heads:
+            self.n_heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        n = getattr(self, "n_heads", -1)
+        q, k, v = (p(x).view(b, s, n, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class HeadsNet(nn.Module):
+    """Embedding -> 2 x (norm, attention) -> norm -> output: a language model for the TP simulation cases."""
+
+    def __init__(self, vocab: int = 32, dim: int = 64, heads: int = 4, global_heads: bool = False,
+                 max_positions: int | None = None) -> None:
+        super().__init__()
+        self.max_positions = max_positions
+        self.embed = nn.Embedding(vocab, dim)
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(2))
+        self.attns = nn.ModuleList(HeadsAttention(dim, heads, global_heads) for _ in range(2))
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.max_positions is not None and tokens.shape[1] > self.max_positions:
+            raise ValueError(f"sequence of {tokens.shape[1]} tokens is longer than the {self.max_positions} positions")
+        x = self.embed(tokens)
+        for norm, attn in zip(self.norms, self.attns):
+            x = x + attn(norm(x))
+        return self.output(self.norm(x))
+
+
+def global_heads_net() -> HeadsNet:
+    """4 heads, the forward viewing with the global count 4 (fails under colwise at any tp > 1)."""
+    return HeadsNet(global_heads=True)
+
+
+def local_heads_net() -> HeadsNet:
+    """4 heads, the forward viewing with -1 (works at tp 2 and 4; fails at tp 8)."""
+    return HeadsNet(global_heads=False)
+
+
+def short_context_net() -> HeadsNet:
+    """Refuses sequences longer than 8 tokens, in its own forward (no tensor-parallel module involved)."""
+    return HeadsNet(max_positions=8)

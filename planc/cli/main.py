@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", metavar="MODULE:CALLABLE", help="model to check against (default: the plan's `model` line)")
     c.add_argument("--world-size", type=_world_size, nargs="+", metavar="N", help="check for these world sizes")
     c.add_argument("--format", choices=("text", "json", "github"), default="text")
+    c.add_argument("--simulate", action="store_true", help="also apply the plan on a fake process group and run one "
+                   "training step on fake tensors (the shape-level check of tensor parallelism)")
+    c.add_argument("--input-shape", metavar="BxS", help="with --simulate: batch x sequence of token ids "
+                   "(default 2x16, the sequence rounded up to a multiple of the tensor size)")
     c.set_defaults(func=check.cmd_check)
 
     t = sub.add_parser("tree", help="print a model's module tree, to write selectors")

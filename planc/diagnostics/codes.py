@@ -148,6 +148,33 @@ CODES: dict[str, Code] = {
                  "probably a typo or a size in another unit. (One size past the limit is already a P103 "
                  "where the plan writes it.)\n\n"
                  "    mesh (replicate = 65536, shard = 65536)   # error: 4,294,967,296 ranks"),
+    # --- the step simulated on a fake process group (P44x; `planc check --simulate`, planc/analysis/shapecheck.py)
+    "P440": Code("simulated step fails at a tensor-parallel module", "`planc check --simulate` applies the whole plan "
+                 "on a fake process group of the world size and runs one training step on fake tensors (shapes, no "
+                 "data). The step failed in a module's forward or backward after a `parallel` rule changed the shapes "
+                 "it sees: the diagnostic names the rule, the module that failed, and the shapes. The usual cause is "
+                 "model code that reshapes with a global size, e.g. the head count: under colwise each rank holds "
+                 "n_heads / tp heads.\n\n"
+                 "    q = self.wq(x).view(b, s, self.n_heads, self.head_dim)   # fails under colwise\n"
+                 "    q = self.wq(x).view(b, s, -1, self.head_dim)             # works: the local count"),
+    "P441": Code("tensor-parallel size does not divide the heads", "Found by `planc check --simulate`: a colwise "
+                 "projection is split into tp slices of features, and the model's view into heads of `head_dim` fails "
+                 "because tp does not divide the number of heads (each rank would hold a fraction of a head). DTensor "
+                 "allows uneven shards; head reshapes do not.\n\n"
+                 "    mesh (shard = *, tensor = 8)   # a model with 4 heads: use tensor = 1, 2 or 4"),
+    "P442": Code("style cannot be applied", "Found by `planc check --simulate`: torch refused an operation of the "
+                 "lowered program while `planc.apply` ran it on a fake process group: a tensor-parallel style on a "
+                 "module it does not support (colwise and rowwise take `nn.Linear` and `nn.Embedding`), or "
+                 "`fully_shard` of a unit after tensor parallelism.\n\n"
+                 "    parallel layers.*.attention_norm colwise   # a norm: use `replicate` or `sequence`"),
+    "P443": Code("clipping or the optimizer step fails", "Found by `planc check --simulate`: forward and backward ran, "
+                 "but `clip_grad_norm_` or the (foreach) optimizer step failed. With tensor parallelism the cause is "
+                 "almost always parameters on different meshes: modules left out of the `parallel` rules are 1-D "
+                 "DTensors over the data-parallel axes next to 2-D ones (pytorch#134212). Give them `replicate`.\n\n"
+                 "    parallel model.norm replicate"),
+    "P444": Code("simulated step fails outside tensor parallelism", "Found by `planc check --simulate`: the step failed "
+                 "in a module no `parallel` rule touches, before any tensor-parallel module ran: the model does not run "
+                 "on the simulated input (token ids of `--input-shape`, default 2 x 16). Pass an input that fits."),
     # --- expectations (P5xx)
     "P501": Code("expectation failed", "An `expect` statement does not hold for the resolved plan."),
     "P502": Code("memory expectation failed", "An `expect memory...` bound does not hold under planc's "
