@@ -311,6 +311,22 @@ class _Step:
                           help=("run `planc emit` and the printed calls on the model to see where",))
 
 
+def _layout(p: torch.Tensor) -> tuple:
+    from torch.distributed.tensor import DTensor
+    if isinstance(p, DTensor):
+        return (p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape), tuple(p.placements),
+                tuple(p.to_local().shape), tuple(p.shape), p.dtype)
+    return (None, (), (), tuple(p.shape), tuple(p.shape), p.dtype)
+
+
+def _one_per_layout(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The first parameter of each distinct layout, in order."""
+    seen: dict[tuple, torch.Tensor] = {}
+    for p in params:
+        seen.setdefault(_layout(p), p)
+    return list(seen.values())
+
+
 def check_step(plan, build: Callable[[], nn.Module], world: int, *, input_shape: tuple[int, int] | None = None,
                inputs: Callable[[nn.Module], Any] | None = None, loss: LossFn | None = None,
                optimizer: str = "adamw") -> list[Diagnostic]:
@@ -396,6 +412,11 @@ def _run(step: _Step, applied, example: Example, loss: LossFn | None, optimizer:
         else:
             module = tracker.stack[-1] if tracker.stack else None
         return [step.forward_failure(err, phase, module, tracker)]
+    # Clipping and the optimizer step on one parameter of each layout: DTensor's foreach ops cost
+    # a sharding propagation per parameter (most of a 126-block model's step), and what can fail
+    # there -- parameters on different meshes in one call -- depends on the layouts, not on how
+    # many share one. Every layout (mesh, placements, local shape, dtype) is in the call.
+    params = _one_per_layout(params)
     try:
         phase = "gradient clipping (clip_grad_norm_)"
         grads = [p for p in params if p.grad is not None]
