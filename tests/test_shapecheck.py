@@ -166,3 +166,14 @@ def test_cli_input_shape_must_be_two_sizes():
     from test_cli import run
     code, _, err = run("check", "plans/llama-tp.plan", "--simulate", "--input-shape", "2x16x3")
     assert code == 2 and "batch x sequence" in err
+
+
+def test_explain_simulate_reports_a_failed_step_on_its_rule(tmp_path, monkeypatch):
+    from test_explain import explain
+    bad = tmp_path / "bad.plan"
+    bad.write_text(PLAN.replace("local_heads_net", "global_heads_net"))
+    monkeypatch.syspath_prepend(str(ROOT))
+    code, out, err = explain([str(bad), "--world-size", "4", "--simulate", "--input-shape", "2x16"], monkeypatch)
+    assert code == 1 and out == ""
+    assert "error[P440]" in err and f"{bad}:{line_of(PLAN, 'colwise')}:1" in err
+    assert "Traceback" not in err and "planc: error" not in err
