@@ -12,6 +12,7 @@ import json
 import pathlib
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import planc
@@ -85,6 +86,23 @@ def test_hf_llama_tiny_at_tp_8_is_p441_naming_query_and_kv_heads():
     assert d.span.line == line_of(text, "{q_proj,k_proj,v_proj} colwise")
     assert "`model.layers.0.self_attn.q_proj`" in d.message
     assert "4 query heads and 2 KV heads" in d.message  # read from the model's config
+
+
+def test_hf_llama_tiny_at_tp_4_is_p441_on_the_kv_heads_only():
+    # query heads 4 divide, KV heads 2 do not (transformers#48307: 4 KV heads at tp = 8)
+    pytest.importorskip("transformers")
+    text = (ROOT / "plans" / "llama-tp.plan").read_text().replace("tensor = 2", "tensor = 4")
+    from planc.model.build import build_model
+    [d] = check_step(planc.loads(text), lambda: build_model("hf:llama-tiny", device="meta"), 8)
+    assert d.code == "P441" and "`model.layers.0.self_attn.k_proj`" in d.message and "it has 2 KV heads" in d.message
+    assert d.help[0] == "use a tensor size that divides 2: 1, 2 (`tensor = 2` in the mesh)"
+
+
+def test_compile_rules_run_eagerly_in_the_simulation():
+    text = PLAN + "compile attns.*\n"
+    assert check_step(planc.loads(text), heads_net(False), 4) == []
+    [d] = check_step(planc.loads(text.replace("tensor = 2", "tensor = 8")), heads_net(False), 16)
+    assert d.code == "P441"  # the model's own error, not dynamo's
 
 
 def test_shipped_llama_tp_plan_simulates_clean_at_world_4_and_512():
@@ -177,3 +195,29 @@ def test_explain_simulate_reports_a_failed_step_on_its_rule(tmp_path, monkeypatc
     assert code == 1 and out == ""
     assert "error[P440]" in err and f"{bad}:{line_of(PLAN, 'colwise')}:1" in err
     assert "Traceback" not in err and "planc: error" not in err
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward refuses this gradient")
+
+
+def test_a_failure_in_backward_is_located_on_the_module_whose_backward_ran():
+    from ui_models import HeadsNet
+
+    class Norm(torch.nn.LayerNorm):
+        def forward(self, x):
+            return _FailsInBackward.apply(super().forward(x))
+
+    def build():
+        model = HeadsNet()
+        model.norm = Norm(64)
+        return model
+    [d] = check_step(planc.loads(PLAN), build, 4)
+    assert d.code == "P440" and d.span.line == line_of(PLAN, "parallel norm replicate")
+    assert "in the backward of `norm`" in d.message and "backward refuses this gradient" in d.message

@@ -397,8 +397,12 @@ def _run(step: _Step, applied, example: Example, loss: LossFn | None, optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     phase = "forward"
     mods = ModTracker()
+    import torch._dynamo
+
     try:
-        with tracker, mods:
+        # `compile` rules run eagerly here: the check is about shapes, and tracing fake DTensors
+        # through dynamo would only cost time (and report dynamo's errors as the plan's)
+        with tracker, mods, torch._dynamo.config.patch(disable=True):
             out = model(*example.args, **example.kwargs)
             with applied.loss_parallel():
                 phase = "loss"
