@@ -114,3 +114,12 @@ def test_one_d_header_unchanged_and_no_placement_section(monkeypatch):
                            monkeypatch)
     assert code == 0 and "world 8 (replicate 1 x shard 8)  optimizer" in out
     assert "placements per mesh axis" not in out
+
+
+def test_html_header_names_the_tensor_axis(monkeypatch, tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    page = tmp_path / "r.html"
+    code, _, err = explain(["plans/llama-tp.plan", "--world-size", "8", "--html", str(page)], monkeypatch)
+    assert code == 0, err
+    assert "world 8 (replicate 1 × shard 4 × tensor 2)" in page.read_text(encoding="utf-8")
