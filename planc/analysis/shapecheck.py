@@ -343,7 +343,8 @@ def check_step(plan, build: Callable[[], nn.Module], world: int, *, input_shape:
 
     Returns:
         The diagnostics of the step: empty when it runs; else one, located on the plan line
-        behind the failure (P440-P444). The plan's own errors are not repeated (an empty list).
+        behind the failure (P440-P444); or the plan's own errors at this world size, when it
+        has any (then nothing is simulated).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -363,15 +364,17 @@ def check_step(plan, build: Callable[[], nn.Module], world: int, *, input_shape:
             model = build()
         compiled = planc.compile(plan, model, world, strict=False, check_memory=False)
         if compiled.errors:
-            return []  # reported by the compile; nothing to simulate
+            # nothing to simulate; at a world size the caller did not compile for (the default
+            # one) these are news, and located as the compile locates them
+            return list(compiled.errors)
         sizes = compiled.mesh.sizes(world) or {}
         tp = sizes.get("tensor", 1)
         step = _Step(compiled, model, world, tp)
         mesh = build_mesh(compiled.mesh, world, "cpu")  # NOTE: outside fake mode
         try:
             applied = apply(model, compiled, mesh=mesh)
-        except PlanError:
-            return []  # the live model disagrees with the graph: `planc check` reports the plan's errors
+        except PlanError as err:  # what `apply` refuses on the live model (P6xx), located
+            return list(err.errors)
         except Exception as err:  # torch refused an op of the program: locate it
             return [step.apply_failure(err)]
         paths = {id(m): p for p, m in model.named_modules()}
