@@ -221,3 +221,14 @@ def test_a_failure_in_backward_is_located_on_the_module_whose_backward_ran():
     [d] = check_step(planc.loads(PLAN), build, 4)
     assert d.code == "P440" and d.span.line == line_of(PLAN, "parallel norm replicate")
     assert "in the backward of `norm`" in d.message and "backward refuses this gradient" in d.message
+
+
+def test_loss_on_sharded_logits_outside_loss_parallel_is_p440_on_the_output_rule():
+    text = PLAN.replace("parallel output colwise { output replicate }", "parallel output colwise { local_output false }")
+    [d] = check_step(planc.loads(text), heads_net(False), 4)
+    assert d.code == "P440" and d.span.line == line_of(text, "parallel output colwise")
+    assert "the loss cannot be computed" in d.message and "(2, 16, 16) local of (2, 16, 32)" in d.notes[0]
+    assert "loss_parallel" in d.help[0]
+    # with loss parallel the simulated loss runs inside `applied.loss_parallel()`, as a training loop's does
+    lp = PLAN.replace("parallel output colwise { output replicate }", "parallel output colwise { loss_parallel }")
+    assert check_step(planc.loads(lp), heads_net(False), 4) == []

@@ -144,8 +144,8 @@ class _Step:
     def culprit(self, module: str | None, finished: list[tuple[str, list[str]]]):
         """The `Parallelize` op most likely behind a failure in `module`: its own, the last TP
         module that finished inside it, the nearest TP ancestor, else the last TP module that ran."""
-        if module is None:
-            return None, None
+        if module is None:  # outside every module: the loss, on the output the last TP module made
+            return (self.ops[finished[-1][0]], finished[-1][1]) if finished else (None, None)
         if module in self.ops:
             return self.ops[module], None
         inside = [(p, s) for p, s in finished if _within(p, module)]
@@ -179,14 +179,25 @@ class _Step:
     def forward_failure(self, err: BaseException, phase: str, module: str | None, tracker: _Tracker) -> Diagnostic:
         op, out_shapes = self.culprit(module, tracker.finished)
         reason = _first_line(err)
-        at = f"`{module or '<root>'}`" if module is not None else "the model"
+        at = f"`{module or '<root>'}`" if module is not None else "the model's output"
+        if phase == "loss" and op is not None:
+            lp = " inside `loss_parallel()`" if op.style.loss_parallel else ""
+            return Diagnostic(
+                code="P440", severity="error", span=op.span,
+                message=f"one training step fails in the simulation {self.where}: the loss{lp} cannot be computed on "
+                        f"the output {_op_text(op)} leaves: {reason}",
+                label=f"{_op_text(op)} here",
+                notes=tuple(f"output of `{op.module}` ({op.style.kind}): {s}" for s in (out_shapes or [])[:1]),
+                help=("for a loss on vocabulary-sharded logits write `{ loss_parallel }` (output shard(-1), not local: the "
+                      "training loop computes the loss in `applied.loss_parallel()`); else `{ output replicate }`",))
         if op is None:
             return Diagnostic(
                 code="P444", severity="error", span=_model_span(self.compiled.plan),
                 message=f"one training step fails in the simulation {self.where}, in the {phase} of {at}, where no "
                         f"`parallel` rule is involved: {reason}",
                 label="this model",
-                notes=(f"inputs of {at}: {', '.join(tracker.inputs[module])}",) if tracker.inputs.get(module or "") else (),
+                notes=(f"inputs of {at}: {', '.join(tracker.inputs[module])}",)
+                if module is not None and tracker.inputs.get(module) else (),
                 help=("the model does not run on this input: pass `--input-shape BxS` (token ids) that fits it",
                       "or run the model once without the plan to see its own error"))
         notes = [f"{phase} of {at}: {reason}"]
@@ -376,7 +387,7 @@ def check_step(plan, build: Callable[[], nn.Module], world: int, *, input_shape:
         except PlanError as err:  # what `apply` refuses on the live model (P6xx), located
             return list(err.errors)
         except Exception as err:  # torch refused an op of the program: locate it
-            return [step.apply_failure(err)]
+            return [_safely(step.apply_failure, err)]
         paths = {id(m): p for p, m in model.named_modules()}
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             model.to_empty(device="cpu")
@@ -392,6 +403,7 @@ def check_step(plan, build: Callable[[], nn.Module], world: int, *, input_shape:
 
 
 def _run(step: _Step, applied, example: Example, loss: LossFn | None, optimizer: str, paths) -> list[Diagnostic]:
+    import torch._dynamo
     from torch.distributed._tools.mod_tracker import ModTracker
 
     model = step.model
@@ -400,8 +412,6 @@ def _run(step: _Step, applied, example: Example, loss: LossFn | None, optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
     phase = "forward"
     mods = ModTracker()
-    import torch._dynamo
-
     try:
         # `compile` rules run eagerly here: the check is about shapes, and tracing fake DTensors
         # through dynamo would only cost time (and report dynamo's errors as the plan's)
@@ -413,19 +423,30 @@ def _run(step: _Step, applied, example: Example, loss: LossFn | None, optimizer:
                 phase = "backward"
                 value.backward()
     except Exception as err:
-        if phase == "backward":
-            inner = max(mods.parents - {"Global"}, key=len, default="")
-            module = inner.split(".", 1)[1] if "." in inner else ("" if inner else None)
-        else:
-            module = tracker.stack[-1] if tracker.stack else None
-        return [step.forward_failure(err, phase, module, tracker)]
-    # Clipping and the optimizer step on one parameter of each layout: DTensor's foreach ops cost
-    # a sharding propagation per parameter (most of a 126-block model's step), and what can fail
-    # there -- parameters on different meshes in one call -- depends on the layouts, not on how
-    # many share one. Every layout (mesh, placements, local shape, dtype) is in the call.
+        return [_safely(step.forward_failure, err, phase, _failing_module(phase, mods, tracker), tracker)]
+    return _after_backward(step, params, optimizer)
+
+
+def _failing_module(phase: str, mods, tracker: _Tracker) -> str | None:
+    """The module running when the step failed: in forward the top of the hook stack; in backward
+    the innermost module whose backward `ModTracker` saw start; None outside every module."""
+    if phase == "backward":
+        inner = max(mods.parents - {"Global"}, key=len, default="")
+        return inner.split(".", 1)[1] if "." in inner else ("" if inner else None)
+    return tracker.stack[-1] if tracker.stack else None
+
+
+def _after_backward(step: _Step, params: list, optimizer: str) -> list[Diagnostic]:
+    """Clipping and the optimizer step, on one parameter of each layout.
+
+    DTensor's foreach ops cost a sharding propagation per parameter (most of a 126-block
+    model's step), and what can fail there -- parameters on different meshes in one call --
+    depends on the layouts, not on how many share one: every layout (mesh, placements, local
+    shape, dtype) is in the call.
+    """
     params = _one_per_layout(params)
+    phase = "gradient clipping (clip_grad_norm_)"
     try:
-        phase = "gradient clipping (clip_grad_norm_)"
         grads = [p for p in params if p.grad is not None]
         if grads:
             torch.nn.utils.clip_grad_norm_(grads, 1.0, foreach=True)
@@ -440,5 +461,16 @@ def _run(step: _Step, applied, example: Example, loss: LossFn | None, optimizer:
         if opt is not None:
             opt.step()
     except Exception as err:
-        return [step.mesh_failure(err, phase)]
+        return [_safely(step.mesh_failure, err, phase)]
     return []
+
+
+def _safely(diagnose, err: BaseException, *args) -> Diagnostic:
+    """`diagnose(err, *args)`; if reading the failure fails too, the plain located fact (never a traceback)."""
+    try:
+        return diagnose(err, *args)
+    except Exception:
+        step = diagnose.__self__
+        return Diagnostic(code="P444", severity="error", span=_model_span(step.compiled.plan),
+                          message=f"one training step fails in the simulation {step.where}: {_first_line(err)}",
+                          label="this model", help=("run `planc emit` and the printed calls on the model to see where",))
