@@ -180,6 +180,18 @@ def test_cli_check_simulate_clean_names_the_world_sizes():
     assert err == ""  # torch's warnings about the simulated step are not shown
 
 
+def test_cli_check_simulate_without_world_size_uses_the_smallest_world_of_the_mesh():
+    from test_cli import run
+    code, out, _ = run("check", "plans/llama-tp.plan", "--simulate")
+    assert code == 0 and out.strip().endswith("simulated at world 4)")  # shard = * -> 2, times tensor = 2
+
+
+def test_cli_input_shape_needs_simulate():
+    from test_cli import run
+    code, _, err = run("check", "plans/llama-tp.plan", "--input-shape", "2x16")
+    assert code == 2 and "add --simulate" in err
+
+
 def test_cli_input_shape_must_be_two_sizes():
     from test_cli import run
     code, _, err = run("check", "plans/llama-tp.plan", "--simulate", "--input-shape", "2x16x3")

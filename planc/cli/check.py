@@ -9,6 +9,9 @@ from planc.diagnostics import Diagnostic, render, sort_diagnostics
 
 
 def cmd_check(args) -> int:
+    if getattr(args, "input_shape", None) and not getattr(args, "simulate", False):
+        raise UsageError("--input-shape is the input of --simulate's step: add --simulate (memory `expect` lines "
+                         "take `input = BxS` on the line)")
     cache = ModelCache()
     all_diags: list[Diagnostic] = []
     sources: dict[str, str] = {}
