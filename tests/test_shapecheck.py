@@ -244,3 +244,20 @@ def test_loss_on_sharded_logits_outside_loss_parallel_is_p440_on_the_output_rule
     # with loss parallel the simulated loss runs inside `applied.loss_parallel()`, as a training loop's does
     lp = PLAN.replace("parallel output colwise { output replicate }", "parallel output colwise { loss_parallel }")
     assert check_step(planc.loads(lp), heads_net(False), 4) == []
+
+
+def test_uneven_shards_are_simulated_on_the_last_rank_too(capfd):
+    # 3 heads of 2 split 4 ways: DTensor gives the ranks 2, 2, 2 and 0 features of q/k/v
+    from ui_models import HeadsNet
+
+    from planc.analysis.shapecheck import _check_as
+    text = PLAN.replace("tensor = 2", "tensor = 4")
+    build = lambda: HeadsNet(dim=6, heads=3)  # noqa: E731
+    [d] = check_step(planc.loads(text), build, 8)
+    # rank 0 already fails: rowwise takes its input as an even shard of 4 x 2 = 8 features, not 6
+    assert d.code == "P440" and "`attns.0.o` rowwise" in d.message and "on rank" not in d.message
+    found, uneven = _check_as(planc.loads(text), build, 8, 7, None, None, None, "adamw")
+    assert uneven
+    [last] = found  # the last rank holds no feature of q at all
+    assert "on rank 7, which holds the smallest uneven shards" in last.message and "`attns.0.q`" in last.message
+    assert capfd.readouterr().err == ""  # torch's own logging of the failures is not shown

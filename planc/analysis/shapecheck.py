@@ -3,7 +3,8 @@
 `planc check --simulate` runs it. The plan is applied by the real runtime (`planc.apply`:
 tensor parallelism on the tensor submesh, then `fully_shard` on the data-parallel one) to
 the model built on meta, in a fake process group of the plan's world size (torch's
-`FakeStore`, backend "fake": any size, one process, rank 0); the parameters become fake
+`FakeStore`, backend "fake": any size, one process, rank 0, and the last rank too when a
+tensor-parallel dim is split unevenly); the parameters become fake
 tensors (`FakeTensorMode`) and one step runs: forward, the loss, backward,
 `clip_grad_norm_` and the optimizer step. Fake tensors carry shapes and no data, so a
 reshape that cannot work at this tensor-parallel degree fails here exactly as it would on
@@ -134,11 +135,12 @@ def _op_text(op) -> str:
 class _Step:
     """One simulated step of an applied plan, with what is needed to say where it failed."""
 
-    def __init__(self, compiled, model: nn.Module, world: int, tp: int):
+    def __init__(self, compiled, model: nn.Module, world: int, tp: int, rank: int = 0):
         from planc.lower.program import Parallelize
         self.compiled, self.model, self.world, self.tp = compiled, model, world, tp
         self.ops = {op.module: op for op in compiled.program.of_type(Parallelize)}
-        self.where = f"at world {world}" + (f" (tensor {tp})" if compiled.mesh.tensor_dim else "")
+        self.where = (f"at world {world}" + (f" (tensor {tp})" if compiled.mesh.tensor_dim else "")
+                      + (f" on rank {rank}, which holds the smallest uneven shards" if rank else ""))
 
     # ------------------------------------------------------------ which rule
     def culprit(self, module: str | None, finished: list[tuple[str, list[str]]]):
@@ -357,19 +359,33 @@ def check_step(plan, build: Callable[[], nn.Module], world: int, *, input_shape:
         behind the failure (P440-P444); or the plan's own errors at this world size, when it
         has any (then nothing is simulated).
     """
+    found, uneven = _check_as(plan, build, world, 0, input_shape, inputs, loss, optimizer)
+    if not found and uneven and world > 1:
+        # a dim tensor parallelism does not divide: DTensor shards it unevenly and the last
+        # rank holds the smallest shard, so it is simulated too
+        found, _ = _check_as(plan, build, world, world - 1, input_shape, inputs, loss, optimizer)
+    return found
+
+
+def _check_as(plan, build, world: int, rank: int, input_shape, inputs, loss, optimizer) -> tuple[list[Diagnostic], bool]:
+    """`check_step` as one rank; also whether some tensor-parallel dim is split unevenly."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import planc
     from planc.analysis.simulate import init_fake, zoo_inputs
     from planc.backends.runtime import apply, build_mesh
+    from planc.lower.lowering import tensor_dims
 
-    init_fake(world, 0)
+    init_fake(world, rank)
+    uneven = False
     quiet = warnings.catch_warnings()
     quiet.__enter__()
     warnings.simplefilter("ignore")  # FSDP's and DTensor's advice on a step that is not a real run
-    logger = logging.getLogger("torch.distributed")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    # torch logs what it is about to raise (fake tensors) and advice (DTensor): the diagnostic says it
+    loggers = [logging.getLogger(name) for name in ("torch.distributed", "torch._subclasses.fake_tensor")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
     try:
         with torch.device("meta"):
             model = build()
@@ -377,17 +393,19 @@ def check_step(plan, build: Callable[[], nn.Module], world: int, *, input_shape:
         if compiled.errors:
             # nothing to simulate; at a world size the caller did not compile for (the default
             # one) these are news, and located as the compile locates them
-            return list(compiled.errors)
+            return list(compiled.errors), False
         sizes = compiled.mesh.sizes(world) or {}
         tp = sizes.get("tensor", 1)
-        step = _Step(compiled, model, world, tp)
+        graph = compiled.graph
+        uneven = any(graph.params[n].shape[d] % tp for n, d in tensor_dims(compiled.program, graph).items())
+        step = _Step(compiled, model, world, tp, rank)
         mesh = build_mesh(compiled.mesh, world, "cpu")  # NOTE: outside fake mode
         try:
             applied = apply(model, compiled, mesh=mesh)
         except PlanError as err:  # what `apply` refuses on the live model (P6xx), located
-            return list(err.errors)
+            return list(err.errors), uneven
         except Exception as err:  # torch refused an op of the program: locate it
-            return [_safely(step.apply_failure, err)]
+            return [_safely(step.apply_failure, err)], uneven
         paths = {id(m): p for p, m in model.named_modules()}
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             model.to_empty(device="cpu")
@@ -395,10 +413,11 @@ def check_step(plan, build: Callable[[], nn.Module], world: int, *, input_shape:
                 model.tie_weights()
             make = inputs or zoo_inputs(input_shape or default_input_shape(tp))
             example = Example.of(make(model)).map(fake.from_tensor)
-            return _run(step, applied, example, loss, optimizer, paths)
+            return _run(step, applied, example, loss, optimizer, paths), uneven
     finally:
         dist.destroy_process_group()
-        logger.setLevel(level)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
         quiet.__exit__(None, None, None)
 
 
