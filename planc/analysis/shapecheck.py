@@ -232,7 +232,7 @@ class _Step:
                     help=(f"use a tensor size that divides {counted[0][1]}: {', '.join(map(str, divisors))} "
                           f"(`{size} = {max(d for d in divisors if d <= self.tp)}` in the mesh)",
                           f"or leave `{op.module}` out of tensor parallelism"))
-            if -1 not in dims and n_heads is not None and len(dims) >= 2 and dims[-2] > 0:
+            if -1 not in dims and n_heads is not None and len(dims) >= 2 and dims[-2] == n_heads:
                 given = dims[-2]
                 return Diagnostic(
                     code="P440", severity="error", span=op.span,
