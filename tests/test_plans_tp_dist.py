@@ -1,0 +1,181 @@
+"""The shipped 2-D plans train correctly in real processes: 4 gloo ranks, 2 data-parallel x 2 tensor-parallel.
+
+Each plan in `PLANS` is applied by `planc.apply` to the tiny model of its family (the plan's
+own text with the `model` line pointed at it, in fp32 with FSDP's default mean reduction:
+the `defaults` block is dropped so that losses can be compared to fp32 rounding). Three
+AdamW (foreach) steps with `clip_grad_norm_` run on it; the losses equal one unsharded
+process within 1e-5 relative, and every parameter reads back as a DTensor on both mesh
+axes (no parameter left off the tensor axis, which foreach AdamW and clipping would refuse).
+One launch for all the plans; the checks read its results.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from distributed import run
+from training import batches
+
+pytestmark = pytest.mark.dist
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# plan -> (the tiny model the test builds, how the loss is taken)
+PLANS = {
+    "torchtitan_llama3-tp.plan": ("planc.model.torchtitan:llama3_debugmodel", "logits"),
+    "mixtral-tp.plan": ("hf:mixtral-tiny", "labels"),
+    "seed-tp.plan": ("planc.zoo:seed_transformer_tiny", "logits"),
+}
+EXTRA = {"planc.model.torchtitan:": "torchtitan", "hf:": "transformers"}
+
+
+def plan_text(name: str) -> str:
+    """The shipped plan, its model the tiny one, fp32, FSDP's default reduction."""
+    text = (ROOT / "plans" / name).read_text()
+    text = re.sub(r"(?m)^model .*$", f"model {PLANS[name][0]}", text)
+    text = re.sub(r"(?ms)^defaults \{.*?^\}\n", "", text)
+    return re.sub(r"(?m)^expect .*\n", "", text)  # the 1.4B / 8x7B unit expectations do not all hold on tiny
+
+
+def build(ref: str) -> torch.nn.Module:
+    """The model on CPU, initialised from seed 0 (the same on every rank and in the reference)."""
+    torch.manual_seed(0)
+    if ref.startswith("hf:"):
+        from planc.model.hf import build_hf_model
+
+        return build_hf_model(ref[3:], device="cpu")
+    if ref.startswith("planc.model.torchtitan:"):
+        from planc.model.torchtitan import llama3
+
+        model = llama3("debugmodel", max_seq_len=16)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        return model
+    from planc.model.build import build_model
+
+    return build_model(ref, device="cpu")
+
+
+def loss_of(model, tokens: torch.Tensor, how: str) -> torch.Tensor:
+    if how == "labels":
+        return model(input_ids=tokens, labels=tokens).loss
+    logits = model(tokens)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+
+
+def steps(model, data, how: str, dp_rank: int, dp: int, world: int) -> list[float]:
+    import torch.distributed as dist
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    losses = []
+    for tokens in data:
+        per = tokens.shape[0] // dp
+        loss = loss_of(model, tokens[dp_rank * per:(dp_rank + 1) * per], how)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, foreach=True)
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(value)  # tensor ranks hold equal losses: the mean over all ranks is the mean over dp
+            value /= world
+        losses.append(value.item())
+    return losses
+
+
+def data_for(model) -> list[torch.Tensor]:
+    if not hasattr(getattr(model, "config", None), "vocab_size"):  # torchtitan's config has no vocab_size
+        gen = torch.Generator().manual_seed(1234)
+        vocab = model.tok_embeddings.num_embeddings
+        return [(torch.randint(0, vocab, (4, 1), generator=gen) + torch.arange(16)) % vocab for _ in range(3)]
+    return batches(model)
+
+
+def _ranks(rank: int, world: int, names: list[str]) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    import planc
+
+    out = {}
+    for name in names:
+        ref, how = PLANS[name]
+        model = build(ref)
+        data = data_for(model)
+        applied = planc.apply(model, planc.loads(plan_text(name), filename=name))
+        mesh = applied.mesh
+        meshes = {n: tuple(t.device_mesh.mesh_dim_names) if isinstance(t, DTensor) else None
+                  for n, t in model.named_parameters()}
+        out[name] = {"losses": steps(model, data, how, mesh["shard"].get_local_rank(), 2, world), "meshes": meshes}
+    return out
+
+
+def _available() -> list[str]:
+    import importlib.util
+
+    return [n for n, (ref, _) in PLANS.items()
+            if all(importlib.util.find_spec(m) is not None for p, m in EXTRA.items() if ref.startswith(p))]
+
+
+@pytest.fixture(scope="module")
+def results():
+    names = _available()
+    if not names:
+        pytest.skip("needs transformers or torchtitan")
+    return names, run(_ranks, 4, names, timeout=900)
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_2d_plan_trains_like_one_process(results, name):
+    names, per_rank = results
+    if name not in names:
+        pytest.skip(f"{PLANS[name][0]} is not installed")
+    ref, how = PLANS[name]
+    model = build(ref)
+    expected = steps(model, data_for(model), how, 0, 1, 1)
+    for r in per_rank:
+        assert r[name]["losses"] == pytest.approx(expected, rel=1e-5)
+    assert expected[-1] < expected[0]  # it trains
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_every_parameter_lives_on_both_mesh_axes(results, name):
+    names, per_rank = results
+    if name not in names:
+        pytest.skip(f"{PLANS[name][0]} is not installed")
+    meshes = per_rank[0][name]["meshes"]
+    assert meshes and all(m == ("shard", "tensor") for m in meshes.values()), meshes
+
+
+# Why plans/gpt2.plan has no 2-D variant (its header says so): checked in a fake process group.
+GPT2_FACTS = r"""
+import planc
+from planc.analysis.simulate import init_fake
+from planc.model.hf import build_hf_model
+
+init_fake(4)
+base = "model hf:gpt2-tiny\nmesh (shard = *, tensor = 2)\nunit transformer.h.*\nunit [transformer.wte, transformer.ln_f, lm_head]\n"
+m = build_hf_model("gpt2-tiny", device="cpu")
+try:
+    planc.apply(m, planc.loads(base + "parallel transformer.h.*.mlp.c_fc colwise\n"))
+except NotImplementedError as err:
+    print("conv1d:", err)
+m = build_hf_model("gpt2-tiny", device="cpu")
+assert m.lm_head.weight is m.transformer.wte.weight
+planc.apply(m, planc.loads(base + "parallel transformer.wte rowwise { input replicate; output replicate }\n"
+                           "parallel lm_head colwise { output replicate }\nparallel transformer.{h, wpe, ln_f} replicate\n"))
+print("tied after tensor parallelism:", m.lm_head.weight is m.transformer.wte.weight)
+"""
+
+
+def test_gpt2_conv1d_cannot_be_split_and_tensor_parallelism_unties_its_embedding():
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, "-c", GPT2_FACTS], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "conv1d: ColwiseParallel currently only support nn.Linear and nn.Embedding" in out.stdout
+    assert "tied after tensor parallelism: False" in out.stdout
