@@ -7,6 +7,11 @@ AdamW (foreach) steps with `clip_grad_norm_` run on it; the losses equal one uns
 process within 1e-5 relative, and every parameter reads back as a DTensor on both mesh
 axes (no parameter left off the tensor axis, which foreach AdamW and clipping would refuse).
 One launch for all the plans; the checks read its results.
+
+A second launch (2 ranks, tensor axis only) checks `planc import --hf-tp-plan` against
+Hugging Face's own `apply_tensor_parallelism` on the tiny Qwen3 (q/k norms inside the
+head-sharded region): the plan imported from the model's `base_model_tp_plan` and Hugging
+Face's own tensor parallelism take the same losses step by step.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ PLANS = {
     "seed-tp.plan": ("planc.zoo:seed_transformer_tiny", "logits"),
 }
 EXTRA = {"planc.model.torchtitan:": "torchtitan", "hf:": "transformers"}
+QWEN3 = f"hf:{ROOT / 'tests' / 'fixtures' / 'qwen3-tiny' / 'config.json'}"
 
 
 def plan_text(name: str) -> str:
@@ -59,6 +65,56 @@ def build(ref: str) -> torch.nn.Module:
     return build_model(ref, device="cpu")
 
 
+def imported_plan(ref: str, tensor: int) -> str:
+    """`planc import --model REF --hf-tp-plan --tensor N`, as text."""
+    import contextlib
+    import io
+
+    from planc import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert cli.main(["import", "--model", ref, "--hf-tp-plan", "--tensor", str(tensor)]) == 0
+    return out.getvalue()
+
+
+def _hf_against_planc(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    import planc
+
+    model = build(QWEN3)
+    data = batches(model)
+    planc.apply(model, planc.loads(imported_plan(QWEN3, world), filename="imported.plan"))
+    ours = steps(model, data, "labels", 0, 1, world, clip=False)
+    theirs_model = build(QWEN3)
+    # HF's loader expands the plan's `*` into layer numbers before this call; so do we
+    from planc.importers.hf_tp import _matches
+
+    names = [n for n, _ in theirs_model.named_modules() if n] + [n for n, _ in theirs_model.named_parameters()]
+    expanded = {name: style for key, style in theirs_model._tp_plan.items() for name in _matches(key, names)}
+    tp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    apply_tensor_parallelism(theirs_model, tp_mesh, expanded)
+    # ... and its loader shards each parameter of a module the plan names (`shard_param`)
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    for name, style in expanded.items():
+        module = dict(theirs_model.named_modules()).get(name)
+        for pname in list(module._parameters) if module is not None else ():
+            ALL_PARALLEL_STYLES[style].shard_param(module, pname, tp_mesh)
+    # HF leaves the parameters outside its plan plain tensors: no foreach across them, no clipping
+    opt = torch.optim.AdamW(theirs_model.parameters(), lr=1e-2, foreach=False)
+    theirs = []
+    for tokens in data:
+        loss = loss_of(theirs_model, tokens, "labels")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        theirs.append(loss.item())
+    return {"ours": ours, "theirs": theirs}
+
+
 def loss_of(model, tokens: torch.Tensor, how: str) -> torch.Tensor:
     if how == "labels":
         return model(input_ids=tokens, labels=tokens).loss
@@ -66,7 +122,7 @@ def loss_of(model, tokens: torch.Tensor, how: str) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
 
 
-def steps(model, data, how: str, dp_rank: int, dp: int, world: int) -> list[float]:
+def steps(model, data, how: str, dp_rank: int, dp: int, world: int, clip: bool = True) -> list[float]:
     import torch.distributed as dist
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
@@ -75,7 +131,8 @@ def steps(model, data, how: str, dp_rank: int, dp: int, world: int) -> list[floa
         per = tokens.shape[0] // dp
         loss = loss_of(model, tokens[dp_rank * per:(dp_rank + 1) * per], how)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, foreach=True)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, foreach=True)
         opt.step()
         opt.zero_grad()
         value = loss.detach().clone()
@@ -156,7 +213,8 @@ from planc.analysis.simulate import init_fake
 from planc.model.hf import build_hf_model
 
 init_fake(4)
-base = "model hf:gpt2-tiny\nmesh (shard = *, tensor = 2)\nunit transformer.h.*\nunit [transformer.wte, transformer.ln_f, lm_head]\n"
+base = ("model hf:gpt2-tiny\nmesh (shard = *, tensor = 2)\nunit transformer.h.*\n"
+        "unit [transformer.wte, transformer.ln_f, lm_head]\n")
 m = build_hf_model("gpt2-tiny", device="cpu")
 try:
     planc.apply(m, planc.loads(base + "parallel transformer.h.*.mlp.c_fc colwise\n"))
@@ -179,3 +237,17 @@ def test_gpt2_conv1d_cannot_be_split_and_tensor_parallelism_unties_its_embedding
     assert out.returncode == 0, out.stderr[-3000:]
     assert "conv1d: ColwiseParallel currently only support nn.Linear and nn.Embedding" in out.stdout
     assert "tied after tensor parallelism: False" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def hf_results():
+    pytest.importorskip("transformers")
+    return run(_hf_against_planc, 2, timeout=600)
+
+
+def test_imported_hf_tp_plan_trains_like_hugging_faces_own_tensor_parallelism(hf_results):
+    model = build(QWEN3)
+    one = steps(model, batches(model), "labels", 0, 1, 1, clip=False)
+    for r in hf_results:
+        assert r["ours"] == pytest.approx(r["theirs"], rel=1e-5)
+        assert r["ours"] == pytest.approx(one, rel=1e-5)
