@@ -500,7 +500,8 @@ def trace_for(compiled, inputs: "tuple | dict | Example | None", loss: LossFn | 
                     cache[key] = fake_trace(compiled, example, loss, tp)
             except Exception as err:  # any model code can fail on unexpected inputs
                 shapes = " and ".join("x".join(map(str, t.shape)) for t in example.tensors())
-                raise TraceError(f"the model did not run on inputs of shape {shapes}: "
+                rank = f" as one of {tp} tensor-parallel ranks (local shapes)" if tp > 1 and key[0][3] else ""
+                raise TraceError(f"the model did not run on inputs of shape {shapes}{rank}: "
                                  f"{type(err).__name__}: {err}") from err
     return cache[key]
 
