@@ -4,8 +4,9 @@ Each plan in `PLANS` is applied by `planc.apply` to the tiny model of its family
 own text with the `model` line pointed at it, in fp32 with FSDP's default mean reduction:
 the `defaults` block is dropped so that losses can be compared to fp32 rounding). Three
 AdamW (foreach) steps with `clip_grad_norm_` run on it; the losses equal one unsharded
-process within 1e-5 relative, and every parameter reads back as a DTensor on both mesh
-axes (no parameter left off the tensor axis, which foreach AdamW and clipping would refuse).
+process within 1e-5 relative, every parameter reads back as a DTensor on both mesh axes
+(no parameter left off the tensor axis, which foreach AdamW and clipping would refuse), and
+the code `planc emit` prints places every parameter the same way on a fresh copy.
 One launch for all the plans; the checks read its results.
 
 A second launch (2 ranks, tensor axis only) checks `planc import --hf-tp-plan` against
@@ -165,8 +166,22 @@ def _ranks(rank: int, world: int, names: list[str]) -> dict:
         mesh = applied.mesh
         meshes = {n: tuple(t.device_mesh.mesh_dim_names) if isinstance(t, DTensor) else None
                   for n, t in model.named_parameters()}
-        out[name] = {"losses": steps(model, data, how, mesh["shard"].get_local_rank(), 2, world), "meshes": meshes}
+        out[name] = {"losses": steps(model, data, how, mesh["shard"].get_local_rank(), 2, world), "meshes": meshes,
+                     "placements": _placements(model)}
+        # the code `planc emit` prints for the same plan, on a fresh copy on the same mesh
+        from planc.backends.emit import emit_python
+
+        namespace: dict = {}
+        exec(emit_python(applied.compiled), namespace)
+        out[name]["emitted"] = _placements(namespace["apply_plan"](build(ref), mesh))
     return out
+
+
+def _placements(model) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    return {n: (tuple(str(p) for p in t.placements), tuple(t.to_local().shape))
+            for n, t in model.named_parameters() if isinstance(t, DTensor)}
 
 
 def _available() -> list[str]:
@@ -195,6 +210,15 @@ def test_2d_plan_trains_like_one_process(results, name):
     for r in per_rank:
         assert r[name]["losses"] == pytest.approx(expected, rel=1e-5)
     assert expected[-1] < expected[0]  # it trains
+
+
+@pytest.mark.parametrize("name", list(PLANS))
+def test_emitted_code_places_every_parameter_as_apply_does(results, name):
+    names, per_rank = results
+    if name not in names:
+        pytest.skip(f"{PLANS[name][0]} is not installed")
+    for r in per_rank:
+        assert r[name]["emitted"] == r[name]["placements"]
 
 
 @pytest.mark.parametrize("name", list(PLANS))
