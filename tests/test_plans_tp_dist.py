@@ -275,3 +275,37 @@ def test_imported_hf_tp_plan_trains_like_hugging_faces_own_tensor_parallelism(hf
     for r in hf_results:
         assert r["ours"] == pytest.approx(r["theirs"], rel=1e-5)
         assert r["ours"] == pytest.approx(one, rel=1e-5)
+
+
+def _replicate_style(rank: int, world: int) -> dict:
+    """`replicate` on a module whose input is a sequence-sharded DTensor: it sees every token."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from planc.backends.runtime import ReplicateParallel
+
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    reference = {k: v.clone() for k, v in attention.state_dict().items()}
+    x = torch.randn(2, 6, 8)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tensor",))
+    parallelize_module(attention, mesh, ReplicateParallel())
+    local = x.chunk(world, dim=1)[rank]
+    out, _ = attention(*(DTensor.from_local(local, mesh, [Shard(1)]),) * 3, need_weights=False)
+    out.sum().backward()
+    return {"out": out, "x": x, "state": reference, "grad": attention.in_proj_weight.grad.full_tensor(),
+            "placements": [str(p.placements) for p in attention.parameters()]}
+
+
+def test_replicate_gathers_a_sharded_input_and_computes_the_module_whole():
+    r = run(_replicate_style, 2, timeout=300)
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    attention.load_state_dict(r[0]["state"])
+    out, _ = attention(r[0]["x"], r[0]["x"], r[0]["x"], need_weights=False)
+    out.sum().backward()
+    for rank in r:
+        assert torch.allclose(rank["out"], out, atol=1e-6)  # local output: the whole sequence
+        assert torch.allclose(rank["grad"], attention.in_proj_weight.grad, atol=1e-5)
+        assert set(rank["placements"]) == {"(Replicate(),)"}

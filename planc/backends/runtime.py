@@ -423,12 +423,13 @@ class ReplicateParallel(ParallelStyle):
     `NoParallel`): a module tensor parallelism does not split still lives on the same meshes.
 
     Every rank of the tensor axis computes the same thing from the same (replicated) inputs,
-    so the forward runs on the parameters' local tensors and any DTensor input's local tensor,
-    and returns local tensors; the parameter gradients come back as `Replicate` DTensors
-    through `to_local`. No DTensor operator runs inside the module, so any module works:
-    `nn.MultiheadAttention` (CPU flash attention has no DTensor sharding rule), a mixture of
-    experts (`grouped_mm`, data-dependent indexing), torchtitan 0.3.0's `Embedding` (which
-    unwraps its own weight). A parameter shared by two submodules stays shared.
+    so the forward runs on the parameters' local tensors and on its inputs' (a DTensor input is
+    first made `Replicate`, as torchtitan's `NoParallel` asks), and returns local tensors; the
+    parameter gradients come back as `Replicate` DTensors through `to_local`. No DTensor
+    operator runs inside the module, so any module works: `nn.MultiheadAttention` (CPU flash
+    attention has no DTensor sharding rule), a mixture of experts (`grouped_mm`, data-dependent
+    indexing), torchtitan 0.3.0's `Embedding` (which unwraps its own weight). A parameter
+    shared by two submodules stays shared.
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
@@ -446,7 +447,11 @@ class ReplicateParallel(ParallelStyle):
         forward = module.forward
 
         def local(x):
-            return x.to_local() if isinstance(x, DTensor) else x
+            if not isinstance(x, DTensor):
+                return x
+            if not all(p.is_replicate() for p in x.placements):  # e.g. a sequence-parallel Shard(1) input
+                x = x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+            return x.to_local()
 
         def local_forward(*args, **kwargs):
             # NOTE: the parameters are read here, inside forward, after FSDP's pre-forward hook
