@@ -31,9 +31,10 @@ from goldens import check_golden  # noqa: E402
 WORLD = re.compile(r"#\s*world-size:\s*([0-9 ]+)")
 
 # Codes `planc check` cannot produce: P6xx are raised by `planc.apply` on a live model in a
-# process group, P7xx by `planc import` on accelerate configs; each is covered by that
-# command's own tests. Every other code needs a golden here.
-OTHER_COMMANDS = ("P6", "P7")
+# process group, P7xx by `planc import` on accelerate configs, P457-P459 by `planc import
+# --hf-tp-plan` (tests/test_import_hf_tp.py); each is covered by that command's own tests.
+# Every other code needs a golden here.
+OTHER_COMMANDS = ("P6", "P7", "P457", "P458", "P459")
 
 
 def reachable_from_check(code: str) -> bool:

@@ -82,9 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--check", action="store_true", help="exit 1 if a plan is not formatted")
     f.set_defaults(func=fmt.main)
 
-    i = sub.add_parser("import", help="translate an accelerate FSDP config into a plan")
-    i.add_argument("config")
+    i = sub.add_parser("import", help="translate an accelerate FSDP config and/or a Hugging Face TP plan into a plan")
+    i.add_argument("config", nargs="?", help="an accelerate config (YAML)")
     i.add_argument("--model", metavar="MODULE:CALLABLE")
+    i.add_argument("--hf-tp-plan", action="store_true",
+                   help="add the tensor-parallel plan transformers ships with --model (base_model_tp_plan)")
+    i.add_argument("--tensor", type=int, default=2, metavar="N", help="ranks on the tensor axis (default 2)")
     i.add_argument("-o", "--output", help="write the plan here (default: stdout)")
     i.set_defaults(func=importer.main)
 

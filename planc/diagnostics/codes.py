@@ -227,6 +227,21 @@ CODES: dict[str, Code] = {
                  "(e.g. `fsdp_state_dict_type`); keep it where the script sets it.", "note"),
     "P706": Code("unknown fsdp_config key", "A key under `fsdp_config` is not one accelerate reads; it is "
                  "probably misspelled and accelerate ignores it.", "warning"),
+    # --- `planc import --hf-tp-plan` (tpplans: P457-P459)
+    "P457": Code("Hugging Face tensor-parallel style not imported", "An entry of the model's Hugging Face "
+                 "tensor-parallel plan (`base_model_tp_plan`, `_tp_plan`) has no torch `ParallelStyle` "
+                 "equivalent (packed fused weights, expert parallelism, MLA), places a single parameter, or "
+                 "names no module of the model. The imported plan leaves it out with a `# not imported:` "
+                 "comment; the module's parameters are replicated on the tensor axis instead.\n\n"
+                 "    # not imported: model.layers.*.mlp.experts.gate_up_proj packed_colwise (...)", "warning"),
+    "P458": Code("no Hugging Face tensor-parallel plan", "`planc import --hf-tp-plan` reads the plan "
+                 "transformers ships with the model (`config.base_model_tp_plan`); this model has none (it "
+                 "is not a Hugging Face model, or transformers has no tensor-parallel plan for it). Write "
+                 "the `parallel` statements by hand (docs/language.md)."),
+    "P459": Code("tensor parallelism unties shared parameters", "Two modules share one parameter (tied "
+                 "input and output embeddings). Every tensor-parallel style registers a new parameter on its "
+                 "own module, so after tensor parallelism the modules hold two separate copies that train "
+                 "apart. Untie the weights in the model config, or leave tensor parallelism off.", "warning"),
     "P503": Code("memory expectation not checked", "An `expect memory...` line needs a world size: "
                  "`at world = N` on the line, or `--world-size N` on the command line; "
                  "`expect memory.activations` also needs an input shape (`input = BxS`). Without them it "
