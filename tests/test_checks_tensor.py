@@ -267,3 +267,18 @@ def test_no_tensor_checks_when_the_mesh_does_not_fit_the_world(llama_graph):
     text = LLAMA_TP.replace("tensor = 2", "tensor = 8")
     assert _codes(text, llama_graph, world=12) == ["P401"]
     assert _codes(text, llama_graph, world=16) == ["P411", "P412"]
+
+
+def test_p412_on_qwen3_vl_text_attention_at_tp_8():
+    # transformers#48307: Qwen3-VL's text attention, 4 KV heads (8 query heads here), loads at
+    # tp = 8 and crashes in forward; the heads come from the text sub-config the module keeps
+    model = build_hf_model(str(ROOT / "tests/fixtures/tp/qwen3-vl-tiny.json"))
+    text = ("mesh (shard = *, tensor = 8)\nunit model.language_model.layers.*\n"
+            "parallel model.language_model.layers.*.self_attn.{q_proj, k_proj, v_proj} colwise\n"
+            "parallel model.language_model.layers.*.self_attn.o_proj rowwise\n"
+            "parallel model.language_model.layers.*.mlp.{gate_proj, up_proj} colwise\n"
+            "parallel model.language_model.layers.*.mlp.down_proj rowwise\n")
+    found = [d for d in _diags(text, model) if d.code in ("P411", "P412")]
+    assert [(d.code, d.span.line) for d in found] == [("P412", 3)]
+    assert "the 4 key/value heads of `model.language_model.layers.*.self_attn` (8 query heads)" in found[0].message
+    assert _codes(text.replace("tensor = 8", "tensor = 4"), model).count("P412") == 0

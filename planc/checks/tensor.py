@@ -89,7 +89,10 @@ def _parent(path: str) -> str:
 
 def _int(obj, names: tuple[str, ...]) -> int | None:
     for name in names:
-        value = getattr(obj, name, None)
+        try:
+            value = getattr(obj, name, None)
+        except Exception:  # a model's property may raise anything; no head count then
+            value = None
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
