@@ -282,3 +282,19 @@ def test_p412_on_qwen3_vl_text_attention_at_tp_8():
     assert [(d.code, d.span.line) for d in found] == [("P412", 3)]
     assert "the 4 key/value heads of `model.language_model.layers.*.self_attn` (8 query heads)" in found[0].message
     assert _codes(text.replace("tensor = 8", "tensor = 4"), model).count("P412") == 0
+
+
+def test_p418_root_parameters_cannot_take_a_style():
+    from ui_models import fixture_net
+    text = ("mesh (shard = *, tensor = 2)\nunit [tok_embeddings, output]\nparallel tok_embeddings rowwise\n"
+            "parallel output colwise { output replicate }\nparallel layers.*.attn.{wq, wk, wv} colwise\n"
+            "parallel layers.*.attn.wo rowwise\nparallel layers.*.norm replicate\nparallel norm replicate\n"
+            "parallel layers.*.{mlp, experts} replicate\n")
+    (d,) = _diags(text, fixture_net())
+    assert d.code == "P418" and "`<root>`" in d.message and "(`scale`)" in d.help[0] and "parallel  " not in d.help[0]
+
+
+def test_loss_parallel_variant_of_the_shipped_plan_is_clean(llama_graph):
+    # tests/test_tp_dist.py trains this one on 4 gloo ranks
+    assert _diags(LLAMA_TP.replace("parallel lm_head colwise { output replicate }",
+                                   "parallel lm_head colwise { loss_parallel }"), llama_graph) == []

@@ -478,8 +478,8 @@ def _nearest_style(ctx: Context, styles: dict[str, Setting], order: list[str], p
 
 def check_same_meshes(ctx: Context) -> Iterator[Diagnostic]:
     """P418: with any module on the tensor axis, every trained parameter is (replicate style for
-    the modules no split covers). Frozen and ignored parameters are left out: the optimizer and
-    gradient clipping never see them."""
+    the modules no split covers). Frozen parameters are left out (the optimizer and gradient
+    clipping never see them), and so are ignored ones (FSDP does not manage them)."""
     styles = styled(ctx)
     if not styles:
         return
@@ -502,15 +502,22 @@ def check_same_meshes(ctx: Context) -> Iterator[Diagnostic]:
         near = _nearest_style(ctx, styles, order, pres, owner)
         found.append(((near.span,), owner))
     for (span,), mods in by_key(found).items():
-        names = patterns(mods)
+        names = [n or "<root>" for n in patterns(mods)]
+        styleable = [n for n in names if n != "<root>"]
         count = sum(left[m] for m in mods)
+        fixes = []
+        if styleable:
+            fixes.append("add " + ", ".join(f"`parallel {n} replicate`" for n in styleable[:3])
+                         + (" (and the others)" if len(styleable) > 3 else ""))
+        if "<root>" in names:  # a selector never matches the root: its own parameters need another way
+            own = [c for _, c in graph.own_params("") if c in graph.params and c not in covered]
+            fixes.append(f"the root's own parameters ({listed(own)}) cannot take a style (a selector never "
+                         "matches the root): move them into a submodule and give it `replicate`")
+        fixes[-1] += (": foreach optimizers and `clip_grad_norm_` fail when some parameters are 2-D DTensors "
+                      "and others 1-D (pytorch#134212)")
         yield err("P418", f"{listed(names)} {'is' if len(names) == 1 else 'are'} left out of the tensor-parallel "
                   f"plan ({count} parameter{_s(count)}) next to modules on the tensor axis", span,
-                  "the plan's other modules are on the tensor axis", (
-                      "add " + ", ".join(f"`parallel {n} replicate`" for n in names[:3])
-                      + (" (and the others)" if len(names) > 3 else "")
-                      + ": foreach optimizers and `clip_grad_norm_` fail when some parameters are 2-D DTensors "
-                      "and others 1-D (pytorch#134212)",))
+                  "the plan's other modules are on the tensor axis", fixes)
 
 
 def _placement(ctx: Context, styles: dict[str, Setting], owner: str, local: str) -> str:
