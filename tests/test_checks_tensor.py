@@ -132,6 +132,9 @@ def test_p413_uneven_mlp_is_an_error_on_both_layers():
         (True, False), (False, True)}
     # the embedding's vocabulary 50 rowwise and the gathered output are uneven too, and fine
     assert not any("vocabulary" in d.message for d in found)
+    # colwise outputs kept as DTensors (`local_output false`) know their global shape: no from_local
+    kept = text.replace("feed_forward.{w1, w3} colwise", "feed_forward.{w1, w3} colwise { local_output false }")
+    assert not any(d.code == "P413" for d in _diags(kept, TPNet(n_kv_heads=4, hidden=42, vocab=50)))
 
 
 def test_p414_uneven_vocabulary_under_loss_parallel_is_a_warning():

@@ -29,7 +29,6 @@ from typing import Iterator
 from torch import nn
 
 from planc.checks.context import Context, by_key, err, listed
-from planc.checks.mesh import _small_divisors
 from planc.diagnostics import Diagnostic
 from planc.lang import syntax as st
 from planc.lower.lowering import tensor_param_dim
@@ -147,10 +146,12 @@ def _vocabulary(ctx: Context) -> tuple[str, int] | None:
     return None
 
 
-def _choices(n: int, tp: int) -> str:
-    sizes = [d for d in _small_divisors(n, 64) if d > 1][:6]
-    return ("a tensor-parallel size that divides " + str(n) + (" (" + ", ".join(map(str, sizes)) + ")" if sizes else "")
-            if sizes else f"no tensor parallelism here: {n} has no divisor above 1")
+def _choices(n: int) -> str:
+    """`a tensor-parallel size that divides 12 (2, 3, 4, 6, 12)`: the sizes that would work."""
+    sizes = [d for d in range(2, min(n, 4096) + 1) if n % d == 0][:6]
+    if not sizes:
+        return f"no tensor parallelism here: {n} has no divisor above 1"
+    return f"a tensor-parallel size that divides {n} (" + ", ".join(map(str, sizes)) + ")"
 
 
 def _s(n: int, word: str = "s") -> str:
@@ -220,13 +221,13 @@ def check_heads(ctx: Context) -> Iterator[Diagnostic]:
         names = patterns(mods)
         yield err("P411", f"tensor = {tp} does not divide the {q} query heads of {listed(names)}", span,
                   f"{q} heads over {tp} ranks", (
-                      f"use {_choices(q, tp)}, or leave this attention out of the tensor-parallel plan",
+                      f"use {_choices(q)}, or leave this attention out of the tensor-parallel plan",
                       "each rank must hold whole heads: the reshape to heads fails in forward otherwise"))
     for (span, k, q), mods in by_key(kv).items():
         names = patterns(mods)
         yield err("P412", f"tensor = {tp} does not divide the {k} key/value heads of {listed(names)} "
                   f"({q} query heads)", span, f"{k} KV heads over {tp} ranks", (
-                      f"use {_choices(k, tp)}; with fewer KV heads than ranks the key/value "
+                      f"use {_choices(k)}; with fewer KV heads than ranks the key/value "
                       "projections cannot be split (Hugging Face's Qwen3-VL, 4 KV heads, crashes in forward at "
                       "tp = 8: transformers#48307)",))
 
@@ -277,9 +278,13 @@ def check_split_sizes(ctx: Context) -> Iterator[Diagnostic]:
         # rowwise Linear rebuilding its input with `DTensor.from_local`, which assumes equal
         # shards (`Sharding propagation failed for aten.mm`). So: the rowwise Linear, and the
         # colwise layer that hands it uneven local shards.
+        # A colwise layer with `local_output false` hands on a DTensor, which knows its true
+        # global shape: no `from_local` then, and its rowwise siblings are fine too.
         if style.kind == "rowwise" and isinstance(module, nn.Linear):
+            if _dtensor_fed(ctx, styles, path):
+                continue
             size, what = module.in_features, "in-features"
-        elif style.kind == "colwise" and _producer(style):
+        elif style.kind == "colwise" and _producer(style) and style.use_local_output is not False:
             size, what = ((module.embedding_dim, "embedding dim") if _is_embedding(module)
                           else (module.out_features, "out-features"))
         else:
@@ -289,20 +294,27 @@ def check_split_sizes(ctx: Context) -> Iterator[Diagnostic]:
     for (span, kind, what, size), mods in by_key(uneven).items():
         yield err("P413", f"`{kind}` splits the {what} ({size}) of {listed(patterns(mods))} over tensor = {tp} "
                   "ranks unevenly", span, f"{size} % {tp} != 0", (
-                      f"use {_choices(size, tp)}, or pad the layer to a multiple of {tp}",
+                      f"use {_choices(size)}, or pad the layer to a multiple of {tp}",
                       "between a colwise and a rowwise layer the activation is rebuilt with `DTensor.from_local`, "
                       "which assumes equal shards: the rowwise matmul fails in forward"))
     for (span, size), mods in by_key(vocab_uneven).items():
         yield err("P414", f"`loss_parallel` splits the vocabulary ({size}) of {listed(patterns(mods))} over "
                   f"tensor = {tp} ranks unevenly", span, f"{size} % {tp} != 0", (
                       f"pad the vocabulary to a multiple of {tp} (as Megatron and torchtitan do), or use "
-                      f"{_choices(size, tp)}; torch computes the right loss on unequal shards, but the ranks "
+                      f"{_choices(size)}; torch computes the right loss on unequal shards, but the ranks "
                       "then hold unequal logits and weights"), severity="warning")
     for (span, out, emb, size), mods in by_key(not_logits).items():
         yield err("P419", f"`loss_parallel` on {listed(patterns(mods))}, whose {out} out-features are not the "
                   f"vocabulary ({size}, the size of `{emb}`)", span, "not the output projection", (
                       "put `loss_parallel` on the projection that makes the logits (`lm_head`, `output`) and "
                       "give this module `output replicate` or a rowwise consumer",))
+
+
+def _dtensor_fed(ctx: Context, styles: dict[str, Setting], path: str) -> bool:
+    """True if the colwise siblings of a rowwise layer all hand on DTensors (`local_output false`)."""
+    parent = _parent(path)
+    feeders = [s.value for p, s in styles.items() if p != path and _parent(p) == parent and _producer(s.value)]
+    return bool(feeders) and all(f.use_local_output is False for f in feeders)
 
 
 def check_sequence_length(ctx: Context) -> Iterator[Diagnostic]:

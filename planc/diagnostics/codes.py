@@ -171,7 +171,9 @@ CODES: dict[str, Code] = {
                  "weights unevenly without complaint, but the rowwise layer rebuilds its input with "
                  "`DTensor.from_local`, which assumes equal shards, and its matmul fails in forward (torch "
                  "2.13: `Sharding propagation failed for aten.mm`). Uneven splits that torch handles are not "
-                 "reported: an Embedding's vocabulary rowwise, a colwise layer gathered with `output replicate`.\n\n"
+                 "reported: an Embedding's vocabulary rowwise, a colwise layer gathered with `output replicate`, a "
+                 "colwise layer with `local_output false` (a DTensor knows its global shape; checked on 2 gloo "
+                 "ranks: the same output as one process).\n\n"
                  "    parallel mlp.w1 colwise   # error: 42 out-features over tensor = 4\n"
                  "    parallel mlp.w2 rowwise   # error: 42 in-features"),
     "P414": Code("vocabulary not divisible under loss parallel", "`loss_parallel` keeps the logits sharded on "
