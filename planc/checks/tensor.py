@@ -525,8 +525,8 @@ def check_same_meshes(ctx: Context) -> Iterator[Diagnostic]:
             own = [c for _, c in graph.own_params("") if c in graph.params and c not in covered]
             fixes.append(f"the root's own parameters ({listed(own)}) cannot take a style (a selector never "
                          "matches the root): move them into a submodule and give it `replicate`")
-        fixes[-1] += (": foreach optimizers and `clip_grad_norm_` fail when some parameters are 2-D DTensors "
-                      "and others 1-D (pytorch#134212)")
+        fixes[-1] += (": `clip_grad_norm_` fails when some parameters are 2-D DTensors and others 1-D "
+                      "(`All operands in aten.stack.default must have the same mesh`)")
         yield err("P418", f"{listed(names)} {'is' if len(names) == 1 else 'are'} left out of the tensor-parallel "
                   f"plan ({count} parameter{_s(count)}) next to modules on the tensor axis", span,
                   "the plan's other modules are on the tensor axis", fixes)

@@ -206,9 +206,10 @@ CODES: dict[str, Code] = {
                  "    parallel layers.*.attention_norm replicate   # error: write `sequence`"),
     "P418": Code("parameters left out of the tensor-parallel plan", "Once some modules are on the tensor axis, "
                  "their parameters are 2-D DTensors (data parallel x tensor) after `fully_shard`; the "
-                 "parameters of modules no `parallel` line covers are 1-D. Foreach optimizers fail on the "
-                 "mix (`DTensor does not support cross-mesh operation yet`, pytorch#134212) and so does "
-                 "`clip_grad_norm_` (pytorch#180346). Give such modules the `replicate` style (torchtitan's "
+                 "parameters of modules no `parallel` line covers are 1-D. `clip_grad_norm_` fails on the "
+                 "mix (torch 2.13: `All operands in aten.stack.default must have the same mesh`; "
+                 "pytorch#180346), as foreach optimizers were reported to (pytorch#134212). Give such "
+                 "modules the `replicate` style (torchtitan's "
                  "`NoParallel`) so every parameter lives on the same meshes.\n\n"
                  "    parallel **.self_attn.q_proj colwise\n"
                  "    # error: model.norm is left out: add `parallel model.norm replicate`"),
