@@ -8,6 +8,8 @@ holds them to it, so a torch upgrade that changes one fails here, not in a user'
   on the colwise layer the same split computes what one process computes.
 * uneven splits torch handles, left unreported: an Embedding's vocabulary rowwise; and
   P414 is a warning because `loss_parallel` on an uneven vocabulary gives the right loss.
+* P417 (error): a norm between sequence-sharded activations gets the one-process weight
+  gradient only with the `sequence` style.
 * P418 (error): parameters on two different sets of meshes (some 2-D, some 1-D) break
   `clip_grad_norm_` (a foreach AdamW step runs on this torch, though pytorch#134212 reported
   it failing).
@@ -87,9 +89,41 @@ def _ranks(rank: int, world: int) -> dict:
         else:
             torch.optim.AdamW(model.parameters(), lr=0.1, foreach=True).step()
         return "ran"
+    def sequence_norm(style: str) -> str:
+        from torch.distributed.tensor.parallel import SequenceParallel
+
+        from planc.backends.runtime import ReplicateParallel
+        model, ref = _SeqBlock(), _SeqBlock()
+        norm = {"sequence": SequenceParallel(), "replicate": ReplicateParallel()}
+        parallelize_module(model, tp, {"w1": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Shard(1)),
+                                       "w3": ColwiseParallel(input_layouts=Shard(1)), "w4": RowwiseParallel(),
+                                       **({"norm": norm[style]} if style in norm else {})})
+        tokens = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(2))  # 4 tokens: 2 a rank
+        model(tokens).sum().backward()
+        ref(tokens).sum().backward()
+        grad = model.norm.weight.grad
+        grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+        return "equal" if torch.allclose(grad, ref.norm.weight.grad, atol=1e-5) else "different"
+    for style in ("sequence", "replicate", "none"):
+        out[f"norm_{style}"] = _outcome(lambda: sequence_norm(style))  # noqa: B023 (called at once)
     out["mixed_clip"] = _outcome(lambda: mixed_meshes("clip"))
     out["mixed_foreach_adamw"] = _outcome(lambda: mixed_meshes("adamw"))
     return out
+
+
+class _SeqBlock(nn.Module):
+    """colwise -> rowwise (output `Shard(1)`) -> norm -> colwise (input `Shard(1)`) -> rowwise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w1, self.w2 = nn.Linear(4, 8, bias=False), nn.Linear(8, 4, bias=False)
+        self.norm = nn.LayerNorm(4)
+        self.w3, self.w4 = nn.Linear(4, 8, bias=False), nn.Linear(8, 4, bias=False)
+
+    def forward(self, x):
+        h = self.w2(self.w1(x))
+        return self.w4(self.w3(self.norm(h)))
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +140,13 @@ def test_uneven_colwise_rowwise_fails_unless_the_colwise_output_stays_a_dtensor(
 def test_uneven_splits_torch_handles(results):
     assert [r["embedding_vocab"] for r in results] == ["equal", "equal"]      # not reported
     assert [r["loss_parallel_vocab"] for r in results] == ["equal", "equal"]  # P414 is a warning
+
+
+def test_a_norm_between_sequence_shards_needs_the_sequence_style(results):
+    # P417: with `sequence` the norm's weight gradient is the one-process gradient; replicated
+    # on the tensor axis or left alone, each rank keeps the gradient of its own tokens only
+    assert [r["norm_sequence"] for r in results] == ["equal", "equal"], results
+    assert all(r["norm_replicate"] == "different" and r["norm_none"] == "different" for r in results), results
 
 
 def test_parameters_on_different_meshes_break_clip_grad_norm(results):
