@@ -89,10 +89,12 @@ def _ranks(rank: int, world: int) -> dict:
         else:
             torch.optim.AdamW(model.parameters(), lr=0.1, foreach=True).step()
         return "ran"
+
     def sequence_norm(style: str) -> str:
         from torch.distributed.tensor.parallel import SequenceParallel
 
         from planc.backends.runtime import ReplicateParallel
+
         model, ref = _SeqBlock(), _SeqBlock()
         norm = {"sequence": SequenceParallel(), "replicate": ReplicateParallel()}
         parallelize_module(model, tp, {"w1": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Shard(1)),

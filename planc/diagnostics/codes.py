@@ -186,7 +186,8 @@ CODES: dict[str, Code] = {
     "P415": Code("sequence length not divisible under sequence parallel", "Sequence parallelism splits the "
                  "tokens of each sequence over the tensor axis (`Shard(1)`), so the sequence length of an "
                  "`input = BxS` the plan states must be a multiple of the tensor-parallel size. Checked only "
-                 "where a plan gives an input shape (`expect ... at input = BxS`).\n\n"
+                 "where a plan gives an input shape (`expect ... at input = BxS`); 3 tokens over 2 gloo ranks "
+                 "aborted the process group in the all-gather.\n\n"
                  "    parallel **.attention_norm sequence\n"
                  "    expect memory.peak <= 80GiB at world = 8, input = 2x30   # error at tensor = 4"),
     "P416": Code("colwise output not taken back", "A colwise style leaves its output sharded on the last "
@@ -202,7 +203,8 @@ CODES: dict[str, Code] = {
                  "sequence (`Shard(1)`: a `sequence` style, an `input shard(1)` or an `output shard(1)` next "
                  "to it), a norm with weights sees only 1/tp of the tokens. Unless it has the `sequence` "
                  "style, its weight gradient is not summed over the tensor axis and the tensor-parallel "
-                 "ranks drift apart silently.\n\n"
+                 "ranks drift apart silently (checked on 2 gloo ranks: replicated or unstyled, each rank "
+                 "keeps the gradient of its own tokens).\n\n"
                  "    parallel layers.*.attention_norm replicate   # error: write `sequence`"),
     "P418": Code("parameters left out of the tensor-parallel plan", "Once some modules are on the tensor axis, "
                  "their parameters are 2-D DTensors (data parallel x tensor) after `fully_shard`; the "
