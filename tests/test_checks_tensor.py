@@ -301,3 +301,30 @@ def test_loss_parallel_variant_of_the_shipped_plan_is_clean(llama_graph):
     # tests/test_tp_dist.py trains this one on 4 gloo ranks
     assert _diags(LLAMA_TP.replace("parallel lm_head colwise { output replicate }",
                                    "parallel lm_head colwise { loss_parallel }"), llama_graph) == []
+
+
+HF_SEQUENCE_PARALLEL = """
+mesh (shard = *, tensor = 2)
+unit model.layers.*
+parallel model.embed_tokens rowwise { input replicate; output shard(1) }
+parallel model.layers.*.{input_layernorm, post_attention_layernorm} sequence
+parallel model.layers.*.self_attn prepare_input {
+  input_kwargs hidden_states = shard(1)
+  desired_input_kwargs hidden_states = replicate
+}
+parallel model.layers.*.self_attn.{q_proj, k_proj, v_proj} colwise
+parallel model.layers.*.self_attn.o_proj rowwise { output shard(1) }
+parallel model.layers.*.mlp prepare_input { input shard(1); desired_input replicate }
+parallel model.layers.*.mlp.{gate_proj, up_proj} colwise
+parallel model.layers.*.mlp.down_proj rowwise { output shard(1) }
+parallel model.norm sequence
+parallel lm_head colwise { input shard(1); output replicate }
+"""
+
+
+def test_hf_layout_sequence_parallel_plan(llama_graph):
+    # statically sound (HF's Llama derives positions from the embedding output's length, so
+    # this is not a plan to train); the attention's input arrives as a keyword
+    assert _diags(HF_SEQUENCE_PARALLEL, llama_graph) == []
+    found = _diags(HF_SEQUENCE_PARALLEL.replace("model.norm sequence", "model.norm replicate"), llama_graph)
+    assert [(d.code, "`model.norm`" in d.message) for d in found] == [("P417", True)]
