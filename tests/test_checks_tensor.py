@@ -105,6 +105,22 @@ def test_heads_come_from_torchtitan_attributes_and_the_hf_config(llama_graph):
     assert tensor.attention_heads(nn.Linear(2, 2)) is None
 
 
+class _BareAttention(nn.Module):
+    """Keeps only `head_dim` (and optionally `num_key_value_groups`), as some HF modules do."""
+
+    def __init__(self, groups: int | None = None) -> None:
+        super().__init__()
+        self.head_dim = 4
+        if groups:
+            self.num_heads, self.num_key_value_groups = 8, groups
+        self.q_proj, self.k_proj = nn.Linear(32, 32), nn.Linear(32, 8)
+
+
+def test_heads_from_head_dim_and_groups():
+    assert tensor.attention_heads(_BareAttention()) == (8, 2)      # 32 / 4 and 8 / 4
+    assert tensor.attention_heads(_BareAttention(groups=4)) == (8, 2)  # 8 heads, 4 queries a KV head
+
+
 @pytest.mark.parametrize("tp,codes", [(2, []), (4, ["P412"]), (8, ["P411", "P412"])])
 def test_heads_divisible_by_tp_on_hf_llama(llama_graph, tp, codes):
     found = _codes(LLAMA_TP.replace("tensor = 2", f"tensor = {tp}"), llama_graph)

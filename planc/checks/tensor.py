@@ -112,7 +112,25 @@ def attention_heads(module: nn.Module) -> tuple[int, int] | None:
     if config is not None:
         q = q or _int(config, CONFIG_Q)
         kv = kv or _int(config, CONFIG_KV)
+    head_dim = _int(module, ("head_dim",))
+    if q is None and head_dim:  # no count kept: the projections' widths over the head size
+        q, kv = _heads_from(module, Q_PROJ, head_dim), kv or _heads_from(module, KV_PROJ, head_dim)
+    groups = _int(module, ("num_key_value_groups",))
+    if q is not None and kv is None and groups and q % groups == 0:
+        kv = q // groups
     return None if q is None else (q, kv or q)
+
+
+Q_PROJ, KV_PROJ = ("q_proj", "wq", "query"), ("k_proj", "wk", "key")
+
+
+def _heads_from(module: nn.Module, names: tuple[str, ...], head_dim: int) -> int | None:
+    """Heads of the first projection child of `names`: its out-features over `head_dim`."""
+    for name in names:
+        proj = module._modules.get(name)
+        if isinstance(proj, nn.Linear) and proj.out_features % head_dim == 0:
+            return proj.out_features // head_dim
+    return None
 
 
 def _is_last(layout: Layout | None) -> bool:
