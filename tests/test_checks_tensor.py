@@ -74,6 +74,17 @@ def test_torchtitan_llama3_tp_plan_is_clean():
         "rowwise", "colwise", "sequence", "prepare_input"}
 
 
+def test_torchtitan_heads_behind_the_fused_qkv_projection():
+    # torchtitan 0.3.0 splits q, k, v in one `qkv_linear.wqkv`; the heads are its GQAttention's
+    from planc.model.torchtitan import llama3_debugmodel
+    with torch.device("meta"):
+        model = llama3_debugmodel()  # 16 heads, 16 KV heads
+    text = (ROOT / "tests/fixtures/tp/torchtitan_llama3_tp.plan").read_text().replace("tensor = 2", "tensor = 32")
+    found = [d for d in _diags(text, model) if d.code in ("P411", "P412")]
+    assert [(d.code, "`layers.*.attention`" in d.message) for d in found] == [("P411", True), ("P412", True)]
+    assert _line(text, found[0]) == "parallel layers.*.attention.qkv_linear.wqkv colwise"
+
+
 def test_torchtitan_style_plan_on_the_ui_net_is_clean():
     assert _diags(TP_NET_PLAN, tp_net()) == []
 
