@@ -474,7 +474,7 @@ def check_sequence_norms(ctx: Context) -> Iterator[Diagnostic]:
         has = f"`{kind}`" if kind else "no style"
         yield err("P417", f"{listed(names)} {'sits' if len(names) == 1 else 'sit'} between sequence-sharded activations "
                   f"(`Shard(1)`) with {has}, not `sequence`", span,
-                  "sees 1/tp of the tokens", (
+                  "sees 1/tp of the tokens" if kind else "shards the activations around it on the sequence", (
                       "write " + ", ".join(f"`parallel {n} sequence`" for n in names[:3])
                       + ": otherwise the norm's weight gradient misses the other ranks' tokens and the "
                       "tensor-parallel ranks drift apart",))
@@ -547,7 +547,7 @@ def check_same_meshes(ctx: Context) -> Iterator[Diagnostic]:
                       "(`All operands in aten.stack.default must have the same mesh`)")
         yield err("P418", f"{listed(names)} {'is' if len(names) == 1 else 'are'} left out of the tensor-parallel "
                   f"plan ({count} parameter{_s(count)}) next to modules on the tensor axis", span,
-                  "the plan's other modules are on the tensor axis", fixes)
+                  "puts the modules next to it on the tensor axis", fixes)
 
 
 def _placement(ctx: Context, styles: dict[str, Setting], owner: str, local: str) -> str:
