@@ -231,6 +231,16 @@ def test_p416_consumer_registered_before_the_producer_counts():
     assert list(tensor.check_colwise_consumed(ctx)) == []
 
 
+def test_p422_rowwise_without_a_colwise_producer(llama_graph):
+    found = _diags(LLAMA_TP.replace("{q_proj,k_proj,v_proj} colwise", "{q_proj,k_proj,v_proj} replicate"), llama_graph)
+    assert [(d.code, d.severity, "`model.layers.*.self_attn.o_proj`" in d.message) for d in found] == [
+        ("P422", "warning", True)]
+    # an explicit whole input is fine, and so is torchtitan's w2 after w1 (registered before w3)
+    assert _codes(LLAMA_TP.replace("{q_proj,k_proj,v_proj} colwise", "{q_proj,k_proj,v_proj} replicate")
+                  .replace("self_attn.o_proj rowwise", "self_attn.o_proj rowwise { input replicate }"), llama_graph) == []
+    assert list(tensor.check_rowwise_fed(_context(TP_NET_PLAN, tp_net()))) == []
+
+
 def test_p417_norms_between_sequence_shards():
     text = TP_NET_PLAN.replace("parallel norm sequence", "parallel norm replicate").replace(
         "{attention_norm, ffn_norm} sequence", "attention_norm sequence")

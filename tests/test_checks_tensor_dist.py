@@ -10,6 +10,8 @@ holds them to it, so a torch upgrade that changes one fails here, not in a user'
   P414 is a warning because `loss_parallel` on an uneven vocabulary gives the right loss.
 * P417 (error): a norm between sequence-sharded activations gets the one-process weight
   gradient only with the `sequence` style.
+* P422 (warning, as the producer is found from the module tree): a rowwise Linear whose input
+  no colwise layer shards fails in its matmul.
 * P418 (error): parameters on two different sets of meshes (some 2-D, some 1-D) break
   `clip_grad_norm_` (a foreach AdamW step runs on this torch, though pytorch#134212 reported
   it failing).
@@ -53,6 +55,12 @@ def _ranks(rank: int, world: int) -> dict:
         return "equal" if torch.allclose(model(x), ref(x), atol=1e-6) else "different"
     out["uneven_local"] = _outcome(lambda: mlp(True))
     out["uneven_dtensor"] = _outcome(lambda: mlp(False))
+
+    def rowwise_alone() -> str:  # P422: a whole input read as Shard(-1)
+        model, ref = _mlp(4), _mlp(4)
+        parallelize_module(model, tp, {"1": RowwiseParallel()})
+        return "equal" if torch.allclose(model(x), ref(x), atol=1e-6) else "different"
+    out["rowwise_alone"] = _outcome(rowwise_alone)
 
     def embedding() -> str:
         torch.manual_seed(0)
@@ -137,6 +145,11 @@ def test_uneven_colwise_rowwise_fails_unless_the_colwise_output_stays_a_dtensor(
     # P413: an error for the local (default) output, nothing to report with local_output false
     assert any("Sharding propagation failed" in r["uneven_local"] for r in results), results
     assert [r["uneven_dtensor"] for r in results] == ["equal", "equal"]
+
+
+def test_a_rowwise_layer_without_a_colwise_producer_fails(results):
+    # P422: the whole activation is read as 1/tp of a wider one
+    assert all("Sharding propagation failed" in r["rowwise_alone"] for r in results), results
 
 
 def test_uneven_splits_torch_handles(results):

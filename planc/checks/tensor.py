@@ -9,7 +9,8 @@ when it is `*`), at any world size and without `torch.distributed`:
 * P411 / P412 the tensor-parallel size does not divide an attention module's query / KV heads;
 * P413 a colwise -> rowwise split that is not even; P414 the vocabulary under `loss_parallel`
   (a warning: torch copes); P415 the sequence length of an `input = BxS` under sequence parallel;
-* P416 a colwise output (`Shard(-1)`) nothing takes back (warning); P417 a norm with weights
+* P416 a colwise output (`Shard(-1)`) nothing takes back, P422 a rowwise input (`Shard(-1)`)
+  nothing produces (warnings); P417 a norm with weights
   between sequence-sharded activations that is not `sequence`; P419 `loss_parallel` on a
   module that does not make the logits; P420 colwise / rowwise on a module torch cannot split;
 * P418 parameters no style covers next to tensor-parallel ones; P421 a tied parameter placed
@@ -17,7 +18,7 @@ when it is `*`), at any world size and without `torch.distributed`:
 
 What planc cannot see is the forward code: producer -> consumer order is read from the module
 tree (registration order, siblings, enclosing blocks), so the chaining checks that depend on
-it (P416) are warnings. The shape-level simulation on a fake process group is a separate check.
+it (P416, P422) are warnings. The shape-level simulation on a fake process group is a separate check.
 """
 
 from __future__ import annotations
@@ -429,6 +430,49 @@ def check_colwise_consumed(ctx: Context) -> Iterator[Diagnostic]:
                   "consumer, or write `{ output replicate }`",))
         yield err("P416", f"`colwise` on {listed(patterns(mods))}: {what} (`Shard(-1)`), and {where}", span,
                   "output `Shard(-1)` not taken back", fixes, severity="warning")
+
+
+def check_rowwise_fed(ctx: Context) -> Iterator[Diagnostic]:
+    """P422 (warning): a rowwise Linear reading `Shard(-1)` (its default input) has a colwise
+    producer before it: a nearest enclosing module that holds another tensor-parallel module
+    holds, before it or beside it, a colwise layer left `Shard(-1)`. Otherwise its input is a
+    full-width local tensor that `DTensor.from_local` reads as 1/tp of the features."""
+    styles = styled(ctx)
+    if not styles:
+        return
+    graph = ctx.graph
+    order = list(styles)
+    pres = [graph.pre(p) for p in order]
+    found = []
+    for path, setting in styles.items():
+        style = setting.value
+        if not (style.kind == "rowwise" and isinstance(graph.module(path), nn.Linear)
+                and _is_last(_first(style.input_layouts, Layout("shard", -1)))):
+            continue
+        fed, first = False, None
+        for anc in graph.ancestors(path):
+            lo, hi = graph.pre(anc), graph.pre(anc) + graph.subtree_size(anc)
+            for k in range(bisect.bisect_left(pres, lo), bisect.bisect_left(pres, hi)):
+                q = order[k]
+                if q == anc or graph.is_within(q, path) or graph.is_within(path, q):
+                    continue
+                if not (pres[k] < graph.pre(path) or _parent(q) == _parent(path)):
+                    continue
+                if _producer(styles[q].value):
+                    fed = True
+                    break
+                first = first or q
+            if fed or first is not None:
+                break
+        if not fed:
+            found.append(((setting.span, None if first is None else (pattern(first), styles[first].value.kind)), path))
+    for (span, before), mods in by_key(found).items():
+        where = (f"the tensor-parallel module before it, {listed([before[0]])}, is `{before[1]}`" if before
+                 else "no colwise layer comes before it")
+        yield err("P422", f"`rowwise` on {listed(patterns(mods))} reads its input as sharded on the last dim "
+                  f"(`Shard(-1)`), but {where}", span, "input `Shard(-1)` from nowhere", (
+                      "make the layers that feed it `colwise`, or write `{ input replicate }` if its input is "
+                      "whole on every rank",), severity="warning")
 
 
 def _sequence_regions(ctx: Context, styles: dict[str, Setting]) -> dict[str, Setting]:

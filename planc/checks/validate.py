@@ -29,6 +29,7 @@ from planc.checks.structure import (
 from planc.checks.tensor import (
     check_colwise_consumed,
     check_heads,
+    check_rowwise_fed,
     check_same_meshes,
     check_sequence_length,
     check_sequence_norms,
@@ -63,6 +64,7 @@ CHECKS: tuple[Check, ...] = (
     Check(check_split_sizes, _MODEL),
     Check(check_sequence_length, _MODEL),
     Check(check_colwise_consumed, _MODEL),
+    Check(check_rowwise_fed, _MODEL),
     Check(check_sequence_norms, _MODEL),
     Check(check_same_meshes, _MODEL),
     Check(check_tied_placements, _MODEL),

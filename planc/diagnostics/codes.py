@@ -231,6 +231,15 @@ CODES: dict[str, Code] = {
                  "vocabulary, `Shard(0)`), and both owners must be on the tensor axis. (They must also "
                  "be in one FSDP unit: P301.)\n\n"
                  "    parallel tok_embeddings rowwise\n    parallel output rowwise   # error: Shard(0) vs Shard(1)"),
+    "P422": Code("rowwise input not produced", "A rowwise Linear reads its input as sharded on the last "
+                 "dimension (`Shard(-1)`, its default): each rank holds 1/tp of the features, as a colwise layer "
+                 "before it leaves them. planc found no colwise layer before it (or beside it) in the same "
+                 "block, so its input is probably whole on every rank, and `DTensor.from_local` would read it "
+                 "as a shard of a tp-times wider tensor. Make the layers that feed it colwise, or write "
+                 "`input replicate`. (A warning: planc reads the module tree, not the forward code.)\n\n"
+                 "    parallel **.self_attn.{q_proj, k_proj, v_proj} replicate\n"
+                 "    parallel **.self_attn.o_proj rowwise   # warning: nothing colwise feeds it",
+                 "warning"),
     # --- expectations (P5xx)
     "P501": Code("expectation failed", "An `expect` statement does not hold for the resolved plan."),
     "P502": Code("memory expectation failed", "An `expect memory...` bound does not hold under planc's "
