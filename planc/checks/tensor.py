@@ -173,8 +173,9 @@ def _choices(n: int) -> str:
     return f"a tensor-parallel size that divides {n} (" + ", ".join(map(str, sizes)) + ")"
 
 
-def _s(n: int, word: str = "s") -> str:
-    return word if n != 1 else ""
+def _s(n: int) -> str:
+    """The plural ending for a count."""
+    return "" if n == 1 else "s"
 
 
 # ===================================================================== P410: the mesh
