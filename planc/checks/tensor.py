@@ -278,6 +278,7 @@ def check_split_sizes(ctx: Context) -> Iterator[Diagnostic]:
     if not styles:
         return
     bad_attention = _bad_attention(ctx, styles, tp) if tp else {}
+    dtensor_fed = _dtensor_fed(styles)
     vocab = _vocabulary(ctx)
     uneven, vocab_uneven, not_logits = [], [], []
     for path, setting in styles.items():
@@ -301,7 +302,7 @@ def check_split_sizes(ctx: Context) -> Iterator[Diagnostic]:
         # A colwise layer with `local_output false` hands on a DTensor, which knows its true
         # global shape: no `from_local` then, and its rowwise siblings are fine too.
         if style.kind == "rowwise" and isinstance(module, nn.Linear):
-            if _dtensor_fed(ctx, styles, path):
+            if _parent(path) in dtensor_fed:
                 continue
             size, what = module.in_features, "in-features"
         elif style.kind == "colwise" and _producer(style) and style.use_local_output is not False:
@@ -330,11 +331,15 @@ def check_split_sizes(ctx: Context) -> Iterator[Diagnostic]:
                       "give this module `output replicate` or a rowwise consumer",))
 
 
-def _dtensor_fed(ctx: Context, styles: dict[str, Setting], path: str) -> bool:
-    """True if the colwise siblings of a rowwise layer all hand on DTensors (`local_output false`)."""
-    parent = _parent(path)
-    feeders = [s.value for p, s in styles.items() if p != path and _parent(p) == parent and _producer(s.value)]
-    return bool(feeders) and all(f.use_local_output is False for f in feeders)
+def _dtensor_fed(styles: dict[str, Setting]) -> set[str]:
+    """Modules whose colwise children all hand on DTensors (`local_output false`): a rowwise
+    child of theirs reads no local shards."""
+    local: dict[str, bool] = {}
+    for path, setting in styles.items():
+        if _producer(setting.value):
+            parent = _parent(path)
+            local[parent] = local.get(parent, False) or setting.value.use_local_output is not False
+    return {parent for parent, any_local in local.items() if not any_local}
 
 
 def check_sequence_length(ctx: Context) -> Iterator[Diagnostic]:
