@@ -270,3 +270,89 @@ def local_heads_net() -> HeadsNet:
 def short_context_net() -> HeadsNet:
     """Refuses sequences longer than 8 tokens, in its own forward (no tensor-parallel module involved)."""
     return HeadsNet(max_positions=8)
+# ===================================================================== tensor-parallel fixtures
+
+
+class TPAttention(nn.Module):
+    """Grouped-query attention with torchtitan's attribute names (`n_heads`, `n_kv_heads`)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim).repeat_interleave(q.shape[2] // (self.wk.out_features // self.head_dim), 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).repeat_interleave(q.shape[2] // (self.wv.out_features // self.head_dim), 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                               is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class TPFeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class TPBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.attention = TPAttention(dim, n_heads, n_kv_heads)
+        self.feed_forward = TPFeedForward(dim, hidden)
+        self.attention_norm = nn.RMSNorm(dim)
+        self.ffn_norm = nn.RMSNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class TPNet(nn.Module):
+    """A torchtitan-shaped Llama: embedding, blocks, norm, output projection (untied unless `tied`)."""
+
+    def __init__(self, dim: int = 32, n_heads: int = 4, n_kv_heads: int = 2, hidden: int = 64, vocab: int = 64,
+                 n_layers: int = 2, tied: bool = False) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(TPBlock(dim, n_heads, n_kv_heads, hidden) for _ in range(n_layers))
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def tp_net() -> TPNet:
+    """4 query heads, 2 KV heads, hidden 64, vocabulary 64: clean at tensor = 2."""
+    return TPNet()
+
+
+def tp_net_uneven() -> TPNet:
+    """Hidden size 42 and vocabulary 50: neither splits over 4 ranks (heads 4 / 4 do)."""
+    return TPNet(n_kv_heads=4, hidden=42, vocab=50)
+
+
+def tp_net_tied() -> TPNet:
+    """`output.weight` is `tok_embeddings.weight`."""
+    return TPNet(tied=True)
+
+
+def tp_net_odd_vocab() -> TPNet:
+    """Vocabulary 50: not a multiple of 4 (everything else splits over 4 ranks)."""
+    return TPNet(n_kv_heads=4, vocab=50)
