@@ -1,0 +1,176 @@
+"""`suggest`: the fastest plan whose estimated per-rank peak fits a budget (see planc/suggest/solve.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from planc.estimate import memory as mem_model
+from planc.estimate.trace import trace_for
+from planc.quantities import show_bytes as format_bytes
+from planc.suggest.cost import HARDWARE, CostContext, cost
+from planc.suggest.evaluate import Evaluator, compress
+from planc.suggest.solve import Subproblem, build, globals_for, min_peak_choice, solve
+from planc.suggest.space import Candidate, expect_line
+
+
+@dataclass
+class Option:
+    """One evaluated candidate."""
+
+    candidate: Candidate
+    seconds: float
+    peak: int                 # bytes, per the memory model (`exact`) or the linear model
+    exact: bool
+    where: str = ""           # the moment of the peak (exact estimates only)
+
+
+@dataclass
+class Suggestion:
+    """The result: the best option (None when nothing fits), alternatives, and the plan text."""
+
+    best: Option | None
+    alternatives: list[Option]
+    smallest: Option | None   # the smallest peak found, when nothing fits
+    text: str | None
+    budget: int
+    searched: int             # global choices solved
+    pruned: int               # global choices skipped by their time bound
+    seconds: float
+    stats: dict = field(default_factory=dict)
+
+
+def exact_peak(ev: Evaluator, c: Candidate) -> tuple[int, str]:
+    """The memory model's peak of `c` and its moment: `c`'s own trace (checkpointing applied),
+    shortened by `compress` (the same peak as `planc.estimate.memory.estimate`)."""
+    compiled = ev.compiled(c)
+    if not any(m != "none" for m in c.checkpoint):
+        trace = None
+    else:
+        trace = compress(trace_for(compiled, ev.inputs))
+    if trace is None:
+        from planc.suggest.evaluate import remap
+        program = compiled.program
+        trace = remap(ev.atom_trace, ev.atom_program.units, program.units) if c.merge != 1 else ev.atom_trace
+    r = ev._replay(compiled.program, trace, _Replay=mem_model._Replay)
+    peak = max(r.timeline, key=lambda m: m.total)
+    return peak.total, peak.label
+
+
+def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[int, ...], *,
+            hardware: str = "h100", optimizer: str = "adamw", budget_text: str | None = None,
+            progress: Callable[[int, int], None] | None = None, alternatives: int = 3,
+            cost_fn=cost) -> Suggestion:
+    """Search the space of planc/suggest/space.py for `graph` at `world` ranks.
+
+    Args:
+        graph: the model graph (with its model, for the trace).
+        budget: per-rank bytes the estimated peak must not exceed.
+        shape: (batch, sequence) of token ids per rank.
+        hardware: a profile of `planc.suggest.cost.HARDWARE`.
+        progress: called with (done, total) global choices as the search goes.
+        cost_fn: `cost(program, context) -> seconds` (default the provisional one).
+    """
+    t0 = time.perf_counter()
+    hw = HARDWARE[hardware]
+    ev = Evaluator(graph, model_ref, world, tuple(shape), optimizer)
+    ctx = CostContext(graph, world, shape[0] * shape[1], hw)
+    t_trace = time.perf_counter() - t0
+    subs: list[Subproblem] = [build(ev, g, ctx) for g in globals_for(ev, hw)]
+    t_build = time.perf_counter() - t0 - t_trace
+    bound = {id(sp): sp.base_time + float(sp.time.min(axis=1).sum()) for sp in subs}
+    subs.sort(key=lambda sp: bound[id(sp)])
+    found: list[Option] = []
+    best: Option | None = None
+    searched = pruned = 0
+    for k, sp in enumerate(subs):
+        if progress:
+            progress(k, len(subs))
+        if best is not None and bound[id(sp)] >= best.seconds and len(found) > alternatives:
+            pruned += 1
+            continue
+        searched += 1
+        option = _solve_fitting(ev, sp, budget, ctx, cost_fn, verify=False)
+        if option is None:
+            continue
+        found.append(option)
+        if best is None or option.seconds < best.seconds:
+            best = option
+    if progress:
+        progress(len(subs), len(subs))
+    smallest = None
+    if best is not None:
+        # the winner's peak by the memory model itself; if the linear model was optimistic, tighten and re-solve
+        sp = next(s for s in subs if s.g == _global(best.candidate))
+        verified = _solve_fitting(ev, sp, budget, ctx, cost_fn, verify=True)
+        if verified is None:
+            found = [o for o in found if o is not best]
+            best = min(found, key=lambda o: o.seconds) if found else None
+            if best is not None:
+                sp = next(s for s in subs if s.g == _global(best.candidate))
+                best = _solve_fitting(ev, sp, budget, ctx, cost_fn, verify=True)
+        else:
+            best = verified
+    if best is None:
+        cands = []
+        for sp in subs:
+            ch = min_peak_choice(sp)
+            cands.append((sp.peak(ch), sp, ch))
+        _, sp, ch = min(cands, key=lambda t: t[0])
+        c = sp.candidate(ch)
+        peak, where = exact_peak(ev, c)
+        smallest = Option(c, cost_fn(ev.compiled(c).program, ctx), peak, True, where)
+    others = sorted((o for o in found if best is None or _global(o.candidate) != _global(best.candidate)),
+                    key=lambda o: o.seconds)[:alternatives]
+    text = None
+    if best is not None:
+        text = render(ev, best, others, budget, budget_text or format_bytes(budget), shape, hardware, optimizer)
+    stats = {"trace_s": t_trace, "build_s": t_build, "total_s": time.perf_counter() - t0}
+    return Suggestion(best, others, smallest, text, budget, searched, pruned, time.perf_counter() - t0, stats)
+
+
+def _global(c: Candidate):
+    from planc.suggest.solve import Global
+    return Global(c.merge, c.replicate, c.prefetch, c.offload)
+
+
+def _solve_fitting(ev, sp, budget, ctx, cost_fn, *, verify: bool, tries: int = 6) -> Option | None:
+    """The MILP's best choice for `sp`; with `verify`, re-estimated and the bound lowered until it fits."""
+    bound = budget
+    for _ in range(tries):
+        choice = solve(sp, bound)
+        if choice is None:
+            return None
+        c = sp.candidate(choice)
+        seconds = cost_fn(ev.compiled(c).program, ctx)
+        if not verify:
+            return Option(c, seconds, sp.peak(choice), False)
+        peak, where = exact_peak(ev, c)
+        if peak <= budget:
+            return Option(c, seconds, peak, True, where)
+        bound -= peak - budget + max(1, budget // 1000)
+    return None
+
+
+def render(ev: Evaluator, best: Option, others: list[Option], budget: int, budget_text: str, shape, hardware: str,
+           optimizer: str) -> str:
+    c = best.candidate
+    header = [
+        f"Suggested by `planc suggest` for {ev.model_ref or 'the model'} on {ev.world} ranks ({hardware}), "
+        f"input {'x'.join(map(str, shape))} per rank, {optimizer},",
+        f"per-rank budget {budget_text}. Estimates (planc's models, not measurements):",
+        f"  peak {format_bytes(best.peak)} per rank at {best.where}: the binding constraint, "
+        f"{format_bytes(budget - best.peak)} under the budget",
+        f"  step time {best.seconds * 1e3:.3g} ms (PROVISIONAL cost: planc/suggest/cost.py)",
+        f"  choice: {c.describe()}",
+        "Next best (linear-model peaks):",
+    ]
+    for o in others:
+        header.append(f"  {o.seconds * 1e3:.3g} ms (+{(o.seconds / best.seconds - 1) * 100:.1f}%), "
+                      f"peak ~{format_bytes(o.peak)}: {o.candidate.describe()}")
+    if not others:
+        header.append("  none: no other global choice fits")
+    expects = [f"# the budget, checked by `planc check` (re-run `planc suggest` when it fails)",
+               expect_line(budget_text, float(budget), ev.world, tuple(shape))]
+    return ev.text(c, header, expects)

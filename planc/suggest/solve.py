@@ -1,0 +1,216 @@
+"""The search of `planc suggest`: a MILP per global choice, exact over the block chain.
+
+Global choices (unit granularity, HSDP replicate size, prefetch depth, offload) are few and
+enumerated. For each, the per-unit choices (activation checkpointing x reshard after
+forward, one of at most 9 combinations per block unit) are a 0/1 programme solved with
+HiGHS (`scipy.optimize.milp`):
+
+    minimise    sum_u sum_c  t[u,c] x[u,c]              (step time, from `cost`)
+    subject to  sum_c x[u,c] = 1                         (one choice per unit)
+                base[w] + shift + sum_{j kept in w} sum_c d_kept[j,c] x[j,c]
+                        + sum_c d_local[w,c] x[u(w),c]  <= budget    for every window w
+
+A *window* is a stretch of the base replay (`Evaluator.windows`): one phase, one unit
+running, one set of block units holding forward state (activations saved for backward,
+parameters kept unsharded). Its bytes are linear in the choices: each kept unit adds what
+its choice keeps beyond the base (`d_kept`: checkpointing keeps less, reshard false/N
+keeps parameters) and the running unit's own peak moves with its mode (`d_local`, from
+the block profiles). `shift` is the state the global choice adds or removes (HSDP's larger
+shards, offloaded state). The programme is exact for this model: `exhaustive` enumerates the
+same model and tests/test_suggest.py checks they agree (optimality gap 0). The model itself
+is checked where it matters: the winner is re-estimated with the memory model; if it does
+not fit (the linear model is not exact for every interaction), the window bound is lowered
+by the excess and the programme solved again.
+
+The step-time coefficients come from `cost(program, context)` alone: the uniform
+candidates (every unit one choice) are costed, and each unit is charged its share (by
+parameters) of the difference to the all-default candidate. The few best solutions are
+then re-costed as whole programs, so a cost that is not additive still ranks the finalists.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from planc.suggest.cost import CostContext, cost
+from planc.suggest.evaluate import Evaluator
+from planc.suggest.space import CHECKPOINT_MODES, Candidate, unit_blocks
+
+
+@dataclass(frozen=True)
+class Global:
+    """One global choice (the outer enumeration)."""
+
+    merge: int
+    replicate: int
+    prefetch: int
+    offload: bool
+
+
+@dataclass
+class Subproblem:
+    """The linear model of one global choice (see the module docstring)."""
+
+    g: Global
+    combos: list[tuple[str, bool | int]]   # (checkpoint mode, reshard)
+    time: np.ndarray                       # [units, combos] seconds
+    base_time: float
+    rows: list[tuple[int, tuple[int, ...], int, str]]  # (base bytes + shift, kept units, running unit or -1, phase)
+    d_kept: np.ndarray                     # [units, combos]
+    d_local: dict                          # phase -> [units, combos]
+
+    @property
+    def n_units(self) -> int:
+        return self.time.shape[0]
+
+    def peak(self, choice: list[int]) -> int:
+        """The linear model's peak for one choice per unit (combo indices)."""
+        best = 0
+        for base, kept, unit, phase in self.rows:
+            v = base + sum(self.d_kept[j, choice[j]] for j in kept)
+            if unit >= 0:
+                v += self.d_local[phase][unit, choice[unit]]
+            best = max(best, v)
+        return int(best)
+
+    def seconds(self, choice: list[int]) -> float:
+        return self.base_time + float(sum(self.time[u, c] for u, c in enumerate(choice)))
+
+    def candidate(self, choice: list[int]) -> Candidate:
+        return Candidate(merge=self.g.merge, replicate=self.g.replicate, prefetch=self.g.prefetch,
+                         offload=self.g.offload, checkpoint=tuple(self.combos[c][0] for c in choice),
+                         reshard=tuple(self.combos[c][1] for c in choice))
+
+
+def globals_for(ev: Evaluator, hardware, merges=None, prefetches=(0, 1), offloads=(False, True)) -> list[Global]:
+    """The global choices: merges of 1, 2 (and 4 for long chains), HSDP replicate sizes that
+    leave whole nodes per shard group, implicit or depth-1 forward prefetch, offload or not."""
+    n = ev.chain.n
+    merges = merges or [m for m in (1, 2, 4) if m == 1 or m <= n // 2]
+    reps = [r for r in (1, 2, 4, 8, 16) if ev.world % r == 0 and (r == 1 or ev.world // r >= min(hardware.gpus_per_node, ev.world // 2))
+            and r < ev.world]
+    return [Global(m, r, p, o) for m, r, p, o in itertools.product(merges, reps, prefetches, offloads)]
+
+
+def reshard_options(ev: Evaluator, g: Global, hardware) -> list[bool | int]:
+    shard = ev.world // g.replicate
+    opts: list[bool | int] = [True, False]
+    node = hardware.gpus_per_node
+    if g.replicate > 1 and shard > node and shard % node == 0:
+        opts.append(node)
+    return opts
+
+
+def build(ev: Evaluator, g: Global, ctx: CostContext) -> Subproblem:
+    """The linear model of `g` (one base replay, shared by every `g` with the same merge and prefetch)."""
+    ub = unit_blocks(ev.chain, g.merge)
+    nu = len(ub)
+    combos = [(m, r) for m in CHECKPOINT_MODES for r in reshard_options(ev, g, ctx.hardware)]
+    w = ev.windows(g.merge, g.prefetch)
+    uniform = {}
+
+    def cand(mode, rs):
+        return Candidate(merge=g.merge, replicate=g.replicate, prefetch=g.prefetch, offload=g.offload,
+                         checkpoint=(mode,) * nu, reshard=(rs,) * nu)
+    base_c = cand("none", True)
+    base_program = ev.compiled(base_c).program
+    base_cost = cost(base_program, ctx)
+    for m in CHECKPOINT_MODES:
+        uniform[("m", m)] = cost(ev.compiled(cand(m, True)).program, ctx) - base_cost
+    for r in reshard_options(ev, g, ctx.hardware):
+        uniform[("r", r)] = cost(ev.compiled(cand("none", r)).program, ctx) - base_cost
+    weights = np.array([sum(ev.chain.block_params[b] for b in blocks) for blocks in ub], dtype=float)
+    weights /= weights.sum()
+    time = np.array([[uniform[("m", m)] + uniform[("r", r)] for m, r in combos]] * nu) * weights[:, None]
+    # ties (a step bound by communication hides recomputation) go to the simpler choice:
+    # no checkpointing before selective before full, reshard true before the others
+    time = time + np.array([1e-6 * (CHECKPOINT_MODES.index(m) * 3 + (0 if r is True else 1 if r is False else 2))
+                            for m, r in combos])[None, :] * max(base_cost, 1e-6)
+    # memory coefficients
+    state, grads = ev.state_bytes(base_c)
+    base_state = w.state
+    shift = (state - base_state) + max(0, grads - w.grads)
+    units = ev.compiled(base_c).program.units
+    unsharded = []
+    from planc.estimate.memory import unit_memory
+    um = unit_memory(ev.compiled(base_c).program, ev.graph, ev.world, ev.optimizer)
+    for k in range(nu):
+        unsharded.append(um[w.block_unit_index[k]].unsharded)
+    prof = ev.block_profile
+    d_kept = np.zeros((nu, len(combos)))
+    d_local = {"forward": np.zeros((nu, len(combos))), "backward": np.zeros((nu, len(combos)))}
+    for k, blocks in enumerate(ub):
+        for ci, (m, r) in enumerate(combos):
+            keep_act = sum(prof[b].kept[m] - prof[b].kept["none"] for b in blocks)
+            keep_par = 0 if r is True else (unsharded[k] if r is False else unsharded[k] // int(r))
+            d_kept[k, ci] = keep_act + keep_par
+            others = sum(prof[b].kept[m] - prof[b].kept["none"] for b in blocks[:-1])
+            last = prof[blocks[-1]]
+            d_local["forward"][k, ci] = others + last.forward_peak[m] - last.forward_peak["none"]
+            d_local["backward"][k, ci] = others + last.backward_peak[m] - last.backward_peak["none"]
+    index_of = {ui: k for k, ui in enumerate(w.block_unit_index)}
+    rows = []
+    for (phase, unit, kept), total in w.rows.items():
+        kept_blocks = tuple(index_of[j] for j in kept if j in index_of)
+        running = index_of.get(unit, -1) if phase in ("forward", "backward") else -1
+        rows.append((total + shift, kept_blocks, running, phase))
+    del units
+    return Subproblem(g, combos, time, base_cost, rows, d_kept, d_local)
+
+
+def solve(sp: Subproblem, budget: float, exclude: list[list[int]] = ()) -> list[int] | None:
+    """The fastest choice per unit whose linear-model peak is at most `budget` (None: none fits)."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import lil_matrix
+    nu, nc = sp.time.shape
+    nvar = nu * nc
+    rows = [r for r in sp.rows]
+    a = lil_matrix((nu + len(rows) + len(exclude), nvar))
+    lo = np.full(a.shape[0], -np.inf)
+    hi = np.full(a.shape[0], np.inf)
+    for u in range(nu):
+        a[u, u * nc:(u + 1) * nc] = 1
+        lo[u] = hi[u] = 1
+    for i, (base, kept, unit, phase) in enumerate(rows):
+        r = nu + i
+        for j in kept:
+            a[r, j * nc:(j + 1) * nc] = sp.d_kept[j]
+        if unit >= 0:
+            cur = a[r, unit * nc:(unit + 1) * nc].toarray()[0]
+            a[r, unit * nc:(unit + 1) * nc] = cur + sp.d_local[phase][unit]
+        hi[r] = budget - base
+    for i, ex in enumerate(exclude):  # no-good cut: not this exact choice again
+        r = nu + len(rows) + i
+        for u, c in enumerate(ex):
+            a[r, u * nc + c] = 1
+        hi[r] = nu - 1
+    res = milp(c=sp.time.reshape(-1), integrality=np.ones(nvar), bounds=Bounds(0, 1),
+               constraints=LinearConstraint(a.tocsr(), lo, hi), options={"disp": False, "mip_rel_gap": 0.0})
+    if res.status != 0 or res.x is None:
+        return None
+    x = np.round(res.x).reshape(nu, nc)
+    return [int(np.argmax(x[u])) for u in range(nu)]
+
+
+def exhaustive(sp: Subproblem, budget: float) -> tuple[float, list[int]] | None:
+    """Every choice of the linear model, for small spaces: the fastest that fits (the test oracle)."""
+    best = None
+    for choice in itertools.product(range(len(sp.combos)), repeat=sp.n_units):
+        choice = list(choice)
+        if sp.peak(choice) <= budget:
+            t = sp.seconds(choice)
+            if best is None or t < best[0] - 1e-15:
+                best = (t, choice)
+    return best
+
+
+def min_peak_choice(sp: Subproblem) -> list[int]:
+    """Per unit the choice that keeps least (the smallest peak this global choice can reach)."""
+    return [int(np.argmin(sp.d_kept[u] + sp.d_local["backward"][u])) for u in range(sp.n_units)]
+
+
+_ = (math, replace)
