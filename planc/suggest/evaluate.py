@@ -82,7 +82,7 @@ def remap(trace: Trace, atom_units, units) -> Trace:
     name_of = {u.name: units[to_new[i]].name for i, u in enumerate(atom_units)}
     first = {}
     last = {}
-    for i, u in enumerate(atom_units):
+    for i in range(len(atom_units)):
         j = to_new[i]
         first.setdefault(j, i)
         last[j] = i
@@ -247,7 +247,8 @@ def _profile(module, args, kwargs) -> BlockProfile:
             mod = copy.deepcopy(module)
             a, kw = _detach(args), _detach(kwargs)
             peak = [0]
-            counter = _LiveBytes(lambda func: peak.__setitem__(0, max(peak[0], counter.live)))
+            counter = _LiveBytes(lambda func, peak=peak: None)
+            counter._on_op = lambda func, peak=peak, counter=counter: peak.__setitem__(0, max(peak[0], counter.live))
             counter.ignore([*mod.parameters(), *mod.buffers(),
                             *[t for t in tree_flatten((a, kw))[0] if isinstance(t, torch.Tensor)]])
             with counter:

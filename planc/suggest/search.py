@@ -171,6 +171,6 @@ def render(ev: Evaluator, best: Option, others: list[Option], budget: int, budge
                       f"peak ~{format_bytes(o.peak)}: {o.candidate.describe()}")
     if not others:
         header.append("  none: no other global choice fits")
-    expects = [f"# the budget, checked by `planc check` (re-run `planc suggest` when it fails)",
+    expects = ["# the budget, checked by `planc check` (re-run `planc suggest` when it fails)",
                expect_line(budget_text, float(budget), ev.world, tuple(shape))]
     return ev.text(c, header, expects)

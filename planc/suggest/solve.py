@@ -91,8 +91,8 @@ def globals_for(ev: Evaluator, hardware, merges=None, prefetches=(0, 1), offload
     leave whole nodes per shard group, implicit or depth-1 forward prefetch, offload or not."""
     n = ev.chain.n
     merges = merges or [m for m in (1, 2, 4) if m == 1 or m <= n // 2]
-    reps = [r for r in (1, 2, 4, 8, 16) if ev.world % r == 0 and (r == 1 or ev.world // r >= min(hardware.gpus_per_node, ev.world // 2))
-            and r < ev.world]
+    node = min(hardware.gpus_per_node, ev.world // 2)
+    reps = [r for r in (1, 2, 4, 8, 16) if ev.world % r == 0 and r < ev.world and (r == 1 or ev.world // r >= node)]
     return [Global(m, r, p, o) for m, r, p, o in itertools.product(merges, reps, prefetches, offloads)]
 
 
