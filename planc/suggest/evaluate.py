@@ -26,7 +26,6 @@ applied) before it is written (`Evaluator.exact`).
 
 from __future__ import annotations
 
-import copy
 import warnings
 from dataclasses import dataclass, field
 
@@ -204,12 +203,13 @@ class Evaluator:
         r.unit_mem = units
         return r
 
-    def windows(self, merge: int, prefetch: int) -> Windows:
-        """The base replay of (merge, prefetch): replicate 1, no offload, reshard true, nothing checkpointed."""
-        key = (merge, prefetch)
+    def windows(self, merge: int, prefetch: int, replicate: int = 1, offload: bool = False) -> Windows:
+        """The base replay of one global choice: reshard true, nothing checkpointed."""
+        key = (merge, prefetch, replicate, offload)
         if key not in self._windows:
             nu = len(unit_blocks(self.chain, merge))
-            c = Candidate(merge=merge, prefetch=prefetch, checkpoint=("none",) * nu, reshard=(True,) * nu)
+            c = Candidate(merge=merge, prefetch=prefetch, replicate=replicate, offload=offload,
+                          checkpoint=("none",) * nu, reshard=(True,) * nu)
             program = self.compiled(c).program
             trace = remap(self.atom_trace, self.atom_program.units, program.units) if merge != 1 else self.atom_trace
             r = self._replay(program, trace)
@@ -242,9 +242,9 @@ def _profile(module, args, kwargs) -> BlockProfile:
     fake_mode = next(t.fake_mode for t in leaves if hasattr(t, "fake_mode"))
     kept, fpeak, bpeak = {}, {}, {}
     with fake_mode, warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # deepcopy of fake parameters warns about data pointers
+        warnings.simplefilter("ignore")
         for mode in CHECKPOINT_MODES:
-            mod = copy.deepcopy(module)
+            mod = module  # torch.utils.checkpoint wraps the call: the module itself is not changed
             a, kw = _detach(args), _detach(kwargs)
             peak = [0]
             counter = _LiveBytes(lambda func, peak=peak: None)

@@ -110,7 +110,7 @@ def build(ev: Evaluator, g: Global, ctx: CostContext) -> Subproblem:
     ub = unit_blocks(ev.chain, g.merge)
     nu = len(ub)
     combos = [(m, r) for m in CHECKPOINT_MODES for r in reshard_options(ev, g, ctx.hardware)]
-    w = ev.windows(g.merge, g.prefetch)
+    w = ev.windows(g.merge, g.prefetch, g.replicate, g.offload)
     uniform = {}
 
     def cand(mode, rs):
@@ -131,9 +131,7 @@ def build(ev: Evaluator, g: Global, ctx: CostContext) -> Subproblem:
     time = time + np.array([1e-6 * (CHECKPOINT_MODES.index(m) * 3 + (0 if r is True else 1 if r is False else 2))
                             for m, r in combos])[None, :] * max(base_cost, 1e-6)
     # memory coefficients
-    state, grads = ev.state_bytes(base_c)
-    base_state = w.state
-    shift = (state - base_state) + max(0, grads - w.grads)
+    shift = 0  # the base replay is of this global choice: its state is in every window already
     units = ev.compiled(base_c).program.units
     unsharded = []
     from planc.estimate.memory import unit_memory
@@ -165,31 +163,39 @@ def build(ev: Evaluator, g: Global, ctx: CostContext) -> Subproblem:
 def solve(sp: Subproblem, budget: float, exclude: list[list[int]] = ()) -> list[int] | None:
     """The fastest choice per unit whose linear-model peak is at most `budget` (None: none fits)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import lil_matrix
+    from scipy.sparse import coo_matrix
     nu, nc = sp.time.shape
     nvar = nu * nc
-    rows = [r for r in sp.rows]
-    a = lil_matrix((nu + len(rows) + len(exclude), nvar))
-    lo = np.full(a.shape[0], -np.inf)
-    hi = np.full(a.shape[0], np.inf)
-    for u in range(nu):
-        a[u, u * nc:(u + 1) * nc] = 1
-        lo[u] = hi[u] = 1
-    for i, (base, kept, unit, phase) in enumerate(rows):
-        r = nu + i
+    cols = np.arange(nc)
+    ri, ci, vals, lo, hi = [], [], [], [], []
+    for u in range(nu):  # one choice per unit
+        ri.append(np.full(nc, len(lo)))
+        ci.append(u * nc + cols)
+        vals.append(np.ones(nc))
+        lo.append(1)
+        hi.append(1)
+    for base, kept, unit, phase in sp.rows:
+        r = len(lo)
         for j in kept:
-            a[r, j * nc:(j + 1) * nc] = sp.d_kept[j]
-        if unit >= 0:
-            cur = a[r, unit * nc:(unit + 1) * nc].toarray()[0]
-            a[r, unit * nc:(unit + 1) * nc] = cur + sp.d_local[phase][unit]
-        hi[r] = budget - base
-    for i, ex in enumerate(exclude):  # no-good cut: not this exact choice again
-        r = nu + len(rows) + i
-        for u, c in enumerate(ex):
-            a[r, u * nc + c] = 1
-        hi[r] = nu - 1
+            ri.append(np.full(nc, r))
+            ci.append(j * nc + cols)
+            vals.append(sp.d_kept[j])
+        if unit >= 0:  # duplicates are summed by the sparse matrix
+            ri.append(np.full(nc, r))
+            ci.append(unit * nc + cols)
+            vals.append(sp.d_local[phase][unit])
+        lo.append(-np.inf)
+        hi.append(budget - base)
+    for ex in exclude:  # no-good cut: not this exact choice again
+        r = len(lo)
+        ri.append(np.full(nu, r))
+        ci.append(np.array([u * nc + c for u, c in enumerate(ex)]))
+        vals.append(np.ones(nu))
+        lo.append(-np.inf)
+        hi.append(nu - 1)
+    a = coo_matrix((np.concatenate(vals), (np.concatenate(ri), np.concatenate(ci))), shape=(len(lo), nvar)).tocsr()
     res = milp(c=sp.time.reshape(-1), integrality=np.ones(nvar), bounds=Bounds(0, 1),
-               constraints=LinearConstraint(a.tocsr(), lo, hi), options={"disp": False, "mip_rel_gap": 0.0})
+               constraints=LinearConstraint(a, np.array(lo, float), np.array(hi, float)), options={"disp": False, "mip_rel_gap": 0.0})
     if res.status != 0 or res.x is None:
         return None
     x = np.round(res.x).reshape(nu, nc)
