@@ -30,9 +30,10 @@ from goldens import check_golden  # noqa: E402
 WORLD = re.compile(r"#\s*world-size:\s*([0-9 ]+)")
 
 # Codes `planc check` cannot produce: P6xx are raised by `planc.apply` on a live model in a
-# process group, P7xx by `planc import` on accelerate configs; each is covered by that
+# process group, P7xx by `planc import` on accelerate configs, P95x by `planc suggest`
+# (tests/test_suggest.py, golden in tests/golden/suggest/); each is covered by that
 # command's own tests. Every other code needs a golden here.
-OTHER_COMMANDS = ("P6", "P7")
+OTHER_COMMANDS = ("P6", "P7", "P95")
 
 
 def reachable_from_check(code: str) -> bool:

@@ -108,7 +108,7 @@ class _Recorder(mem_model._Replay):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.bwd_started: set[int] = set()
-        self.rows: list[tuple[str, int, tuple[int, ...], int]] = []  # (phase, unit index or -1, kept, total)
+        self.rows: list[tuple[str, int, tuple[int, ...], int, tuple[int, ...]]] = []  # (phase, unit, kept, total, reduced)
         self._index = {u.name: i for i, u in enumerate(self.units)}
 
     def unshard(self, i, label):
@@ -120,18 +120,22 @@ class _Recorder(mem_model._Replay):
         super().snapshot(label)
         m = self.timeline[-1]
         kept = tuple(sorted(set(self.post_forward_order) - self.bwd_started))
-        self.rows.append((m.phase, self._index.get(self.where, -1), kept, m.total))
+        reduced = tuple(i for i, names in self.reduced.items() if names)
+        self.rows.append((m.phase, self._index.get(self.where, -1), kept, m.total, reduced))
 
 
 @dataclass
 class Windows:
-    """The base replay of one (merge, prefetch) cut into windows: the most bytes of each
-    (phase, unit being run, units holding forward state), and the block units' indices."""
+    """The base replay of one (merge, prefetch) -- one replica, nothing offloaded, reshard true,
+    nothing checkpointed -- cut into windows: the moments of each (phase, unit being run,
+    units holding forward state), with each moment's bytes and the units whose gradients are
+    reduce-scattered by then (HSDP and offload change their sharded gradients' bytes)."""
 
-    rows: dict[tuple[str, int, tuple[int, ...]], int]
+    groups: dict[tuple[str, int, tuple[int, ...]], "object"]  # key -> moment indices (numpy)
+    totals: "object"                      # [moments] bytes
+    reduced: "object"                     # [moments, units] 0/1
     block_unit_index: list[int]           # program unit index of each block unit
-    state: int                            # device state bytes (sharded + optimizer) of the base
-    grads: int
+    program: object                       # the base program
 
 
 @dataclass
@@ -161,8 +165,8 @@ class Evaluator:
             signatures[path] = sig
 
             def hook(module, args, kwargs, sig=sig):
-                if sig not in captured:
-                    captured[sig] = (module, args, kwargs)
+                if sig not in captured:  # shapes only: holding the tensors would change the trace
+                    captured[sig] = (module, *_specs((args, kwargs)))
             handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
         try:
             with _quiet_fake_tensor_logs(), warnings.catch_warnings():
@@ -203,24 +207,26 @@ class Evaluator:
         r.unit_mem = units
         return r
 
-    def windows(self, merge: int, prefetch: int, replicate: int = 1, offload: bool = False) -> Windows:
-        """The base replay of one global choice: reshard true, nothing checkpointed."""
-        key = (merge, prefetch, replicate, offload)
+    def windows(self, merge: int, prefetch: int) -> Windows:
+        """The base replay of (merge, prefetch) (see `Windows`)."""
+        import numpy as np
+        key = (merge, prefetch)
         if key not in self._windows:
             nu = len(unit_blocks(self.chain, merge))
-            c = Candidate(merge=merge, prefetch=prefetch, replicate=replicate, offload=offload,
-                          checkpoint=("none",) * nu, reshard=(True,) * nu)
+            c = Candidate(merge=merge, prefetch=prefetch, checkpoint=("none",) * nu, reshard=(True,) * nu)
             program = self.compiled(c).program
             trace = remap(self.atom_trace, self.atom_program.units, program.units) if merge != 1 else self.atom_trace
             r = self._replay(program, trace)
-            rows: dict = {}
-            for phase, unit, kept, total in r.rows:
-                k = (phase, unit, kept)
-                rows[k] = max(rows.get(k, 0), total)
+            groups: dict = {}
+            reduced = np.zeros((len(r.rows), len(program.units)))
+            totals = np.zeros(len(r.rows))
+            for t, (phase, unit, kept, total, red) in enumerate(r.rows):
+                groups.setdefault((phase, unit, kept), []).append(t)
+                totals[t] = total
+                reduced[t, list(red)] = 1
+            groups = {k: np.array(v) for k, v in groups.items()}
             start = len(self.chain.pre)
-            state = sum(m.sharded + m.optimizer for m in r.unit_mem)
-            grads = sum(m.grads for m in r.unit_mem)
-            self._windows[key] = Windows(rows, list(range(start, start + nu)), state, grads)
+            self._windows[key] = Windows(groups, totals, reduced, list(range(start, start + nu)), program)
         return self._windows[key]
 
     def state_bytes(self, c: Candidate) -> tuple[int, int]:
@@ -235,11 +241,31 @@ class Evaluator:
         return mem_model.estimate(compiled, self.world, optimizer=self.optimizer, input_shape=self.shape)
 
 
-def _profile(module, args, kwargs) -> BlockProfile:
+@dataclass(frozen=True)
+class _Spec:
+    shape: tuple
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+def _specs(tree):
+    """The tree with each tensor replaced by its shape, dtype and requires_grad; and the fake mode."""
+    from torch.utils._pytree import tree_map
+    modes = [t.fake_mode for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and hasattr(t, "fake_mode")]
+    spec = tree_map(lambda t: _Spec(tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor) else t, tree)
+    return spec, modes[0] if modes else None
+
+
+def _profile(module, spec, fake_mode) -> BlockProfile:
     """Run one (fake) block alone per checkpoint mode; see `BlockProfile`."""
+    from torch.utils._pytree import tree_map
     from torch.utils.checkpoint import checkpoint
-    leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-    fake_mode = next(t.fake_mode for t in leaves if hasattr(t, "fake_mode"))
+    if fake_mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
+        args, kwargs = tree_map(lambda s: torch.empty(s.shape, dtype=s.dtype, device="cpu") if isinstance(s, _Spec) else s,
+                                spec, is_leaf=lambda x: isinstance(x, _Spec))
     kept, fpeak, bpeak = {}, {}, {}
     with fake_mode, warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -73,11 +73,13 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
         cost_fn: `cost(program, context) -> seconds` (default the provisional one).
     """
     t0 = time.perf_counter()
+    if budget_text is None:  # a size the `expect` line can spell exactly (whole KiB at least)
+        budget, budget_text = budget_spelling(budget)
     hw = HARDWARE[hardware]
     ev = Evaluator(graph, model_ref, world, tuple(shape), optimizer)
     ctx = CostContext(graph, world, shape[0] * shape[1], hw)
     t_trace = time.perf_counter() - t0
-    subs: list[Subproblem] = [build(ev, g, ctx) for g in globals_for(ev, hw)]
+    subs: list[Subproblem] = [build(ev, g, ctx, cost_fn) for g in globals_for(ev, hw)]
     t_build = time.perf_counter() - t0 - t_trace
     bound = {id(sp): sp.base_time + float(sp.time.min(axis=1).sum()) for sp in subs}
     subs.sort(key=lambda sp: bound[id(sp)])
@@ -99,6 +101,7 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
             best = option
     if progress:
         progress(len(subs), len(subs))
+    t_solve = time.perf_counter() - t0 - t_trace - t_build
     smallest = None
     if best is not None:
         # the winner's peak by the memory model itself; if the linear model was optimistic, tighten and re-solve
@@ -121,13 +124,41 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
         c = sp.candidate(ch)
         peak, where = exact_peak(ev, c)
         smallest = Option(c, cost_fn(ev.compiled(c).program, ctx), peak, True, where)
+        if peak <= budget:  # the linear model is conservative here; the memory model says it fits
+            best, smallest = smallest, None
     others = sorted((o for o in found if best is None or _global(o.candidate) != _global(best.candidate)),
                     key=lambda o: o.seconds)[:alternatives]
+    for o in others:  # costed as whole programs, as the winner is
+        o.seconds = cost_fn(ev.compiled(o.candidate).program, ctx)
+    others.sort(key=lambda o: o.seconds)
     text = None
     if best is not None:
-        text = render(ev, best, others, budget, budget_text or format_bytes(budget), shape, hardware, optimizer)
-    stats = {"trace_s": t_trace, "build_s": t_build, "total_s": time.perf_counter() - t0}
+        text = render(ev, best, others, budget, budget_text, shape, hardware, optimizer)
+    total = time.perf_counter() - t0
+    stats = {"trace_s": t_trace, "build_s": t_build, "solve_s": t_solve,
+             "verify_s": total - t_trace - t_build - t_solve, "total_s": total}
     return Suggestion(best, others, smallest, text, budget, searched, pruned, time.perf_counter() - t0, stats)
+
+
+def _canonical(sp, choice: list[int], bound: float) -> list[int]:
+    """The same choices moved within runs of equal blocks so that the non-default ones come last
+    (a MILP's ties are arbitrary; a plan reads better as runs), kept only if the model agrees
+    it is no slower and still fits."""
+    keyed = sorted(choice, key=lambda c: (sp.combos[c][0] != "none", sp.combos[c][1] is not True, str(sp.combos[c])))
+    if len({tuple(sp.d_kept[u]) for u in range(len(choice))}) > 2:
+        return choice
+    if sp.peak(keyed) <= bound and sp.seconds(keyed) <= sp.seconds(choice) * (1 + 1e-9):
+        return keyed
+    return choice
+
+
+def budget_spelling(budget: int) -> tuple[int, str]:
+    """(budget, its plan spelling): exact in GiB, MiB or KiB, else rounded down to whole KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if budget >= scale and budget % scale == 0:
+            return budget, f"{budget // scale}{unit}"
+    kib = max(1, budget // 1024)
+    return kib * 1024, f"{kib}KiB"
 
 
 def _global(c: Candidate):
@@ -142,10 +173,11 @@ def _solve_fitting(ev, sp, budget, ctx, cost_fn, *, verify: bool, tries: int = 6
         choice = solve(sp, bound)
         if choice is None:
             return None
+        choice = _canonical(sp, choice, bound)
         c = sp.candidate(choice)
+        if not verify:  # the linear model's time (the finalists are costed as whole programs)
+            return Option(c, sp.seconds(choice), sp.peak(choice), False)
         seconds = cost_fn(ev.compiled(c).program, ctx)
-        if not verify:
-            return Option(c, seconds, sp.peak(choice), False)
         peak, where = exact_peak(ev, c)
         if peak <= budget:
             return Option(c, seconds, peak, True, where)

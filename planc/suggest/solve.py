@@ -31,11 +31,12 @@ then re-costed as whole programs, so a cost that is not additive still ranks the
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from planc.lower.program import Checkpoint, FullyShard, Offload, Program
+from planc.resolve.mesh import Mesh
 from planc.suggest.cost import CostContext, cost
 from planc.suggest.evaluate import Evaluator
 from planc.suggest.space import CHECKPOINT_MODES, Candidate, unit_blocks
@@ -105,39 +106,60 @@ def reshard_options(ev: Evaluator, g: Global, hardware) -> list[bool | int]:
     return opts
 
 
-def build(ev: Evaluator, g: Global, ctx: CostContext) -> Subproblem:
+def variant(program: Program, blocks: set[str], modules: list[str], *, replicate: int, offload: bool, mode: str,
+            reshard) -> Program:
+    """`program` (replicate 1, nothing offloaded or checkpointed, reshard true) with every block
+    unit (names in `blocks`, block modules `modules`) changed: what compiling the uniform
+    candidate gives, for the cost (tests/test_suggest.py checks the cost is the same)."""
+    mesh = program.mesh if replicate == 1 else Mesh.data_parallel(replicate, None)
+    ops = [Checkpoint(m, mode, None) for m in modules] if mode != "none" else []
+    for op in program.ops:
+        if isinstance(op, FullyShard) and op.name in blocks:
+            op = replace(op, policy=replace(op.policy, reshard_after_forward=reshard, offload=Offload(enabled=offload)))
+        ops.append(op)
+    return Program(mesh, tuple(ops))
+
+
+def build(ev: Evaluator, g: Global, ctx: CostContext, cost_fn=cost) -> Subproblem:
     """The linear model of `g` (one base replay, shared by every `g` with the same merge and prefetch)."""
+    from planc.estimate.memory import unit_memory
     ub = unit_blocks(ev.chain, g.merge)
     nu = len(ub)
-    combos = [(m, r) for m in CHECKPOINT_MODES for r in reshard_options(ev, g, ctx.hardware)]
-    w = ev.windows(g.merge, g.prefetch, g.replicate, g.offload)
-    uniform = {}
+    # NOTE: with explicit forward prefetch, the memory model replays the forward pre-hooks that
+    # recomputation runs in backward as prefetching again (several units gathered at once), an
+    # interaction the linear model does not see: prefetch is paired with no checkpointing
+    modes = CHECKPOINT_MODES if not g.prefetch else ("none",)
+    options = reshard_options(ev, g, ctx.hardware)
+    combos = [(m, r) for m in modes for r in options]
+    w = ev.windows(g.merge, g.prefetch)
+    base_program = w.program
+    block_names = {base_program.units[i].name for i in w.block_unit_index}
+    modules = list(ev.chain.blocks)
 
-    def cand(mode, rs):
-        return Candidate(merge=g.merge, replicate=g.replicate, prefetch=g.prefetch, offload=g.offload,
-                         checkpoint=(mode,) * nu, reshard=(rs,) * nu)
-    base_c = cand("none", True)
-    base_program = ev.compiled(base_c).program
-    base_cost = cost(base_program, ctx)
-    for m in CHECKPOINT_MODES:
-        uniform[("m", m)] = cost(ev.compiled(cand(m, True)).program, ctx) - base_cost
-    for r in reshard_options(ev, g, ctx.hardware):
-        uniform[("r", r)] = cost(ev.compiled(cand("none", r)).program, ctx) - base_cost
+    def priced(mode, rs):
+        return cost_fn(variant(base_program, block_names, modules, replicate=g.replicate, offload=g.offload,
+                               mode=mode, reshard=rs), ctx)
+    base_cost = priced("none", True)
+    uniform = {("m", m): priced(m, True) - base_cost for m in modes}
+    uniform.update({("r", r): priced("none", r) - base_cost for r in options})
     weights = np.array([sum(ev.chain.block_params[b] for b in blocks) for blocks in ub], dtype=float)
     weights /= weights.sum()
     time = np.array([[uniform[("m", m)] + uniform[("r", r)] for m, r in combos]] * nu) * weights[:, None]
-    # ties (a step bound by communication hides recomputation) go to the simpler choice:
-    # no checkpointing before selective before full, reshard true before the others
-    time = time + np.array([1e-6 * (CHECKPOINT_MODES.index(m) * 3 + (0 if r is True else 1 if r is False else 2))
-                            for m, r in combos])[None, :] * max(base_cost, 1e-6)
-    # memory coefficients
-    shift = 0  # the base replay is of this global choice: its state is in every window already
-    units = ev.compiled(base_c).program.units
-    unsharded = []
-    from planc.estimate.memory import unit_memory
-    um = unit_memory(ev.compiled(base_c).program, ev.graph, ev.world, ev.optimizer)
-    for k in range(nu):
-        unsharded.append(um[w.block_unit_index[k]].unsharded)
+    # ties (a step bound by communication hides recomputation) go to the simpler choice: no
+    # checkpointing before selective before full, reshard true before the others, and a
+    # non-default choice on later blocks before earlier ones (plans read as runs)
+    simple = np.array([CHECKPOINT_MODES.index(m) * 3 + (0 if r is True else 1 if r is False else 2) for m, r in combos])
+    later = (1 - np.arange(nu) / max(nu, 1))[:, None] * (simple > 0)[None, :]
+    time = time + (1e-6 * simple[None, :] + 1e-7 * later) * max(base_cost, 1e-6)
+    # memory: the base replay's moments, with this global choice's state (HSDP's larger shards,
+    # offloaded block units) added exactly; then what each unit's choice changes
+    one = unit_memory(base_program, ev.graph, ev.world, ev.optimizer)
+    mine = unit_memory(base_program, ev.graph, ev.world // g.replicate, ev.optimizer)
+    on_device = [not (g.offload and i in set(w.block_unit_index)) for i in range(len(one))]
+    d_state = sum(on_device[i] * (m.sharded + m.optimizer) - (o.sharded + o.optimizer) for i, (m, o) in enumerate(zip(mine, one)))
+    d_grads = np.array([on_device[i] * m.grads - o.grads for i, (m, o) in enumerate(zip(mine, one))], dtype=float)
+    moment = w.totals + d_state + w.reduced @ d_grads
+    unsharded = [mine[w.block_unit_index[k]].unsharded for k in range(nu)]
     prof = ev.block_profile
     d_kept = np.zeros((nu, len(combos)))
     d_local = {"forward": np.zeros((nu, len(combos))), "backward": np.zeros((nu, len(combos)))}
@@ -152,11 +174,10 @@ def build(ev: Evaluator, g: Global, ctx: CostContext) -> Subproblem:
             d_local["backward"][k, ci] = others + last.backward_peak[m] - last.backward_peak["none"]
     index_of = {ui: k for k, ui in enumerate(w.block_unit_index)}
     rows = []
-    for (phase, unit, kept), total in w.rows.items():
+    for (phase, unit, kept), idx in w.groups.items():
         kept_blocks = tuple(index_of[j] for j in kept if j in index_of)
         running = index_of.get(unit, -1) if phase in ("forward", "backward") else -1
-        rows.append((total + shift, kept_blocks, running, phase))
-    del units
+        rows.append((int(moment[idx].max()), kept_blocks, running, phase))
     return Subproblem(g, combos, time, base_cost, rows, d_kept, d_local)
 
 
@@ -165,40 +186,56 @@ def solve(sp: Subproblem, budget: float, exclude: list[list[int]] = ()) -> list[
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
     nu, nc = sp.time.shape
-    nvar = nu * nc
+    nx = nu * nc
+    # prefix sums P[k] = what block units 0..k-1 keep beyond the base (continuous, exact: each
+    # is fixed by the x), so a window whose kept units are a prefix costs one nonzero, not k*nc
+    nvar = nx + nu + 1
     cols = np.arange(nc)
     ri, ci, vals, lo, hi = [], [], [], [], []
+
+    def row(cols_, vals_, lo_, hi_):
+        ri.append(np.full(len(cols_), len(lo)))
+        ci.append(np.asarray(cols_))
+        vals.append(np.asarray(vals_, dtype=float))
+        lo.append(lo_)
+        hi.append(hi_)
     for u in range(nu):  # one choice per unit
-        ri.append(np.full(nc, len(lo)))
-        ci.append(u * nc + cols)
-        vals.append(np.ones(nc))
-        lo.append(1)
-        hi.append(1)
+        row(u * nc + cols, np.ones(nc), 1, 1)
+    row([nx], [1.0], 0, 0)  # P[0] = 0
+    for k in range(nu):  # P[k+1] - P[k] - sum_c d_kept[k,c] x[k,c] = 0
+        row(np.concatenate([[nx + k + 1, nx + k], k * nc + cols]),
+            np.concatenate([[1.0, -1.0], -sp.d_kept[k]]), 0, 0)
     for base, kept, unit, phase in sp.rows:
-        r = len(lo)
-        for j in kept:
-            ri.append(np.full(nc, r))
-            ci.append(j * nc + cols)
-            vals.append(sp.d_kept[j])
+        c_, v_ = [], []
+        if kept == tuple(range(len(kept))):
+            c_.append(np.array([nx + len(kept)]))
+            v_.append(np.array([1.0]))
+        else:
+            for j in kept:
+                c_.append(j * nc + cols)
+                v_.append(sp.d_kept[j])
         if unit >= 0:  # duplicates are summed by the sparse matrix
-            ri.append(np.full(nc, r))
-            ci.append(unit * nc + cols)
-            vals.append(sp.d_local[phase][unit])
-        lo.append(-np.inf)
-        hi.append(budget - base)
+            c_.append(unit * nc + cols)
+            v_.append(sp.d_local[phase][unit])
+        if not c_:
+            if base > budget:
+                return None
+            continue
+        row(np.concatenate(c_), np.concatenate(v_), -np.inf, budget - base)
     for ex in exclude:  # no-good cut: not this exact choice again
-        r = len(lo)
-        ri.append(np.full(nu, r))
-        ci.append(np.array([u * nc + c for u, c in enumerate(ex)]))
-        vals.append(np.ones(nu))
-        lo.append(-np.inf)
-        hi.append(nu - 1)
+        row([u * nc + c for u, c in enumerate(ex)], np.ones(nu), -np.inf, nu - 1)
     a = coo_matrix((np.concatenate(vals), (np.concatenate(ri), np.concatenate(ci))), shape=(len(lo), nvar)).tocsr()
-    res = milp(c=sp.time.reshape(-1), integrality=np.ones(nvar), bounds=Bounds(0, 1),
-               constraints=LinearConstraint(a, np.array(lo, float), np.array(hi, float)), options={"disp": False, "mip_rel_gap": 0.0})
+    # seconds scaled so the tie-breaks (1e-6 of the step) are far above HiGHS's absolute gap
+    scale = 1e9 / max(sp.base_time, float(np.abs(sp.time).max()), 1e-12)
+    integrality = np.concatenate([np.ones(nx), np.zeros(nu + 1)])
+    bounds = Bounds(np.concatenate([np.zeros(nx), np.full(nu + 1, -np.inf)]),
+                    np.concatenate([np.ones(nx), np.full(nu + 1, np.inf)]))
+    res = milp(c=np.concatenate([sp.time.reshape(-1) * scale, np.zeros(nu + 1)]), integrality=integrality, bounds=bounds,
+               constraints=LinearConstraint(a, np.array(lo, float), np.array(hi, float)),
+               options={"disp": False, "mip_rel_gap": 0.0})
     if res.status != 0 or res.x is None:
         return None
-    x = np.round(res.x).reshape(nu, nc)
+    x = np.round(res.x[:nx]).reshape(nu, nc)
     return [int(np.argmax(x[u])) for u in range(nu)]
 
 
@@ -218,5 +255,3 @@ def min_peak_choice(sp: Subproblem) -> list[int]:
     """Per unit the choice that keeps least (the smallest peak this global choice can reach)."""
     return [int(np.argmin(sp.d_kept[u] + sp.d_local["backward"][u])) for u in range(sp.n_units)]
 
-
-_ = (math, replace)

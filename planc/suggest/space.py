@@ -196,14 +196,14 @@ def plan_statements(chain: Chain, model_ref: str | None, c: Candidate) -> list[l
     mesh = st.MeshStmt(span=_NOWHERE, dims=(st.MeshDim(span=_NOWHERE, name="replicate", size=c.replicate),
                                             st.MeshDim(span=_NOWHERE, name="shard", size=None)))
     groups.append([printer.head(mesh)])
-    groups.append(["defaults {", f"  {printer.text(_option('precision', param='bf16', reduce='fp32', cast_inputs=False))}",
-                   f"  {printer.text(_option('reshard', after_forward=True))}", "}"])
+    defaults = [_option("precision", param="bf16", reduce="fp32", cast_inputs=False), _option("reshard", after_forward=True)]
+    if c.prefetch:  # every unit gathers the next N as it starts (the root the first block units)
+        defaults.append(_option("prefetch", forward=c.prefetch))
+    groups.append(["defaults {", *(f"  {printer.text(o)}" for o in defaults), "}"])
     units: list[st.UnitStmt] = [st.UnitStmt(span=_NOWHERE, target=_target(g), block=None) for g in chain.pre]
     extra = []
     if c.offload:
         extra.append(_option("offload", "cpu"))
-    if c.prefetch:
-        extra.append(_option("prefetch", forward=c.prefetch))
     ub = unit_blocks(chain, c.merge)
     if c.merge == 1:
         units.append(st.UnitStmt(span=_NOWHERE, target=_slice(chain.blocks_path, 0, chain.n, chain.n),
