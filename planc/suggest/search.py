@@ -11,7 +11,7 @@ from planc.estimate.trace import trace_for
 from planc.quantities import show_bytes as format_bytes
 from planc.suggest.cost import HARDWARE, CostContext, cost
 from planc.suggest.evaluate import Evaluator, compress
-from planc.suggest.solve import Subproblem, build, globals_for, min_peak_choice, solve
+from planc.suggest.solve import Subproblem, build, globals_for, min_peak_choice, solve, surely_infeasible
 from planc.suggest.space import Candidate, expect_line
 
 
@@ -90,6 +90,9 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
         if progress:
             progress(k, len(subs))
         if best is not None and bound[id(sp)] >= best.seconds and len(found) > alternatives:
+            pruned += 1
+            continue
+        if surely_infeasible(sp, budget):
             pruned += 1
             continue
         searched += 1

@@ -30,6 +30,7 @@ then re-costed as whole programs, so a cost that is not additive still ranks the
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass, replace
 
@@ -230,13 +231,35 @@ def solve(sp: Subproblem, budget: float, exclude: list[list[int]] = ()) -> list[
     integrality = np.concatenate([np.ones(nx), np.zeros(nu + 1)])
     bounds = Bounds(np.concatenate([np.zeros(nx), np.full(nu + 1, -np.inf)]),
                     np.concatenate([np.ones(nx), np.full(nu + 1, np.inf)]))
-    res = milp(c=np.concatenate([sp.time.reshape(-1) * scale, np.zeros(nu + 1)]), integrality=integrality, bounds=bounds,
-               constraints=LinearConstraint(a, np.array(lo, float), np.array(hi, float)),
-               options={"disp": False, "mip_rel_gap": 0.0})
+    with _quiet_stdout():
+        res = milp(c=np.concatenate([sp.time.reshape(-1) * scale, np.zeros(nu + 1)]), integrality=integrality, bounds=bounds,
+                   constraints=LinearConstraint(a, np.array(lo, float), np.array(hi, float)),
+                   options={"disp": False, "mip_rel_gap": 0.0})
     if res.status != 0 or res.x is None:
         return None
     x = np.round(res.x[:nx]).reshape(nu, nc)
     return [int(np.argmax(x[u])) for u in range(nu)]
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """HiGHS (C++) prints solver chatter to file descriptor 1 even with `disp` off: send it to /dev/null."""
+    import os
+    import sys
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # captured stdout (tests): nothing to redirect
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), fd)
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
 
 
 def exhaustive(sp: Subproblem, budget: float) -> tuple[float, list[int]] | None:
@@ -249,6 +272,20 @@ def exhaustive(sp: Subproblem, budget: float) -> tuple[float, list[int]] | None:
             if best is None or t < best[0] - 1e-15:
                 best = (t, choice)
     return best
+
+
+def surely_infeasible(sp: Subproblem, budget: float) -> bool:
+    """True when some window exceeds `budget` even with every unit at its least-keeping choice
+    and the running unit at its smallest own peak (a bound: no MILP needed to say it)."""
+    least = sp.d_kept.min(axis=1)
+    prefix = np.concatenate([[0.0], np.cumsum(least)])
+    for base, kept, unit, phase in sp.rows:
+        low = base + (prefix[len(kept)] if kept == tuple(range(len(kept))) else least[list(kept)].sum())
+        if unit >= 0:
+            low += sp.d_local[phase][unit].min()
+        if low > budget:
+            return True
+    return False
 
 
 def min_peak_choice(sp: Subproblem) -> list[int]:
