@@ -22,8 +22,8 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-
 from _llama405b import Llama, Llama405BConfig
+
 from planc.lang.transform import parse_quantity
 from planc.model.graph import ModelGraph
 from planc.suggest.search import suggest
