@@ -53,6 +53,16 @@ BENCHMARKS = [
         ("simulated_peak_bytes", "simulated peak (bytes)"),
         ("estimate_over_simulated", "analytic / simulated"),
     ]),
+    ("suggest_bench.py", "`planc suggest` on the 405B-shaped model at 64 ranks (1 x 8192, 120GiB, h200)", [
+        ("search_seconds", "search: trace + linear models + MILPs (s, wall; target < 10)"),
+        ("verify_seconds", "verification: the winner re-traced with its checkpointing (s, wall)"),
+        ("total_cpu_seconds", "both, CPU time (s)"),
+        ("load_average", "machine load average during the run"),
+        ("choice", "the suggested plan"),
+    ]),
+    ("sac_compare.py", "activation checkpointing alone: planc suggest vs torch's sac_milp", [
+        ("budgets_bytes", "budgets (bytes per rank)"),
+    ]),
     ("memory_accuracy.py", "analytic peak vs FSDPMemTracker on the faithful step (loss head, optimizer, clipping)", [
         ("worst_ratio_error", "worst |analytic / measured - 1| (target <= 0.03)"),
         ("within_3_percent", "every case within 3%"),
