@@ -156,6 +156,7 @@ def test_suggested_plan_checks_clean_fits_and_is_not_slower_than_shipped(name, l
     path.write_text(text)
     compiled = CompiledPlan(planc.load(path), ev.graph, WORLD)  # memory expects checked
     assert not compiled.errors, [d.message for d in compiled.errors]
+    assert not [d for d in compiled.diagnostics if d.severity == "warning"], [d.message for d in compiled.diagnostics]
     est = estimate(compiled, WORLD, input_shape=SHAPE)
     assert est.peak.total <= budget == result.budget
     assert est.peak.total == result.best.peak

@@ -57,7 +57,7 @@ def main(args) -> int:
         graph = ModelCache().graph(args.model)
     except ModelLoadError as err:
         raise UsageError(f"--model {args.model}: {err}") from err
-    progress = _Progress(not args.quiet)
+    progress = _Progress(not args.quiet and sys.stderr.isatty())  # a bar only where someone watches
     try:
         result = suggest(graph, args.model, args.world_size, budget, shape, hardware=args.hardware,
                          optimizer=args.optimizer, budget_text=args.budget.strip(), progress=progress)

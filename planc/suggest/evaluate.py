@@ -252,7 +252,13 @@ def _specs(tree):
     """The tree with each tensor replaced by its shape, dtype and requires_grad; and the fake mode."""
     from torch.utils._pytree import tree_map
     modes = [t.fake_mode for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and hasattr(t, "fake_mode")]
-    spec = tree_map(lambda t: _Spec(tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor) else t, tree)
+    def leaf(t):
+        if isinstance(t, torch.Tensor):
+            return _Spec(tuple(t.shape), t.dtype, t.requires_grad)
+        # other objects (a Hugging Face key/value cache) hold the traced step's tensors: the
+        # block runs alone without them (training steps pass no cache to fill)
+        return t if t is None or isinstance(t, (bool, int, float, str)) else None
+    spec = tree_map(leaf, tree)
     return spec, modes[0] if modes else None
 
 

@@ -205,36 +205,32 @@ def plan_statements(chain: Chain, model_ref: str | None, c: Candidate) -> list[l
     if c.offload:
         extra.append(_option("offload", "cpu"))
     ub = unit_blocks(chain, c.merge)
+    overrides = []
     if c.merge == 1:
-        units.append(st.UnitStmt(span=_NOWHERE, target=_slice(chain.blocks_path, 0, chain.n, chain.n),
-                                 block=_block(*extra)))
+        # the most common reshard value on the rule that makes the block units, runs of the
+        # others as options for units made above (an override of every unit would leave the
+        # first rule with no effect, P207)
+        common = max(dict.fromkeys(c.reshard), key=list(c.reshard).count) if c.reshard else True
+        own = extra + ([_option("reshard", after_forward=_reshard_value(common))] if common is not True else [])
+        units.append(st.UnitStmt(span=_NOWHERE, target=_slice(chain.blocks_path, 0, chain.n, chain.n), block=_block(*own)))
+        k = 0
+        for r, run in itertools.groupby(c.reshard):
+            n_run = len(list(run))
+            if r != common or isinstance(r, bool) != isinstance(common, bool):
+                target = _slice(chain.blocks_path, ub[k][0], ub[k + n_run - 1][-1] + 1, chain.n)
+                overrides.append(st.UnitStmt(span=_NOWHERE, target=target,
+                                             block=_block(_option("reshard", after_forward=_reshard_value(r)))))
+            k += n_run
     else:
-        for blocks in ub:
+        for blocks, r in zip(ub, c.reshard):
             sel = _slice(chain.blocks_path, blocks[0], blocks[-1] + 1, chain.n)
-            units.append(st.UnitStmt(span=_NOWHERE, target=st.Group(span=_NOWHERE, selectors=(sel,)),
-                                     block=_block(*extra)))
+            own = extra + ([_option("reshard", after_forward=_reshard_value(r))] if r is not True else [])
+            units.append(st.UnitStmt(span=_NOWHERE, target=st.Group(span=_NOWHERE, selectors=(sel,)), block=_block(*own)))
     if chain.post:
         units.append(st.UnitStmt(span=_NOWHERE, target=_target(chain.post),
                                  block=_block(_option("reshard", after_forward=False))))
     units.append(st.RootStmt(span=_NOWHERE, block=_block(_option("reshard", after_forward=False))))
     groups.append([printer.statement(u) for u in units])
-    # reshard overrides for runs of block units (options for units made above)
-    overrides = []
-    k = 0
-    for r, run in itertools.groupby(c.reshard):
-        n_run = len(list(run))
-        if r is not True:
-            first, last = ub[k][0], ub[k + n_run - 1][-1]
-            if c.merge == 1:
-                target = _slice(chain.blocks_path, first, last + 1, chain.n)
-                overrides.append(st.UnitStmt(span=_NOWHERE, target=target,
-                                             block=_block(_option("reshard", after_forward=_reshard_value(r)))))
-            else:
-                for blocks in ub[k:k + n_run]:
-                    sel = _slice(chain.blocks_path, blocks[0], blocks[-1] + 1, chain.n)
-                    overrides.append(st.UnitStmt(span=_NOWHERE, target=st.Group(span=_NOWHERE, selectors=(sel,)),
-                                                 block=_block(_option("reshard", after_forward=_reshard_value(r)))))
-        k += n_run
     if overrides:
         groups.append([printer.statement(u) for u in overrides])
     checkpoints = []
@@ -265,4 +261,5 @@ def plan_text(chain: Chain, model_ref: str | None, c: Candidate, header: list[st
         groups[0] = [f"# {h}" if h else "#" for h in header] + groups[0]
     if expects:
         groups.append(list(expects))
-    return "\n\n".join("\n".join(g) for g in groups) + "\n"
+    from planc.lang.fmt import format_plan  # the canonical layout (blocks that outgrow a line)
+    return format_plan("\n\n".join("\n".join(g) for g in groups) + "\n", "<suggest>")
