@@ -51,6 +51,8 @@ def main() -> None:
         "benchmark": "suggest", "model": f"llama405b-shaped ({layers} blocks)", "world_size": args.world,
         "budget": args.budget, "input_shape": [1, 8192], "hardware": "h200",
         "search_seconds": round(search, 2), "verify_seconds": round(s["verify_s"], 2),
+        "search_cpu_seconds": round(s["search_cpu_s"], 2), "trace_cpu_seconds": round(s["trace_cpu_s"], 2),
+        "verify_cpu_seconds": round(s["total_cpu_s"] - s["search_cpu_s"], 2),
         "total_seconds": round(wall, 2), "total_cpu_seconds": round(cpu, 2),
         "trace_seconds": round(s["trace_s"], 2), "build_seconds": round(s["build_s"], 2),
         "solve_seconds": round(s["solve_s"], 2), "global_choices_solved": result.searched,

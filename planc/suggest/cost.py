@@ -23,6 +23,7 @@ It is deliberately simple and says so:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -71,6 +72,7 @@ def _ring(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
     return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
 
 
+@functools.lru_cache(maxsize=None)
 def _itemsize(dtype) -> int:
     import torch
     return torch.empty((), dtype=dtype, device="meta").element_size()

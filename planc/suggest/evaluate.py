@@ -229,6 +229,13 @@ class Evaluator:
             self._windows[key] = Windows(groups, totals, reduced, list(range(start, start + nu)), program)
         return self._windows[key]
 
+    def unit_memory(self, program, merge: int, prefetch: int, world: int):
+        """`planc.estimate.memory.unit_memory` of a base program, cached per (merge, prefetch, ranks)."""
+        key = ("units", merge, prefetch, world)
+        if key not in self._windows:
+            self._windows[key] = mem_model.unit_memory(program, self.graph, world, self.optimizer)
+        return self._windows[key]
+
     def state_bytes(self, c: Candidate) -> tuple[int, int]:
         """(sharded params + optimizer state, sharded grads) on the device for `c`'s units."""
         program = self.compiled(c).program

@@ -43,6 +43,9 @@ from planc.suggest.evaluate import Evaluator
 from planc.suggest.space import CHECKPOINT_MODES, Candidate, unit_blocks
 
 
+MERGE_LIMIT = 1 << 30  # bytes: the largest bf16 all-gather a merged unit may make
+
+
 @dataclass(frozen=True)
 class Global:
     """One global choice (the outer enumeration)."""
@@ -92,7 +95,10 @@ def globals_for(ev: Evaluator, hardware, merges=None, prefetches=(0, 1), offload
     """The global choices: merges of 1, 2 (and 4 for long chains), HSDP replicate sizes that
     leave whole nodes per shard group, implicit or depth-1 forward prefetch, offload or not."""
     n = ev.chain.n
-    merges = merges or [m for m in (1, 2, 4) if m == 1 or m <= n // 2]
+    # size threshold (FSDP1's min_num_params, in bytes gathered): neighbours are merged only
+    # while a unit's bf16 all-gather stays within MERGE_LIMIT
+    biggest = max(ev.chain.block_params) * 2
+    merges = merges or [m for m in (1, 2, 4) if m == 1 or (m <= n // 2 and m * biggest <= MERGE_LIMIT)]
     node = min(hardware.gpus_per_node, ev.world // 2)
     reps = [r for r in (1, 2, 4, 8, 16) if ev.world % r == 0 and r < ev.world and (r == 1 or ev.world // r >= node)]
     return [Global(m, r, p, o) for m, r, p, o in itertools.product(merges, reps, prefetches, offloads)]
@@ -123,7 +129,6 @@ def variant(program: Program, blocks: set[str], modules: list[str], *, replicate
 
 def build(ev: Evaluator, g: Global, ctx: CostContext, cost_fn=cost) -> Subproblem:
     """The linear model of `g` (one base replay, shared by every `g` with the same merge and prefetch)."""
-    from planc.estimate.memory import unit_memory
     ub = unit_blocks(ev.chain, g.merge)
     nu = len(ub)
     # NOTE: with explicit forward prefetch, the memory model replays the forward pre-hooks that
@@ -154,8 +159,8 @@ def build(ev: Evaluator, g: Global, ctx: CostContext, cost_fn=cost) -> Subproble
     time = time + (1e-6 * simple[None, :] + 1e-7 * later) * max(base_cost, 1e-6)
     # memory: the base replay's moments, with this global choice's state (HSDP's larger shards,
     # offloaded block units) added exactly; then what each unit's choice changes
-    one = unit_memory(base_program, ev.graph, ev.world, ev.optimizer)
-    mine = unit_memory(base_program, ev.graph, ev.world // g.replicate, ev.optimizer)
+    one = ev.unit_memory(base_program, g.merge, g.prefetch, ev.world)
+    mine = ev.unit_memory(base_program, g.merge, g.prefetch, ev.world // g.replicate)
     on_device = [not (g.offload and i in set(w.block_unit_index)) for i in range(len(one))]
     d_state = sum(on_device[i] * (m.sharded + m.optimizer) - (o.sharded + o.optimizer) for i, (m, o) in enumerate(zip(mine, one)))
     d_grads = np.array([on_device[i] * m.grads - o.grads for i, (m, o) in enumerate(zip(mine, one))], dtype=float)
