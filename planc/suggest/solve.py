@@ -42,7 +42,6 @@ from planc.suggest.cost import CostContext, cost
 from planc.suggest.evaluate import Evaluator
 from planc.suggest.space import CHECKPOINT_MODES, Candidate, unit_blocks
 
-
 MERGE_LIMIT = 1 << 30  # bytes: the largest bf16 all-gather a merged unit may make
 
 
