@@ -32,13 +32,21 @@ from planc.suggest.space import Candidate, find_chain, unit_blocks
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORLD, SHAPE = 8, (2, 16)
 SHIPPED = {"seed_transformer_tiny": "seed.plan", "gpt_tiny": "gpt.plan", "moe_transformer_tiny": "moe.plan"}
+# Hugging Face models with a shipped plan, at their tiny configs (transformers is a test extra)
+HF = {"hf:llama-tiny": "llama.plan", "hf:mixtral-tiny": "mixtral.plan"}
 _EV: dict = {}
 
 
 def evaluator(name: str) -> Evaluator:
     if name not in _EV:
-        graph = ModelGraph.from_module(zoo.ZOO[name]())
-        _EV[name] = Evaluator(graph, f"planc.zoo:{name}", WORLD, SHAPE)
+        if name.startswith("hf:"):
+            pytest.importorskip("transformers")
+            from planc.model.build import build_model
+            graph = ModelGraph.from_module(build_model(name))
+            _EV[name] = Evaluator(graph, name, WORLD, SHAPE)
+        else:
+            graph = ModelGraph.from_module(zoo.ZOO[name]())
+            _EV[name] = Evaluator(graph, f"planc.zoo:{name}", WORLD, SHAPE)
     return _EV[name]
 
 
@@ -48,7 +56,7 @@ def ctx(ev: Evaluator) -> CostContext:
 
 def shipped(name: str) -> CompiledPlan:
     ev = evaluator(name)
-    return CompiledPlan(planc.load(ROOT / "plans" / SHIPPED[name]), ev.graph, WORLD, check_memory=False)
+    return CompiledPlan(planc.load(ROOT / "plans" / {**SHIPPED, **HF}[name]), ev.graph, WORLD, check_memory=False)
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -138,17 +146,17 @@ def test_milp_equals_exhaustive_search(name):
 def _budgets(name: str) -> dict[str, int]:
     """Tight (just above the smallest peak found), medium (the shipped plan's peak), loose (twice that)."""
     ship = estimate(shipped(name), WORLD, input_shape=SHAPE).peak.total
-    nothing = suggest(evaluator(name).graph, f"planc.zoo:{name}", WORLD, 1, SHAPE)
+    nothing = suggest(evaluator(name).graph, evaluator(name).model_ref, WORLD, 1, SHAPE)
     smallest = nothing.smallest.peak
     return {"tight": int(smallest * 1.05), "medium": max(ship, int(smallest * 1.1)), "loose": 2 * ship}
 
 
-@pytest.mark.parametrize("name,level", [(n, lv) for n in sorted(SHIPPED) for lv in ("tight", "medium", "loose")])
+@pytest.mark.parametrize("name,level", [(n, lv) for n in [*sorted(SHIPPED), *sorted(HF)] for lv in ("tight", "medium", "loose")])
 def test_suggested_plan_checks_clean_fits_and_is_not_slower_than_shipped(name, level, tmp_path):
     ev = evaluator(name)
     budget = _budgets(name)[level]
     budget = budget // 1024 * 1024
-    result = suggest(ev.graph, f"planc.zoo:{name}", WORLD, budget, SHAPE)
+    result = suggest(ev.graph, ev.model_ref, WORLD, budget, SHAPE)
     assert result.best is not None, result.smallest
     text = result.text
     assert format_plan(text) == text

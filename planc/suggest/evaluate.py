@@ -150,6 +150,7 @@ class Evaluator:
     chain: Chain = field(init=False)
     _compiled: dict = field(default_factory=dict, init=False)
     _windows: dict = field(default_factory=dict, init=False)
+    notes: list = field(default_factory=list, init=False)  # for the plan's header
 
     def __post_init__(self):
         self.chain = find_chain(self.graph)

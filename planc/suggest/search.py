@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from planc.estimate import memory as mem_model
-from planc.estimate.trace import trace_for
+from planc.estimate.trace import TraceError, trace_for
 from planc.quantities import show_bytes as format_bytes
 from planc.suggest.cost import HARDWARE, CostContext, cost
 from planc.suggest.evaluate import Evaluator, compress
@@ -120,13 +120,21 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
         else:
             best = verified
     if best is None:
-        cands = []
-        for sp in subs:
-            ch = min_peak_choice(sp)
-            cands.append((sp.peak(ch), sp, ch))
-        _, sp, ch = min(cands, key=lambda t: t[0])
-        c = sp.candidate(ch)
-        peak, where = exact_peak(ev, c)
+        for _ in range(3):  # a mode the model cannot be traced with is left out, then again
+            cands = []
+            for sp in subs:
+                ch = min_peak_choice(sp)
+                cands.append((sp.peak(ch), sp, ch))
+            _, sp, ch = min(cands, key=lambda t: t[0])
+            c = sp.candidate(ch)
+            try:
+                peak, where = exact_peak(ev, c)
+                break
+            except TraceError as err:
+                bad = next(m for m in ("selective", "full") if m in c.checkpoint)
+                ev.notes.append(f"`checkpoint {bad}` left out: {str(err).splitlines()[0][:200]}")
+                for other in subs:
+                    other.drop_mode(bad)
         smallest = Option(c, cost_fn(ev.compiled(c).program, ctx), peak, True, where)
         if peak <= budget:  # the linear model is conservative here; the memory model says it fits
             best, smallest = smallest, None
@@ -183,7 +191,13 @@ def _solve_fitting(ev, sp, budget, ctx, cost_fn, *, verify: bool, tries: int = 6
         if not verify:  # the linear model's time (the finalists are costed as whole programs)
             return Option(c, sp.seconds(choice), sp.peak(choice), False)
         seconds = cost_fn(ev.compiled(c).program, ctx)
-        peak, where = exact_peak(ev, c)
+        try:
+            peak, where = exact_peak(ev, c)
+        except TraceError as err:  # the model does not run with one of the modes: search without it
+            bad = next(m for m in ("selective", "full") if m in c.checkpoint and m in {x for x, _ in sp.combos})
+            ev.notes.append(f"`checkpoint {bad}` left out: {str(err).splitlines()[0][:200]}")
+            sp.drop_mode(bad)
+            continue
         if peak <= budget:
             return Option(c, seconds, peak, True, where)
         bound -= peak - budget + max(1, budget // 1000)
@@ -201,6 +215,7 @@ def render(ev: Evaluator, best: Option, others: list[Option], budget: int, budge
         f"{format_bytes(budget - best.peak)} under the budget",
         f"  step time {best.seconds * 1e3:.3g} ms (PROVISIONAL cost: planc/suggest/cost.py)",
         f"  choice: {c.describe()}",
+        *[f"Note: {n}" for n in dict.fromkeys(ev.notes)],
         "Next best (linear-model peaks):",
     ]
     for o in others:

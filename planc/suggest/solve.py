@@ -84,6 +84,13 @@ class Subproblem:
     def seconds(self, choice: list[int]) -> float:
         return self.base_time + float(sum(self.time[u, c] for u, c in enumerate(choice)))
 
+    def drop_mode(self, mode: str) -> None:
+        """Leave checkpoint `mode` out of this subproblem (the model cannot be traced with it)."""
+        keep = [i for i, (m, _) in enumerate(self.combos) if m != mode]
+        self.combos = [self.combos[i] for i in keep]
+        self.time, self.d_kept = self.time[:, keep], self.d_kept[:, keep]
+        self.d_local = {k: v[:, keep] for k, v in self.d_local.items()}
+
     def candidate(self, choice: list[int]) -> Candidate:
         return Candidate(merge=self.g.merge, replicate=self.g.replicate, prefetch=self.g.prefetch,
                          offload=self.g.offload, checkpoint=tuple(self.combos[c][0] for c in choice),
