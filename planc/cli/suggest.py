@@ -76,7 +76,8 @@ def main(args) -> int:
             f"on {args.world_size} ranks with input {args.input_shape}",
             span=None,
             help=(f"the smallest estimated peak planc found is {show_bytes(s.peak)} ({s.candidate.describe()}); "
-                  "raise --budget to at least that, add ranks, or shorten the input",))])
+                  "raise --budget to at least that, add ranks, or shorten the input",),
+            notes=tuple(result.notes))])
         return EXIT_ERRORS
     if args.output:
         try:

@@ -39,6 +39,7 @@ class Suggestion:
     pruned: int               # global choices skipped by their time bound
     seconds: float
     stats: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)   # what the search left out, and why
 
 
 def exact_peak(ev: Evaluator, c: Candidate) -> tuple[int, str]:
@@ -125,10 +126,12 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
             for sp in subs:
                 ch = min_peak_choice(sp)
                 cands.append((sp.peak(ch), sp, ch))
-            _, sp, ch = min(cands, key=lambda t: t[0])
-            c = sp.candidate(ch)
-            try:
-                peak, where = exact_peak(ev, c)
+            try:  # the three smallest by the linear model, measured by the memory model
+                tried = []
+                for _, sp, ch in sorted(cands, key=lambda t: t[0])[:3]:
+                    c = sp.candidate(ch)
+                    tried.append((*exact_peak(ev, c), c))
+                peak, where, c = min(tried, key=lambda t: t[0])
                 break
             except TraceError as err:
                 bad = next(m for m in ("selective", "full") if m in c.checkpoint)
@@ -150,7 +153,8 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
     stats = {"trace_s": t_trace, "build_s": t_build, "solve_s": t_solve,
              "verify_s": total - t_trace - t_build - t_solve, "total_s": total,
              "trace_cpu_s": c_trace, "search_cpu_s": c_search, "total_cpu_s": time.process_time() - c0}
-    return Suggestion(best, others, smallest, text, budget, searched, pruned, time.perf_counter() - t0, stats)
+    return Suggestion(best, others, smallest, text, budget, searched, pruned, time.perf_counter() - t0, stats,
+                      list(dict.fromkeys(ev.notes)))
 
 
 def _canonical(sp, choice: list[int], bound: float) -> list[int]:
