@@ -60,6 +60,17 @@ BENCHMARKS = [
         ("simulate_seconds", "of which the simulated step (s, wall)"),
         ("simulation_diagnostics", "diagnostics (none: the plan runs)"),
     ]),
+    ("suggest_bench.py", "`planc suggest` on the 405B-shaped model at 64 ranks (1 x 8192, 120GiB, h200)", [
+        ("search_seconds", "search: trace + linear models + MILPs (s, wall; target < 10)"),
+        ("verify_seconds", "verification: the winner re-traced with its checkpointing (s, wall)"),
+        ("search_cpu_seconds", "search, CPU time (s)"),
+        ("verify_cpu_seconds", "verification, CPU time (s)"),
+        ("load_average", "machine load average during the run"),
+        ("choice", "the suggested plan"),
+    ]),
+    ("sac_compare.py", "activation checkpointing alone: planc suggest vs torch's sac_milp", [
+        ("budgets_bytes", "budgets (bytes per rank)"),
+    ]),
     ("memory_accuracy.py", "analytic peak vs FSDPMemTracker on the faithful step (loss head, optimizer, clipping)", [
         ("worst_ratio_error", "worst |analytic / measured - 1| (target <= 0.03)"),
         ("within_3_percent", "every case within 3%"),

@@ -1,6 +1,6 @@
 """The `planc` command line: argument parsing and dispatch to one module per command.
 
-    check  tree  explain  emit  fmt  import  lsp  codes
+    check  tree  explain  suggest  emit  fmt  import  lsp  codes
 
 No traceback reaches the user: unexpected failures are reported as internal errors.
 """
@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Sequence
 
-from planc.cli import check, codes, emit, explain, fmt, importer, lsp, tree
+from planc.cli import check, codes, emit, explain, fmt, importer, lsp, suggest, tree
 from planc.cli.common import EXIT_USAGE, UsageError
 from planc.limits import MAX_RANKS
 
@@ -71,6 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--plot", metavar="FILE", help="write memory over one step (PNG or SVG)")
     e.add_argument("--html", metavar="FILE", help="write the report as one self-contained HTML page")
     e.set_defaults(func=explain.main)
+
+    g = sub.add_parser("suggest", help="search for the fastest plan that fits a per-rank memory budget")
+    g.add_argument("--model", required=True, metavar="MODULE:CALLABLE")
+    g.add_argument("--world-size", type=_world_size, required=True, metavar="N")
+    g.add_argument("--budget", required=True, metavar="BYTES", help="per-rank memory budget, e.g. 40GiB")
+    g.add_argument("--input-shape", required=True, metavar="BxS", help="token ids per rank, batch x sequence")
+    g.add_argument("--hardware", default="h100", help="hardware profile: h100, h200, a100, b200 (default h100)")
+    g.add_argument("--optimizer", choices=("adamw", "adamw_fused", "adam", "adam_fused", "sgd", "none"), default="adamw")
+    g.add_argument("-o", "--output", metavar="FILE", help="write the plan here (default: stdout)")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    g.set_defaults(func=suggest.main)
 
     m = sub.add_parser("emit", help="print the equivalent hand-written fully_shard code")
     m.add_argument("plan")

@@ -343,6 +343,15 @@ CODES: dict[str, Code] = {
                  "sequence length S, to count activations. The model did not run on them: it takes other "
                  "inputs, or the sequence does not fit it. Fix the shape, or remove `input =` to check the "
                  "bound without activations.\n\n    expect memory.peak <= 8GiB at world = 8, input = 2x512"),
+    # --- planc suggest (P950-P969)
+    "P950": Code("no plan fits the budget", "`planc suggest` searched unit granularity, resharding, offload, "
+                 "activation checkpointing, prefetch and HSDP replicate sizes, and no plan's estimated per-rank "
+                 "peak fits `--budget`. The message gives the smallest peak it found and the plan that reaches "
+                 "it: raise the budget to at least that, use more ranks, or a shorter input.\n\n"
+                 "    planc suggest --model planc.zoo:seed_transformer --world-size 8 --budget 1GiB --input-shape 2x512"),
+    "P951": Code("model has no block chain", "`planc suggest` searches plans for models built as a chain of "
+                 "blocks of one class (`layers.*`, `blocks.*`). This model has no list of two or more such "
+                 "blocks; write its plan by hand (`planc tree --model ...` shows the module tree)."),
     # --- notes (P9xx)
     "P902": Code("root reshards after forward by default", "`defaults` apply to the root unit too. "
                  "`reshard after_forward = true` there frees the root's parameters after forward, although "
