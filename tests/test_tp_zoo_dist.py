@@ -13,7 +13,8 @@ results of that one launch:
   bytes each rank holds equal the memory estimate's sharded bytes;
 * torchtitan's Llama 3 `apply_tp` + `apply_fsdp` written by hand in this file (one
   `parallelize_module` per block, `fully_shard` per block and the root) builds the same
-  placements and trains to bitwise-equal losses and parameters;
+  placements and trains to bitwise-equal losses and parameters; so does the code
+  `planc emit` prints for the plan;
 * DCP: a checkpoint saved under a 1-D FSDP plan loads under the 2-D plan, and one saved under
   the 2-D plan loads under the 1-D plan, every model and optimizer entry equal bit for bit;
   the resumed runs continue as the never-interrupted one does;
@@ -209,6 +210,15 @@ def _ranks(rank: int, world: int, path: str) -> dict:
     out["by_hand_losses"], _ = steps(by_hand, data, dp_rank, DP, context=loss_parallel)
     out["by_hand_params"] = full_params(by_hand)
 
+    # the code `planc emit` prints for the plan (the sequence-parallel styles written out), run
+    from planc.backends.emit import emit_python
+
+    namespace: dict = {}
+    exec(emit_python(planc.compile(tp_plan(), zoo.llama_tiny(), world)), namespace)
+    emitted = namespace["apply_plan"](build(), mesh)
+    out["emitted_placements"] = read_placements(emitted)
+    out["emitted_losses"], _ = steps(emitted, data, dp_rank, DP, context=loss_parallel)
+
     # (d) DCP: 1-D FSDP -> 2-D -> 1-D
     one_d = build(0)
     planc.apply(one_d, planc.loads(ONE_D_PLAN, filename="one_d.plan"))
@@ -220,6 +230,7 @@ def _ranks(rank: int, world: int, path: str) -> dict:
     two_d = build(1)  # another init: every loaded value must come from the checkpoint
     lp = planc.apply(two_d, tp_plan(), mesh=mesh)
     opt_two_d = torch.optim.AdamW(two_d.parameters(), lr=1e-2, foreach=True)
+    out["two_d_before_load"] = full_params(two_d)
     sharded_load(two_d, opt_two_d, os.path.join(path, "one_d"))
     out["loaded_two_d"] = full_state(two_d, opt_two_d)
     out["resumed_two_d_losses"], _ = steps(two_d, data[1:2], dp_rank, DP, context=lp.loss_parallel, optimizer=opt_two_d)
@@ -319,6 +330,12 @@ def test_hand_written_torchtitan_sharding_is_identical_and_bitwise_equal(results
             assert torch.equal(r["params"][name], value), name
 
 
+def test_emitted_code_shards_identically_and_trains_bitwise_equal(results):
+    for r in results:
+        assert r["emitted_placements"] == r["placements"]
+        assert r["emitted_losses"] == r["losses"]
+
+
 # --------------------------------------------------------------------- (d) DCP
 
 
@@ -335,6 +352,8 @@ def test_dcp_one_d_checkpoint_loads_under_the_2d_plan_and_back(results):
     saved = r["saved_one_d"]
     assert set(saved["optim"]["state"]) == set(saved["model"]) and len(saved["model"]) == 21
     assert all(float(s["step"]) == 1.0 for s in saved["optim"]["state"].values())
+    # the values come from the checkpoint: the model they were loaded into started elsewhere
+    assert not torch.equal(r["two_d_before_load"]["output.weight"], saved["model"]["output.weight"])
     _assert_identical(r["loaded_two_d"]["model"], saved["model"], "1-D -> 2-D model")
     _assert_identical(r["loaded_two_d"]["optim"], saved["optim"], "1-D -> 2-D optim")
     _assert_identical(r["loaded_back"]["model"], r["saved_two_d"]["model"], "2-D -> 1-D model")
