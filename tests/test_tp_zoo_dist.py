@@ -384,3 +384,22 @@ def test_materialize_on_a_2d_sharded_meta_model(results, unsharded):
         for name, value in unsharded["init"].items():
             assert torch.equal(r["loaded_params"][name], value), name
         assert r["loaded_losses"] == r["losses"]
+
+
+# --------------------------------------------------------------------- the example script
+
+
+def test_example_trains_the_2d_plan_under_torchrun():
+    """examples/train.py with the shipped 2-D plan: TP groups share a batch slice, loss parallel on."""
+    import re
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={DP * TP}",
+           "examples/train.py", "--plan", "plans/zoo-llama-tp.plan", "--model", "planc.zoo:llama_tiny", "--steps", "4"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "on mesh {'shard': 2, 'tensor': 2}" in out.stdout
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
+    assert len(losses) == 4 and losses[-1] < losses[0], out.stdout
+
