@@ -16,8 +16,13 @@ part of the time that is not compiling.
 
 Usage (from the repository root):
 
-    python benchmarks/apply_tp_bench.py            # 126 layers, 7 repetitions
+    python benchmarks/apply_tp_bench.py            # 126 layers, 15 repetitions, 4 gloo ranks
     python benchmarks/apply_tp_bench.py --quick    # 16 layers, 3 repetitions
+    python benchmarks/apply_tp_bench.py --fake     # one process, a fake process group of 4 ranks
+
+`--fake` runs rank 0's work alone (torch's fake process group, world size 4): sharding on meta
+sends nothing, so the calls and their CPU work are the same, without three other ranks
+competing for the cores (on 2 shared cores, 4 real ranks make even CPU-time figures noisy).
 
 The last line printed is a JSON object with the results.
 """
@@ -58,6 +63,18 @@ def _build(n_layers: int) -> torch.nn.Module:
         return llama405b(n_layers)
 
 
+def fake_run(n_layers: int, reps: int) -> list[dict]:
+    """`bench_worker` as rank 0 of a fake 4-rank process group, in this process."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=DP * TP)
+    try:
+        return [bench_worker(0, DP * TP, n_layers, reps)]
+    finally:
+        dist.destroy_process_group()
+
+
 def bench_worker(rank: int, world_size: int, n_layers: int, reps: int) -> dict:
     """Per rank: `reps` interleaved timings of planc.apply and the hand-written calls."""
     from test_tp_zoo_dist import torchtitan_style
@@ -92,14 +109,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 layers, 3 repetitions")
     parser.add_argument("--layers", type=int, default=None, help="blocks in the model (default 126)")
-    parser.add_argument("--reps", type=int, default=None, help="repetitions (default 7)")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (default 15)")
+    parser.add_argument("--fake", action="store_true", help="one process, a fake process group of 4 ranks")
     args = parser.parse_args(argv)
     n_layers = args.layers or (16 if args.quick else 126)
-    reps = args.reps or (3 if args.quick else 7)
+    reps = args.reps or (3 if args.quick else 15)
     world = DP * TP
 
     wall = time.perf_counter()
-    ranks = run(bench_worker, world, n_layers, reps, timeout=3600)
+    ranks = fake_run(n_layers, reps) if args.fake else run(bench_worker, world, n_layers, reps, timeout=3600)
     wall = time.perf_counter() - wall
 
     def slowest(key: str, kind: int) -> list[float]:
@@ -117,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {
         "benchmark": "apply_tp", "model": f"llama405b(n_layers={n_layers}) on meta",
         "plan": "plans/zoo-llama-tp.plan", "mesh": {"shard": DP, "tensor": TP}, "world_size": world,
-        "backend": "gloo", "reps": reps, "quick": args.quick,
+        "backend": "fake (rank 0 of 4, one process)" if args.fake else "gloo", "reps": reps, "quick": args.quick,
         "modules": sum(1 for _ in _build(n_layers).modules()),
         "units": sorted({u for r in ranks for u in r["units"]}),
         "same_placements": all(r["same_placements"] for r in ranks),
