@@ -20,8 +20,9 @@ results of that one launch:
   the resumed runs continue as the never-interrupted one does;
 * `planc.materialize` of the model built on meta and sharded 2-D allocates 2-D DTensors, runs
   the model's own initialiser (finite, the norms' ones as in an eager build) and trains;
-  loaded with the eager model's full state dict it holds exactly the eager parameters and
-  trains to losses bitwise equal to the eagerly built run.
+  loaded with the eager model's full state dict, or materialized with `reproducible=True`
+  and the eager seed, it holds exactly the eager parameters and trains to losses bitwise
+  equal to the eagerly built run.
 """
 
 from __future__ import annotations
@@ -263,6 +264,13 @@ def _ranks(rank: int, world: int, path: str) -> dict:
     planc.materialize(loaded, "cpu")
     set_model_state_dict(loaded, eager_state, options=StateDictOptions(full_state_dict=True))
     out["loaded_params"] = full_params(loaded)
+    with torch.device("meta"):
+        exact = zoo.llama_tiny()
+    lp_exact = planc.apply(exact, tp_plan(), mesh=mesh)
+    torch.manual_seed(0)  # the eager build's seed
+    planc.materialize(exact, "cpu", reproducible=True)
+    out["reproducible_params"] = full_params(exact)
+    out["reproducible_losses"], _ = steps(exact, data, dp_rank, DP, context=lp_exact.loss_parallel)
     out["loaded_losses"], _ = steps(loaded, data, dp_rank, DP, context=lp_loaded.loss_parallel)
     return out
 
@@ -384,6 +392,18 @@ def test_materialize_on_a_2d_sharded_meta_model(results, unsharded):
         for name, value in unsharded["init"].items():
             assert torch.equal(r["loaded_params"][name], value), name
         assert r["loaded_losses"] == r["losses"]
+
+
+def test_reproducible_materialize_gives_the_eager_parameters_under_2d_sharding(results, unsharded):
+    """`materialize(..., reproducible=True)`: each module initialised at full size, each rank keeps
+    its shard of it: with the eager build's seed, the eager parameters bit for bit, and the same run."""
+    for r in results:
+        for name, value in unsharded["init"].items():
+            assert torch.equal(r["reproducible_params"][name], value), name
+        assert r["reproducible_losses"] == r["losses"]
+    # the default initialiser draws each shard from the rank's own generator: not the eager values
+    assert not torch.equal(results[0]["meta_params"]["layers.0.attention.wq.weight"],
+                           unsharded["init"]["layers.0.attention.wq.weight"])
 
 
 # --------------------------------------------------------------------- the example script
