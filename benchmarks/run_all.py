@@ -64,6 +64,13 @@ BENCHMARKS = [
         ("simulated_peak_bytes", "simulated peak (bytes)"),
         ("estimate_over_simulated", "analytic / simulated"),
     ]),
+    ("simulate_tp_bench.py", "`planc check --simulate` of a 2-D plan: 405B-shaped model, world 512, tp 8", [
+        ("total_cpu_seconds", "compile + simulation, CPU time (s; target < 20)"),
+        ("total_seconds", "compile + simulation, wall clock (s; noisy on a shared machine)"),
+        ("compile_seconds", "of which compile, model built on meta included (s, wall)"),
+        ("simulate_seconds", "of which the simulated step (s, wall)"),
+        ("simulation_diagnostics", "diagnostics (none: the plan runs)"),
+    ]),
     ("memory_accuracy.py", "analytic peak vs FSDPMemTracker on the faithful step (loss head, optimizer, clipping)", [
         ("worst_ratio_error", "worst |analytic / measured - 1| (target <= 0.03)"),
         ("within_3_percent", "every case within 3%"),

@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", metavar="MODULE:CALLABLE", help="model to check against (default: the plan's `model` line)")
     c.add_argument("--world-size", type=_world_size, nargs="+", metavar="N", help="check for these world sizes")
     c.add_argument("--format", choices=("text", "json", "github"), default="text")
+    c.add_argument("--simulate", action="store_true", help="also apply the plan on a fake process group and run one "
+                   "training step on fake tensors (the shape-level check of tensor parallelism)")
+    c.add_argument("--input-shape", metavar="BxS", help="with --simulate: batch x sequence of token ids "
+                   "(default 2x16, the sequence rounded up to a multiple of the tensor size)")
     c.set_defaults(func=check.cmd_check)
 
     t = sub.add_parser("tree", help="print a model's module tree, to write selectors")
@@ -78,9 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--check", action="store_true", help="exit 1 if a plan is not formatted")
     f.set_defaults(func=fmt.main)
 
-    i = sub.add_parser("import", help="translate an accelerate FSDP config into a plan")
-    i.add_argument("config")
+    i = sub.add_parser("import", help="translate an accelerate FSDP config and/or a Hugging Face TP plan into a plan")
+    i.add_argument("config", nargs="?", help="an accelerate config (YAML)")
     i.add_argument("--model", metavar="MODULE:CALLABLE")
+    i.add_argument("--hf-tp-plan", action="store_true",
+                   help="add the tensor-parallel plan transformers ships with --model (base_model_tp_plan)")
+    i.add_argument("--tensor", type=int, default=2, metavar="N", help="ranks on the tensor axis (default 2)")
     i.add_argument("-o", "--output", help="write the plan here (default: stdout)")
     i.set_defaults(func=importer.main)
 
