@@ -9,8 +9,9 @@ results of that one launch:
   vocabulary-sharded logits inside `applied.loss_parallel()`;
 * each parameter's placements and local shape, read back from its DTensor, are what planc
   predicts: the tensor-parallel dim of `planc.lower.lowering.tensor_dims` on the tensor
-  axis, FSDP's dim-0 shard on the data-parallel axis (strided where both split dim 0); the
-  bytes each rank holds equal the memory estimate's sharded bytes;
+  axis, FSDP's dim-0 shard on the data-parallel axis (strided where both split dim 0), and
+  per mesh axis exactly what `planc explain` prints (`parameter_placements`); the bytes each
+  rank holds equal the memory estimate's sharded bytes;
 * torchtitan's Llama 3 `apply_tp` + `apply_fsdp` written by hand in this file (one
   `parallelize_module` per block, `fully_shard` per block and the root) builds the same
   placements and trains to bitwise-equal losses and parameters; so does the code
@@ -193,6 +194,11 @@ def _ranks(rank: int, world: int, path: str) -> dict:
     out["mesh"] = (tuple(mesh.mesh_dim_names), tuple(mesh.shape))
     out["placements"] = read_placements(model)
     out["predicted"] = predicted_placements(applied.compiled, build())
+    from planc.analysis.explain import parameter_placements, placement_text
+
+    out["explained"] = parameter_placements(applied.compiled, world)  # what `planc explain` prints
+    out["read_back_texts"] = {n: {d: placement_text(x) for d, x in zip(p.device_mesh.mesh_dim_names, p.placements)}
+                              for n, p in model.named_parameters()}
     out["plain"] = [n for n, p in model.named_parameters() if n not in out["placements"]]
     out["loss_parallel_on"] = not isinstance(applied.loss_parallel(), contextlib.nullcontext)
     out["estimated"] = sum(m.sharded for m in unit_memory(applied.compiled.program, applied.compiled.graph, world))
@@ -310,6 +316,7 @@ def test_placements_and_local_shapes_are_what_planc_predicts(results):
     for r in results:
         assert r["plain"] == []
         assert r["placements"] == r["predicted"]
+        assert r["read_back_texts"] == r["explained"]  # per mesh axis, as `planc explain` prints them
     got = results[0]["placements"]
     # spot checks against torchtitan's plan, independent of planc's prediction
     assert got["layers.0.attention.wq.weight"] == (("shard", "tensor"), ("_S(0, 2)", "S(0)"), (16, 64))
