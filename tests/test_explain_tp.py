@@ -60,8 +60,8 @@ def heads_net():
 
 
 @pytest.mark.parametrize("mesh,extra,world", [
-    ("shard = *, tensor = 2", "", 4),
-    ("replicate = 2, shard = *, tensor = 2", "", 16),  # HSDP x TP
+    ("shard = *, tensor = 2", "parallel norm replicate", 4),  # (left out it is P418)
+    ("replicate = 2, shard = *, tensor = 2", "parallel norm replicate", 16),  # HSDP x TP
     ("shard = *, tensor = 4", "place attns.*.o.weight Shard(1)\nignore norm.*", 8),  # strided on dim 1; ignored
     ("shard = *, tensor = 2", "parallel norm sequence", 512),
 ], ids=["fsdp_tp", "hsdp_tp", "place_and_ignore", "world_512"])

@@ -81,7 +81,7 @@ def test_hf_llama_tiny_at_tp_8_is_p441_naming_query_and_kv_heads():
     text = (ROOT / "plans" / "llama-tp.plan").read_text().replace("tensor = 2", "tensor = 8")
     plan = planc.loads(text)
     from planc.model.build import build_model
-    [d] = check_step(plan, lambda: build_model("hf:llama-tiny", device="meta"), 16)
+    [d] = check_step(plan, lambda: build_model("hf:llama-tiny", device="meta"), 16, after_static=True)
     assert d.code == "P441"
     assert d.span.line == line_of(text, "{q_proj,k_proj,v_proj} colwise")
     assert "`model.layers.0.self_attn.q_proj`" in d.message
@@ -93,7 +93,7 @@ def test_hf_llama_tiny_at_tp_4_is_p441_on_the_kv_heads_only():
     pytest.importorskip("transformers")
     text = (ROOT / "plans" / "llama-tp.plan").read_text().replace("tensor = 2", "tensor = 4")
     from planc.model.build import build_model
-    [d] = check_step(planc.loads(text), lambda: build_model("hf:llama-tiny", device="meta"), 8)
+    [d] = check_step(planc.loads(text), lambda: build_model("hf:llama-tiny", device="meta"), 8, after_static=True)
     assert d.code == "P441" and "`model.layers.0.self_attn.k_proj`" in d.message and "it has 2 KV heads" in d.message
     assert d.help[0] == "use a tensor size that divides 2: 1, 2 (`tensor = 2` in the mesh)"
 
@@ -113,16 +113,26 @@ def test_shipped_llama_tp_plan_simulates_clean_at_world_4_and_512():
         assert check_step(plan, lambda: build_model("hf:llama-tiny", device="meta"), world) == []
 
 
+def test_static_findings_come_first_and_simulating_after_them_is_asked_for():
+    # `planc check --simulate` reports the static tensor-parallel checks' errors and simulates
+    # nothing; `after_static=True` runs the step anyway, which is how the backstop is tested
+    text = PLAN.replace("parallel norm replicate", "parallel norm colwise")
+    assert [d.code for d in check_step(planc.loads(text), heads_net(False), 4)] == ["P420"]
+    assert [d.code for d in check_step(planc.loads(text), heads_net(False), 4, after_static=True)] == ["P442"]
+    left_out = PLAN.replace("parallel norms.* replicate\n", "")
+    assert {d.code for d in check_step(planc.loads(left_out), heads_net(False), 4)} == {"P418"}
+
+
 def test_style_torch_refuses_is_p442_on_its_rule():
     text = PLAN.replace("parallel norm replicate", "parallel norm colwise")
-    [d] = check_step(planc.loads(text), heads_net(False), 4)
+    [d] = check_step(planc.loads(text), heads_net(False), 4, after_static=True)
     assert d.code == "P442" and d.span.line == line_of(text, "parallel norm colwise")
     assert "`norm` (LayerNorm)" in d.message
 
 
 def test_module_left_out_of_tensor_parallelism_is_p443_suggesting_replicate():
     text = PLAN.replace("parallel norms.* replicate\n", "")
-    [d] = check_step(planc.loads(text), heads_net(False), 4)
+    [d] = check_step(planc.loads(text), heads_net(False), 4, after_static=True)
     assert d.code == "P443" and d.span.line == line_of(text, "mesh (")
     assert "`norms.*`" in d.notes[0]
     assert "`parallel norms.* replicate`" in d.help[0]
@@ -253,10 +263,10 @@ def test_uneven_shards_are_simulated_on_the_last_rank_too(capfd):
     from planc.analysis.shapecheck import _check_as
     text = PLAN.replace("tensor = 2", "tensor = 4")
     build = lambda: HeadsNet(dim=6, heads=3)  # noqa: E731
-    [d] = check_step(planc.loads(text), build, 8)
+    [d] = check_step(planc.loads(text), build, 8, after_static=True)
     # rank 0 already fails: rowwise takes its input as an even shard of 4 x 2 = 8 features, not 6
     assert d.code == "P440" and "`attns.0.o` rowwise" in d.message and "on rank" not in d.message
-    found, uneven = _check_as(planc.loads(text), build, 8, 7, None, None, None, "adamw")
+    found, uneven = _check_as(planc.loads(text), build, 8, 7, None, None, None, "adamw", True)
     assert uneven
     [last] = found  # the last rank holds no feature of q at all
     assert "on rank 7, which holds the smallest uneven shards" in last.message and "`attns.0.q`" in last.message

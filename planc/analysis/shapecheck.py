@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from planc.checks.tensor import STATIC_TENSOR_CODES
 from planc.diagnostics import Diagnostic, PlanError, Span
 from planc.estimate.trace import Example, LossFn, default_loss
 
@@ -342,7 +343,7 @@ def _one_per_layout(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def check_step(plan, build: Callable[[], nn.Module], world: int, *, input_shape: tuple[int, int] | None = None,
                inputs: Callable[[nn.Module], Any] | None = None, loss: LossFn | None = None,
-               optimizer: str = "adamw") -> list[Diagnostic]:
+               optimizer: str = "adamw", after_static: bool = False) -> list[Diagnostic]:
     """Apply `plan` at `world` ranks on a fake process group and run one training step on fake tensors.
 
     Args:
@@ -353,27 +354,31 @@ def check_step(plan, build: Callable[[], nn.Module], world: int, *, input_shape:
         inputs: instead of token ids, a factory `fn(model) -> args / kwargs / Example`.
         loss: the step's loss (default: as the memory model takes it, `default_loss`).
         optimizer: `adamw` (foreach), `sgd` or `none`.
+        after_static: simulate even when the static tensor-parallel checks (P410-P422,
+            `planc/checks/tensor.py`) found errors, to see what the step itself does with them
+            (`planc check --simulate` never does: a static finding is reported first, and faster).
 
     Returns:
         The diagnostics of the step: empty when it runs; else one, located on the plan line
         behind the failure (P440-P444); or the plan's own errors at this world size, when it
         has any (then nothing is simulated).
     """
-    found, uneven = _check_as(plan, build, world, 0, input_shape, inputs, loss, optimizer)
+    found, uneven = _check_as(plan, build, world, 0, input_shape, inputs, loss, optimizer, after_static)
     if not found and uneven and world > 1:
         # a dim tensor parallelism does not divide: DTensor shards it unevenly and the last
         # rank holds the smallest shard, so it is simulated too
-        found, _ = _check_as(plan, build, world, world - 1, input_shape, inputs, loss, optimizer)
+        found, _ = _check_as(plan, build, world, world - 1, input_shape, inputs, loss, optimizer, after_static)
     return found
 
 
-def _check_as(plan, build, world: int, rank: int, input_shape, inputs, loss, optimizer) -> tuple[list[Diagnostic], bool]:
+def _check_as(plan, build, world: int, rank: int, input_shape, inputs, loss, optimizer,
+              after_static: bool = False) -> tuple[list[Diagnostic], bool]:
     """`check_step` as one rank; also whether some tensor-parallel dim is split unevenly."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import planc
     from planc.analysis.simulate import init_fake, zoo_inputs
-    from planc.backends.runtime import apply, build_mesh
+    from planc.backends.runtime import apply, build_mesh, run
     from planc.lower.lowering import tensor_dims
 
     init_fake(world, rank)
@@ -390,10 +395,11 @@ def _check_as(plan, build, world: int, rank: int, input_shape, inputs, loss, opt
         with torch.device("meta"):
             model = build()
         compiled = planc.compile(plan, model, world, strict=False, check_memory=False)
-        if compiled.errors:
+        errors = [d for d in compiled.errors if not (after_static and d.code in STATIC_TENSOR_CODES)]
+        if errors:
             # nothing to simulate; at a world size the caller did not compile for (the default
             # one) these are news, and located as the compile locates them
-            return list(compiled.errors), False
+            return errors, False
         sizes = compiled.mesh.sizes(world) or {}
         tp = sizes.get("tensor", 1)
         graph = compiled.graph
@@ -401,7 +407,8 @@ def _check_as(plan, build, world: int, rank: int, input_shape, inputs, loss, opt
         step = _Step(compiled, model, world, tp, rank)
         mesh = build_mesh(compiled.mesh, world, "cpu")  # NOTE: outside fake mode
         try:
-            applied = apply(model, compiled, mesh=mesh)
+            # past static errors the program is run as lowered (`apply` refuses a plan with errors)
+            applied = run(compiled.program, model, mesh, compiled) if after_static else apply(model, compiled, mesh=mesh)
         except PlanError as err:  # what `apply` refuses on the live model (P6xx), located
             return list(err.errors), uneven
         except Exception as err:  # torch refused an op of the program: locate it

@@ -37,6 +37,8 @@ from planc.resolve.ir import Setting
 from planc.resolve.mesh import ROLES, TENSOR
 from planc.resolve.tensor import Layout, TensorStyle
 
+STATIC_TENSOR_CODES = frozenset(f"P{n}" for n in range(410, 423))  # what the checks here report
+
 SEQ = Layout("shard", 1)          # activations sharded on the sequence (batch, seq, hidden)
 SPLIT = ("colwise", "rowwise")    # the styles that split parameters
 COVER_SUBTREE = ("sequence", "replicate")  # styles that put a whole subtree's parameters on the tensor axis

@@ -63,6 +63,12 @@ def main(args) -> int:
     try:
         est = estimate(c, args.world_size, optimizer=args.optimizer, input_shape=shape, inputs=example, loss=loss)
     except TraceError as err:
+        # a 2-D plan traces one tensor-parallel rank's local shapes: a model that cannot run
+        # them is the plan's (or the model's) problem, located as `planc check --simulate` does
+        located = _locate_failure(c, ref, args, shape, factory, loss) if c.mesh.tensor_dim else []
+        if located:
+            print(render.render_text(located, sources, color=use_color(sys.stderr)), file=sys.stderr)
+            return EXIT_ERRORS
         what = "--inputs" if factory is not None else "--input-shape"
         raise UsageError(f"{what}: {err}" + ("" if factory is not None else "; the shape is batch x sequence of "
                          "token ids (leave it out to estimate without activations)")) from err

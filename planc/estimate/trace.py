@@ -438,8 +438,8 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
     finally:
         for h in handles + layout_handles:
             h.remove()
-    on = f"one of {tp} tensor-parallel ranks' " if tp > 1 else ""
-    return Trace(events, input_bytes, f"live tensors of {on}one forward and backward on fake CPU tensors, each "
+    on = f" (one of {tp} tensor-parallel ranks, its local shapes)" if tp > 1 else ""
+    return Trace(events, input_bytes, f"live tensors of one forward and backward{on} on fake CPU tensors, each "
                  f"unit's precision and checkpointing applied; {loss_name(model, labels, loss)}")
 
 
