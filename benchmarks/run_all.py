@@ -40,6 +40,17 @@ BENCHMARKS = [
         ("precompiled_cpu_ratio_median", "apply of a plan compiled beforehand / by hand, CPU time, median"),
         ("precompiled_cpu_ratio_best", "the same, best repetition of each"),
     ]),
+    ("apply_tp_bench.py", "`planc.apply` of a 2-D plan (FSDP x TP, sequence + loss parallel) vs torchtitan's "
+     "`apply_tp` + `apply_fsdp` by hand (405B-shaped, meta, 2 x 2 ranks)", [
+        ("cpu_ratio_median", "apply / by hand, CPU time, median of per-repetition ratios (target <= 1.05)"),
+        ("cpu_ratio_best", "apply / by hand, CPU time, best repetition of each"),
+        ("ratio_median", "apply / by hand, wall clock, median"),
+        ("planc_apply_cpu_ms_median", "planc.apply CPU (ms)"),
+        ("hand_written_cpu_ms_median", "hand-written calls CPU (ms)"),
+        ("compile_cpu_ms_median", "of which compiling the plan (ms)"),
+        ("precompiled_cpu_ratio_median", "apply of a plan compiled beforehand / by hand, CPU time, median"),
+        ("same_placements", "both sides build the same placements"),
+    ]),
     ("step_bench.py", "training step time, plan-applied vs hand-written torchtitan sharding (2 ranks)", [
         ("ratio_median", "per-step ratio, median (target 1.00 +- noise)"),
         ("cpu_ratio_median", "CPU-time ratio, median"),

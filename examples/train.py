@@ -4,6 +4,12 @@ The same script runs on CPUs (gloo) and GPUs (nccl), under torchrun:
 
     torchrun --nproc_per_node=2 examples/train.py --plan plans/gpt.plan --model planc.zoo:gpt_tiny
     torchrun --nproc_per_node=8 examples/train.py --plan plans/seed.plan      # 8 GPUs, full size
+    torchrun --nproc_per_node=4 examples/train.py --plan plans/zoo-llama-tp.plan --model planc.zoo:llama_tiny
+
+A plan with a tensor axis (FSDP x tensor parallelism) works the same: the ranks of one
+tensor-parallel group take the same slice of the batch, and the loss and its backward run in
+`applied.loss_parallel()` (torch's `loss_parallel()` when the plan keeps the logits sharded
+on the vocabulary, else nothing).
 
 The data is synthetic and learnable (counting sequences `t, t+1, ...` mod the vocabulary
 from random starts), so a falling loss shows the sharded model really trains. Each rank
@@ -102,9 +108,6 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     log = print if rank == 0 else (lambda *a, **k: None)
     try:
-        if args.batch % world:
-            log(f"error: --batch {args.batch} is not divisible by {world} ranks", file=sys.stderr)
-            return 2
         plan = planc.load(args.plan)
         ref = args.model or plan.model_ref
         if ref is None:
@@ -118,18 +121,28 @@ def main(argv: list[str] | None = None) -> int:
         log(applied.summary())
 
         vocab = model.config.vocab_size
+        # With a tensor axis (innermost: ranks r, r+1, ... of one TP group are adjacent) the
+        # ranks of a TP group see the same tokens; data parallelism is over the groups.
+        tensor_dim = applied.compiled.mesh.tensor_dim
+        tp = applied.mesh[tensor_dim].size() if tensor_dim is not None else 1
+        dp_rank, dp_world = rank // tp, world // tp
+        if args.batch % dp_world:
+            log(f"error: --batch {args.batch} is not divisible by {dp_world} data-parallel ranks", file=sys.stderr)
+            return 2
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         start = time.perf_counter()
         for step in range(args.steps):
-            tokens = batch(step, args.batch, args.seq, vocab, rank, world, args.seed).to(device)
+            tokens = batch(step, args.batch, args.seq, vocab, dp_rank, dp_world, args.seed).to(device)
             logits = model(tokens)
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
-            loss.backward()
+            with applied.loss_parallel():  # logits sharded on the vocabulary: loss and backward inside
+                loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
+                loss.backward()
             norm = sync_and_clip(model, args.max_norm, world)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            total = loss.detach().clone()
-            dist.all_reduce(total)  # SUM: gloo has no AVG
+            total = loss.detach()
+            total = (total.full_tensor() if isinstance(total, DTensor) else total).clone()
+            dist.all_reduce(total)  # SUM: gloo has no AVG; TP ranks hold equal losses
             log(f"step {step + 1:>4}/{args.steps}  loss {total.item() / world:.4f}  grad norm {norm.item():.3f}")
         elapsed = time.perf_counter() - start
 

@@ -159,9 +159,21 @@ def meta_flow(rank: int, world: int, plan_path: str, builder: str) -> dict:
     tied = model.wte.weight is model.lm_head.weight if hasattr(model, "wte") else None
     # The tie's first owner (nn.Embedding: N(0, 1)) initialises it, not lm_head's Linear init.
     wte_std = model.wte.weight.to_local().std().item() if hasattr(model, "wte") else None
+    # `reproducible=True`: every module initialised at full size, each rank keeps its shard: the
+    # values of the same call on the unsharded model (GPT: the root's own init of the tie included)
+    with torch.device("meta"):
+        exact, unsharded = zoo.ZOO[builder](), zoo.ZOO[builder]()
+    planc.apply(exact, plan_path)
+    torch.manual_seed(0)
+    planc.materialize(exact, "cpu", reproducible=True)
+    torch.manual_seed(0)
+    planc.materialize(unsharded, "cpu")
+    reference = dict(unsharded.named_parameters())
+    not_eager = [n for n, p in exact.named_parameters() if not torch.equal(p.full_tensor(), reference[n])]
     run = train(model, batches(model), rank, world)
     return {**run, **read_back(applied), "on_meta_after_apply": on_meta, "finite": finite, "tied": tied,
-            "wte_std": wte_std}
+            "wte_std": wte_std, "reproducible_not_eager": not_eager,
+            "reproducible_tied": exact.wte.weight is exact.lm_head.weight if hasattr(exact, "wte") else None}
 
 
 def edges(rank: int, world: int, bad: list[tuple[str, str, str, bool]], plan_path: str, builder: str) -> dict:

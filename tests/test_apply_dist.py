@@ -270,6 +270,7 @@ def test_meta_build_apply_materialize_train(edge_runs):
     results = [r["meta"] for r in edge_runs]
     for result in results:
         assert result["on_meta_after_apply"] and result["finite"] and result["tied"]
+        assert result["reproducible_not_eager"] == [] and result["reproducible_tied"]
         # the model's own init of the tied weight, N(0, 0.02) (GPT.reset_parameters runs after its
         # children's), not lm_head's Linear init U(+-1/sqrt(32)) (std ~0.10)
         assert 0.015 < result["wte_std"] < 0.025

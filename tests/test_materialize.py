@@ -123,3 +123,28 @@ def test_own_init_covering_everything_is_accepted_and_partial_init_refused():
     with pytest.raises(PlanError) as err:
         materialize(model, "cpu", init=lambda m: m[0].reset_parameters())
     assert "your `init`" in err.value.errors[0].message
+
+
+# GPT's constructor draws lm_head's Linear init before tying the weight away; materialize
+# initialises the tied weight once, so its values are not the eager ones (their distribution is).
+@pytest.mark.parametrize("builder", sorted(b for b in zoo.ZOO if b.endswith("_tiny") and b != "gpt_tiny"))
+def test_reproducible_materialize_of_an_unsharded_model_is_the_eager_build(builder):
+    """No DTensors: `reproducible=True` is the plain per-module init, children first, as these
+    models initialise when built (tests/test_tp_zoo_dist.py and tests/test_apply_dist.py check
+    it under sharding)."""
+    torch.manual_seed(0)
+    eager = dict(zoo.ZOO[builder]().named_parameters())
+    with torch.device("meta"):
+        model = zoo.ZOO[builder]()
+    torch.manual_seed(0)
+    materialize(model, "cpu", reproducible=True)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, eager[name]), name
+
+
+def test_reproducible_needs_the_reset_parameters_initialiser():
+    with torch.device("meta"):
+        model = zoo.llama_tiny()
+    with pytest.raises(ValueError, match="reset_parameters"):
+        materialize(model, "cpu", init=lambda m: None, reproducible=True)
+

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from planc import zoo
 
-TINY_BUILDERS = [zoo.seed_transformer_tiny, zoo.gpt_tiny, zoo.moe_transformer_tiny]
+TINY_BUILDERS = [zoo.seed_transformer_tiny, zoo.gpt_tiny, zoo.moe_transformer_tiny, zoo.llama_tiny]
 
 
 # --- expected parameter counts, derived from the configs --------------------------------------
@@ -44,6 +44,13 @@ def _moe_params(c: zoo.MoEConfig) -> int:
     return c.vocab_size * d + c.n_layers * block + d + _linear(d, c.vocab_size, bias=False)
 
 
+def _llama_params(c: zoo.LlamaConfig) -> int:
+    d, kv = c.dim, c.n_kv_heads * c.head_dim
+    attention = 2 * d * d + 2 * d * kv  # wq, wo (d x d) and wk, wv (kv x d), no biases
+    block = 2 * d + attention + 3 * d * c.hidden_dim
+    return 2 * c.vocab_size * d + c.n_layers * block + d  # untied output
+
+
 def _num_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -57,6 +64,8 @@ def _num_params(model: torch.nn.Module) -> int:
         (zoo.seed_transformer_tiny, zoo.SEED_TINY_CONFIG, _seed_params),
         (zoo.gpt_tiny, zoo.GPT_TINY_CONFIG, _gpt_params),
         (zoo.moe_transformer_tiny, zoo.MOE_TINY_CONFIG, _moe_params),
+        (zoo.llama, zoo.LlamaConfig(), _llama_params),
+        (zoo.llama_tiny, zoo.LLAMA_TINY_CONFIG, _llama_params),
     ],
 )
 def test_builds_on_meta_with_expected_parameter_count(builder, config, expected):
@@ -277,6 +286,8 @@ def test_zoo_registry_and_frozen_configs():
         "gpt_tiny",
         "moe_transformer",
         "moe_transformer_tiny",
+        "llama",
+        "llama_tiny",
     }
     with torch.device("meta"):
         for name, builder in zoo.ZOO.items():
@@ -291,3 +302,82 @@ def test_configs_reject_inconsistent_shapes():
         zoo.SeedConfig(dim=30, n_heads=4)
     with pytest.raises(ValueError, match="top_k"):
         zoo.MoEConfig(num_experts=2, top_k=3)
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        zoo.LlamaConfig(n_heads=32, n_kv_heads=5)
+    with pytest.raises(ValueError, match="even"):
+        zoo.LlamaConfig(dim=96, n_heads=32)
+
+
+# --- the tensor-parallel-ready Llama ------------------------------------------------------------
+
+
+def test_llama_has_torchtitans_module_names_and_full_size_shape():
+    with torch.device("meta"):
+        model = zoo.llama()
+    assert _num_params(model) == 1_498_482_688  # Llama 3.2 1B with an untied output
+    names = {n for n, _ in model.named_parameters()}
+    assert {"tok_embeddings.weight", "norm.weight", "output.weight"} <= names
+    block = {n.split(".", 2)[2] for n in names if n.startswith("layers.0.")}
+    assert block == {"attention_norm.weight", "ffn_norm.weight", *(f"attention.{w}.weight" for w in ("wq", "wk", "wv", "wo")),
+                     *(f"feed_forward.{w}.weight" for w in ("w1", "w2", "w3"))}
+    attention = model.layers[0].attention
+    assert attention.wq.weight.shape == (2048, 2048) and attention.wk.weight.shape == (512, 2048)  # 32 q / 8 kv heads
+    assert model.layers[0].feed_forward.w2.weight.shape == (2048, 8192)
+
+
+def test_llama_attention_split_by_heads_sums_to_the_whole():
+    """The tensor-parallel math in one process: each half of the heads (q/k/v rows, wo columns)
+    run through the same module code gives a partial output; the two sum to the whole. A model
+    that viewed projections with the global head count would fail here, as it does under TP."""
+    torch.manual_seed(0)
+    config = zoo.LLAMA_TINY_CONFIG
+    whole = zoo.Attention(config)
+    x = torch.randn(2, 16, config.dim)
+    parts = []
+    for half in range(2):
+        part = zoo.Attention(config)
+        with torch.no_grad():
+            for name in ("wq", "wk", "wv"):
+                w = getattr(whole, name).weight
+                rows = w.shape[0] // 2
+                setattr(part, name, torch.nn.Linear(config.dim, rows, bias=False))
+                getattr(part, name).weight.copy_(w[half * rows:(half + 1) * rows])
+            cols = whole.wo.weight.shape[1] // 2
+            part.wo = torch.nn.Linear(cols, config.dim, bias=False)
+            part.wo.weight.copy_(whole.wo.weight[:, half * cols:(half + 1) * cols])
+        parts.append(part(x))
+    torch.testing.assert_close(parts[0] + parts[1], whole(x), rtol=1e-5, atol=1e-6)
+
+
+def test_llama_matches_hugging_face_llama_with_the_same_weights():
+    """The zoo Llama is a real Llama: Hugging Face's LlamaForCausalLM given the same weights gives
+    the same logits (HF rotates halves, the zoo rotates adjacent pairs as Meta's and torchtitan's
+    code do: q/k rows are permuted per head as HF's conversion script does)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    c = zoo.LLAMA_TINY_CONFIG
+    model = zoo.llama_tiny()
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.dim, intermediate_size=c.hidden_dim, num_hidden_layers=c.n_layers,
+        num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads, rms_norm_eps=c.norm_eps,
+        rope_theta=c.rope_theta, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        max_position_embeddings=64))
+
+    def permute(w: torch.Tensor) -> torch.Tensor:  # adjacent pairs -> halves, per head
+        heads = w.shape[0] // c.head_dim
+        return w.view(heads, c.head_dim // 2, 2, c.dim).transpose(1, 2).reshape(w.shape)
+
+    sd = {"model.embed_tokens.weight": model.tok_embeddings.weight, "model.norm.weight": model.norm.weight,
+          "lm_head.weight": model.output.weight}
+    for i, block in enumerate(model.layers):
+        p, a, f = f"model.layers.{i}.", block.attention, block.feed_forward
+        sd |= {p + "self_attn.q_proj.weight": permute(a.wq.weight), p + "self_attn.k_proj.weight": permute(a.wk.weight),
+               p + "self_attn.v_proj.weight": a.wv.weight, p + "self_attn.o_proj.weight": a.wo.weight,
+               p + "mlp.gate_proj.weight": f.w1.weight, p + "mlp.up_proj.weight": f.w3.weight,
+               p + "mlp.down_proj.weight": f.w2.weight, p + "input_layernorm.weight": block.attention_norm.weight,
+               p + "post_attention_layernorm.weight": block.ffn_norm.weight}
+    missing, unexpected = hf.load_state_dict({k: v.detach() for k, v in sd.items()}, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    tokens = zoo.example_input(model, batch=2, seq=16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(input_ids=tokens).logits, rtol=1e-4, atol=1e-5)

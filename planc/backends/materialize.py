@@ -17,7 +17,7 @@ _SHOWN = 5  # modules named in a P606 before "and N more"
 
 
 def materialize(model: nn.Module, device: torch.device | str,
-                init: Callable[[nn.Module], None] | None = None) -> nn.Module:
+                init: Callable[[nn.Module], None] | None = None, *, reproducible: bool = False) -> nn.Module:
     """Allocate a meta-built (and usually sharded) model on `device` and initialise it.
 
     The flow: build on meta, `apply` (shards on meta, allocates nothing), then this:
@@ -45,20 +45,37 @@ def materialize(model: nn.Module, device: torch.device | str,
     Initialisation runs on local shards, so values differ from an unsharded build with the
     same seed (on a CPU mesh DTensor's random ops draw each shard from the rank's own
     generator, so shards of one parameter can repeat values; pass `init` if that matters);
-    to reproduce an unsharded run exactly, build on the CPU with the same seed on
-    every rank and apply the plan to that instead.
+    to reproduce an unsharded run exactly, pass `reproducible=True`, or build on the CPU
+    with the same seed on every rank and apply the plan to that instead.
+
+    `reproducible=True` (the `reset_parameters()` initialiser only): each module with a
+    `reset_parameters()` is initialised at full size on every rank, its sharded parameters
+    swapped for plain full tensors for the call, and each rank keeps its own shard of the
+    result (any placements: FSDP's, tensor parallelism's, both). With the same seed on every
+    rank the parameters are then exactly those this call gives the unsharded model, whatever
+    the plan: an eager build's, for a model whose constructor initialises each module once,
+    children first (the zoo's, except GPT: its constructor also draws `lm_head`'s init for
+    the weight it then ties to the embedding). It
+    costs one module's full parameters in temporary memory (a whole subtree for a module
+    whose own init also sets its children's, as the zoo GPT's root does).
 
     Args:
         model: the model, parameters on meta.
         device: where to allocate (e.g. `"cpu"`, `torch.device("cuda", local_rank)`).
         init: your own initialiser, called with the whole model.
+        reproducible: initialise at full size and keep the local shards (see above).
 
     Returns:
         The same model.
 
     Raises:
         PlanError: P606 when some parameter or buffer was left uninitialised.
+        ValueError: `reproducible=True` with `init` or a model whose own initialiser is not
+            `reset_parameters()` per module.
     """
+    if reproducible and (init is not None or initialiser_of(model, torch.device(device))[1] is not _reset_parameters):
+        raise ValueError("`reproducible=True` needs the `reset_parameters()` initialiser: this model initialises "
+                         "itself as a whole (or `init` was given); load a full state dict instead")
     # Units offloaded to the CPU keep their local shards there (FSDP2 moves them back only
     # when pinning); everything else goes to `device`. This is `to_empty`, per parameter.
     offloaded = _offloaded_params(model)
@@ -68,7 +85,10 @@ def materialize(model: nn.Module, device: torch.device | str,
     with torch.no_grad():
         for _, t in _states(model):
             _poison(t)
-        (init or initialiser_of(model, torch.device(device))[1])(model)
+        if reproducible:
+            _reset_parameters(model, full_size=True)
+        else:
+            (init or initialiser_of(model, torch.device(device))[1])(model)
     if callable(getattr(model, "tie_weights", None)):
         model.tie_weights()
     left = [name for name, t in _states(model) if _poisoned(t)]
@@ -109,7 +129,7 @@ def _hf_init(model: nn.Module) -> None:
     model.initialize_weights()
 
 
-def _reset_parameters(model: nn.Module) -> None:
+def _reset_parameters(model: nn.Module, full_size: bool = False) -> None:
     done: set[int] = set()
     # NOTE: post-order, as modules initialise when built: children first, then the
     # parent (MultiheadAttention zeroes `out_proj.bias` after out_proj's own init).
@@ -120,12 +140,45 @@ def _reset_parameters(model: nn.Module) -> None:
         if own and all(i in done for i in own):
             continue
         if isinstance(module, nn.MultiheadAttention):
-            module._reset_parameters()
+            reset = module._reset_parameters
         elif callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()
+            reset = module.reset_parameters
         else:
             continue
+        if full_size:
+            _at_full_size(module, reset, done)
+        else:
+            reset()
         done.update(own)
+
+
+def _at_full_size(module: nn.Module, reset: Callable[[], None], done: set[int]) -> None:
+    """Run `reset` with the sharded parameters of `module`'s subtree as plain full tensors, then
+    keep each rank's shard. Parameters initialised before (`done`) are gathered first, so a
+    parent's init that sets only some of its children's sees the others as they are."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    fulls: dict[int, nn.Parameter] = {}
+    swapped: list[tuple[nn.Module, str, DTensor]] = []
+    for m in module.modules():  # a leaf: itself only
+        for key, p in list(m._parameters.items()):
+            if not isinstance(p, DTensor):
+                continue
+            if id(p) not in fulls:
+                value = p.full_tensor() if id(p) in done else torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+                fulls[id(p)] = nn.Parameter(value.detach().clone(), requires_grad=p.requires_grad)
+            m._parameters[key] = fulls[id(p)]
+            swapped.append((m, key, p))
+    try:
+        reset()
+    finally:
+        for m, key, p in swapped:
+            m._parameters[key] = p
+    for _, _, p in swapped:
+        full = fulls.pop(id(p), None)
+        if full is not None:  # tied: the first registration copies
+            local = distribute_tensor(full.detach(), p.device_mesh, p.placements, src_data_rank=None).to_local()
+            p.to_local().copy_(local)
 
 
 # ------------------------------------------------------------------ poison and its check

@@ -212,8 +212,9 @@ class Resolver:
             s = stmts[i]
             m = match_modules(self.graph, s.selector, optional=s.optional)
             self.diags.extend(m.diagnostics)
+            text = rule_text(s)  # once per statement, not per matched module
             for path in m.paths:
-                self.out.parallel[path] = Setting(style, s.span, rule_text(s), i)
+                self.out.parallel[path] = Setting(style, s.span, text, i)
             if m.paths:
                 self.out.rule_effects[i] = self.out.rule_effects.get(i, 0) + len(m.paths)
 
