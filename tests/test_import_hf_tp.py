@@ -129,7 +129,7 @@ def test_tied_embeddings_are_warned_about(capsys, tmp_path):
     config["tie_word_embeddings"] = True
     (tmp_path / "config.json").write_text(json.dumps(config))
     code, _, err = imported(capsys, "--model", f"hf:{tmp_path / 'config.json'}", "--hf-tp-plan")
-    assert "warning[P459]: tensor parallelism unties `model.embed_tokens.weight` and `lm_head.weight`" in err
+    assert "warning[P459]: `model.embed_tokens.weight` and `lm_head.weight` are tied" in err
 
 
 def test_with_an_accelerate_config_the_mesh_gains_the_tensor_axis(capsys, tmp_path):
@@ -138,12 +138,17 @@ def test_with_an_accelerate_config_the_mesh_gains_the_tensor_axis(capsys, tmp_pa
     cfg.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
                    "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n  fsdp_sharding_strategy: FULL_SHARD\n")
     out = tmp_path / "plan.plan"
-    code, _, err = imported(capsys, str(cfg), "--model", "hf:llama-tiny", "--hf-tp-plan", "--tensor", "4", "-o", str(out))
+    code, _, err = imported(capsys, str(cfg), "--model", "hf:llama-tiny", "--hf-tp-plan", "--tensor", "2", "-o", str(out))
     assert code == 0, err
     text = out.read_text()
-    assert "mesh (replicate = 1, shard = *, tensor = 4)" in text and "unit ** : LlamaDecoderLayer" in text
+    assert "mesh (replicate = 1, shard = *, tensor = 2)" in text and "unit ** : LlamaDecoderLayer" in text
     assert "parallel model.layers.*.self_attn.o_proj rowwise" in text
     assert cli.main(["check", str(out), "--world-size", "8"]) == 0
+    # at tensor = 4 the import is written as asked, and `planc check` says why it cannot run (2 KV heads)
+    code, _, err = imported(capsys, str(cfg), "--model", "hf:llama-tiny", "--hf-tp-plan", "--tensor", "4", "-o", str(out))
+    assert code == 0, err
+    assert cli.main(["check", str(out), "--world-size", "8"]) == 1
+    assert "error[P412]" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args", [[], ["--hf-tp-plan"], ["--model", "hf:llama-tiny", "--hf-tp-plan", "--tensor", "0"]])

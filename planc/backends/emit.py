@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from planc.compiler import CompiledPlan
+from planc.lower.lowering import tensor_reties
 from planc.lower.program import (
     FULLY_SHARD_DEFAULTS,
     Checkpoint,
@@ -474,6 +475,9 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
             body += _emit_calls([_Call((op.module,), lambda e, op=op: f"parallelize_module({e(op.module)}, tp_mesh, "
                                        f"{style_source(op.style)})", (_where(op.origin.span, op.origin.rule),))
                                  for op in ops], model, ind)
+            for alias, canon in tensor_reties(program, compiled.graph):
+                body.append(f"{ind}# NOTE: parallelize_module gives each owner of a tied parameter its own copy: tie again")
+                body += _wrap(f"{expression('model', model, alias)} = {expression('model', model, canon)}", ind)
         elif kind is Checkpoint:
             body += _emit_calls([_Call((op.module,), lambda e, op=op: f"checkpoint({e(op.module)}"
                                        + (", context_fn=selective_checkpoint_context)" if op.mode == "selective" else ")"),

@@ -41,6 +41,7 @@ from planc.compiler import compile as compile_plan
 from planc.diagnostics import Diagnostic, PlanError, Span, sort_diagnostics
 from planc.lang import syntax as st
 from planc.lower.checkpointing import context_fn
+from planc.lower.lowering import tensor_reties
 from planc.lower.program import (
     Checkpoint,
     Compile,
@@ -516,6 +517,20 @@ def _submesh(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
     return mesh[dims if len(dims) > 1 else dims[0]]
 
 
+def _retie(model: nn.Module, reties: list[tuple[str, str]]) -> None:
+    """Tie again the parameters tensor parallelism untied (`planc.lower.lowering.tensor_reties`)."""
+    for alias, canon in reties:
+        owner, _, local = alias.rpartition(".")
+        shared = model.get_parameter(canon)
+        mine = model.get_parameter(alias)
+        if mine is not shared:
+            same = getattr(mine, "placements", None) == getattr(shared, "placements", None) and mine.shape == shared.shape
+            if not same:  # P421 refuses this plan; a live model that differs from its graph lands here
+                raise PlanError([Diagnostic(code="P421", severity="error", span=None, message=f"`{alias}` is tied to "
+                                            f"`{canon}` but tensor parallelism placed them differently")], {})
+            setattr(model.get_submodule(owner), local, shared)
+
+
 def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: CompiledPlan) -> AppliedPlan:
     """Execute a lowered program on a live model, op by op, in the program's order.
 
@@ -548,6 +563,8 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
         if op.style not in styles:
             styles[op.style] = torch_style(op.style)
         parallelize_module(model.get_submodule(op.module), submesh((op.mesh_dim,)), styles[op.style])
+    if tp:
+        _retie(model, tensor_reties(program, compiled.graph))
     calls = {id(op): (unit_modules(op, model), fully_shard_kwargs(op, model, submesh(op.mesh_dims)))
              for op in program.units}
     applied = AppliedPlan(compiled=compiled, mesh=mesh, model=model)

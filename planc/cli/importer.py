@@ -127,7 +127,8 @@ def with_tensor_plan(text: str | None, graph: ModelGraph, model_ref: str, tensor
                                 help=("its parameters are replicated on the tensor axis instead",)))
     for shared in found.tied:
         diags.append(Diagnostic(code="P459", severity="warning",
-                                message="tensor parallelism unties " + " and ".join(f"`{p}`" for p in shared),
-                                help=("every style registers a new parameter on its own module; untie the "
-                                      "weights (`tie_word_embeddings: false`) or leave tensor parallelism off",)))
+                                message=" and ".join(f"`{p}`" for p in shared) + " are tied: tensor parallelism gives each "
+                                "owner its own copy",
+                                help=("planc ties them again after `parallelize_module` when the owners place them "
+                                      "alike; `planc check` reports owners placed differently (P421)",)))
     return text, diags

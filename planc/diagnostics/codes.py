@@ -330,10 +330,12 @@ CODES: dict[str, Code] = {
                  "transformers ships with the model (`config.base_model_tp_plan`); this model has none (it "
                  "is not a Hugging Face model, or transformers has no tensor-parallel plan for it). Write "
                  "the `parallel` statements by hand (docs/language.md)."),
-    "P459": Code("tensor parallelism unties shared parameters", "Two modules share one parameter (tied "
-                 "input and output embeddings). Every tensor-parallel style registers a new parameter on its "
-                 "own module, so after tensor parallelism the modules hold two separate copies that train "
-                 "apart. Untie the weights in the model config, or leave tensor parallelism off.", "warning"),
+    "P459": Code("tensor parallelism and shared parameters", "Two modules share one parameter (tied "
+                 "input and output embeddings). `parallelize_module` registers a new parameter on each module it "
+                 "places, so the owners would hold two copies that train apart; planc (`planc.apply` and the "
+                 "code `planc emit` prints) ties them again when the owners place the parameter alike, as the "
+                 "imported embedding rowwise and output colwise do (both shard the vocabulary, `Shard(0)`). "
+                 "Owners placed differently are an error of `planc check` (P421).", "warning"),
     "P503": Code("memory expectation not checked", "An `expect memory...` line needs a world size: "
                  "`at world = N` on the line, or `--world-size N` on the command line; "
                  "`expect memory.activations` also needs an input shape (`input = BxS`). Without them it "

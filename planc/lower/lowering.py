@@ -96,6 +96,37 @@ def tensor_dims(program: Program, graph: ModelGraph) -> dict[str, int]:
     return out
 
 
+PLACING_STYLES = ("colwise", "rowwise", "sequence", "replicate")  # styles that replace parameters with DTensors
+SUBTREE_STYLES = ("sequence", "replicate")  # ... of the whole subtree (the others: the module's own)
+
+
+def tensor_reties(program: Program, graph: ModelGraph) -> list[tuple[str, str]]:
+    """(alias path, canonical path) of each tied parameter tensor parallelism unties, to tie again.
+
+    `parallelize_module` replaces a module's parameters with new DTensor parameters, one module
+    at a time, so a parameter two modules share (an embedding tied to the output projection)
+    comes out as two objects when both owners get a placing style: two weights, trained apart.
+    The static check P421 refuses owners placed differently; with one placement, the runtime
+    (and the code `planc emit` prints) sets every alias back to the canonical owner's parameter.
+    """
+    placed: list[tuple[str, bool]] = [(op.module, op.style.kind in SUBTREE_STYLES)
+                                      for op in program.of_type(Parallelize) if op.style.kind in PLACING_STYLES]
+    if not placed or not graph.tied:
+        return []
+
+    def is_placed(module: str) -> bool:
+        return any(module == m or (subtree and (not m or module.startswith(m + "."))) for m, subtree in placed)
+
+    out: list[tuple[str, str]] = []
+    for alias, canon in graph.aliases.items():
+        if alias == canon or canon not in graph.tied:
+            continue
+        owner, canon_owner = alias.rpartition(".")[0], canon.rpartition(".")[0]
+        if is_placed(owner) or is_placed(canon_owner):
+            out.append((alias, canon))
+    return out
+
+
 def lower(res: Resolution, graph: ModelGraph) -> Program:
     """The program for a resolution without errors (`CompiledPlan.program` checks that)."""
     ops: list[Op] = []
