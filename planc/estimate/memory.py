@@ -12,8 +12,9 @@ Two parts, both without torch.distributed and without a GPU:
   at pre-forward (and at pre-backward when resharded), the explicit or default backward
   prefetch (the next unit in reverse post-forward order), reshard after forward (`true`
   frees, `false` keeps, `N` keeps a 1/N slice), reshard then reduce-scatter at post-backward
-  (a group unit does this per module, as torch 2.13 does, and is gathered again for the
-  next member), the all-gather output alive during each copy-out and kept until the next
+  (a group unit `[a, b]` is one FSDP parameter group, as in torch 2.13: gathered once in
+  forward and once in backward, one reduce-scatter of all its gradients, after the member that
+  ran forward first finishes backward), the all-gather output alive during each copy-out and kept until the next
   copy-out in forward, one reduce-scatter input kept alive until the next one, extra
   copies for `Shard(d != 0)` parameters, then the optimizer step (foreach AdamW needs one
   temporary the size of the sharded parameters). When an input is given, the replay is driven by a
@@ -396,9 +397,7 @@ class _Replay:
             elif ev.kind == "bwd_pre":
                 self.phase = "backward"
                 self.unshard(i, f"all-gather {name} (backward)")
-                # NOTE: measured on torch 2.13: a group unit whose modules finish backward
-                # one by one issues its backward prefetch when gathered for the last of them
-                if k != last_bwd_pre[i]:
+                if k != last_bwd_pre[i]:  # a unit gathered again (checkpoint recompute): prefetched already
                     continue
                 targets = prefetch_backward.get(name)
                 if targets is None:

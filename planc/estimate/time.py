@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 
@@ -190,10 +190,6 @@ def unit_collectives(program: Program, graph, world: int) -> list[list[Collectiv
     return out
 
 
-def _tp_collectives(*args: Any, **kwargs: Any) -> list[Collective]:  # filled in below
-    return []
-
-
 def totals(units: Iterable[UnitTime]) -> dict[str, dict[str, int]]:
     """Bytes per collective kind per mesh axis, over the step."""
     out: dict[str, dict[str, int]] = {}
@@ -219,6 +215,8 @@ class StepTime:
     tokens: int | None
     model_flops: int
     assumptions: list[str]
+    efficiency: float = 0.6
+    tp: int = 1
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -236,11 +234,395 @@ class StepTime:
         return totals(self.per_unit)
 
 
+# ===================================================================== tensor parallelism
+
+
+def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, list[Collective]]:
+    """Module path -> the activation collectives its tensor-parallel style issues (torch 2.13 DTensor).
+
+    Modelled (sizes are the full activation, nccl-tests' convention; shapes from the profile):
+
+    * colwise: input `replicate` (default): backward all-reduce of the input's gradient (a
+      partial sum); input `shard(d)` (sequence parallel): forward all-gather of the input,
+      backward reduce-scatter of its gradient; output `replicate`: forward all-gather of the
+      output (the default `shard(-1)` costs nothing).
+    * rowwise: output `replicate` (default): forward all-reduce of the output; output
+      `shard(d)`: forward reduce-scatter of the output, backward all-gather of its gradient;
+      a `replicate` floating-point input: backward all-gather of its gradient.
+    * sequence: backward all-reduce of the parameters' gradients (partial over the sequence shards).
+    * replicate, prepare_*: nothing (inputs assumed already in the layout the style expects).
+    """
+    sizes = program.mesh.sizes(world) or {}
+    tp = sizes.get("tensor", 1)
+    from planc.lower.program import Parallelize
+    ops = program.of_type(Parallelize)
+    if tp <= 1 or not ops or profile is None:
+        return {}
+    compute = _compute_dtypes(program, graph)
+    out: dict[str, list[Collective]] = {}
+    for op in ops:
+        style, path = op.style, op.module
+        cs: list[Collective] = []
+        dtype = _module_dtype(graph, path, compute)
+        inp, outp = profile.inputs.get(path), profile.outputs.get(path)
+        size = _itemsize(dtype)
+
+        def nbytes(a, size=size) -> int:
+            return a.numel * size if a is not None else 0
+        in_layout = (style.input_layouts or (None,))[0]
+        out_layout = (style.output_layouts or (None,))[0]
+        if style.kind == "colwise":
+            if inp is not None and inp.dtype.is_floating_point:
+                if in_layout is not None and in_layout.kind == "shard":
+                    cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "forward", path))
+                    if inp.requires_grad:
+                        cs.append(Collective("reduce_scatter", "tensor", tp, nbytes(inp), "backward", path))
+                elif inp.requires_grad:
+                    cs.append(Collective("all_reduce", "tensor", tp, nbytes(inp), "backward", path))
+            if out_layout is not None and out_layout.kind == "replicate":
+                cs.append(Collective("all_gather", "tensor", tp, nbytes(outp), "forward", path))
+        elif style.kind == "rowwise":
+            if out_layout is None or out_layout.kind == "replicate":
+                cs.append(Collective("all_reduce", "tensor", tp, nbytes(outp), "forward", path))
+            elif out_layout.kind == "shard":
+                cs.append(Collective("reduce_scatter", "tensor", tp, nbytes(outp), "forward", path))
+                cs.append(Collective("all_gather", "tensor", tp, nbytes(outp), "backward", path))
+            if in_layout is not None and in_layout.kind == "replicate" and inp is not None \
+                    and inp.dtype.is_floating_point and inp.requires_grad:
+                cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "backward", path))
+        elif style.kind == "sequence":
+            for _, canon in graph.own_params(path):
+                info = graph.params[canon]
+                if info.requires_grad:
+                    cs.append(Collective("all_reduce", "tensor", tp, info.numel * _itemsize(compute[canon]),
+                                         "backward", path))
+        out[path] = [c for c in cs if c.bytes]
+    return out
+
+
+def _compute_dtypes(program: Program, graph) -> dict[str, torch.dtype]:
+    out = {name: info.dtype for name, info in graph.params.items()}
+    for op in program.units:
+        for name in op.params:
+            out[name] = op.policy.precision.compute_dtype(graph.params[name].dtype)
+    return out
+
+
+def _module_dtype(graph, path: str, compute: dict[str, torch.dtype]) -> torch.dtype:
+    """The dtype a module computes in: its first parameter's compute dtype (float32 without one)."""
+    own = list(graph.own_params(path))
+    return compute[own[0][1]] if own else torch.float32
+
+
+# ===================================================================== ownership
+
+
+def owners(program: Program, graph, paths: Iterable[str]) -> dict[str, int]:
+    """Module path -> index of the unit whose parameters it uses (nearest unit module above it, else the root)."""
+    units = program.units
+    unit_of = {m: i for i, u in enumerate(units) if not u.is_root for m in u.modules}
+    root = next((i for i, u in enumerate(units) if u.is_root), -1)
+    out: dict[str, int] = {}
+    for path in paths:
+        p = path
+        while True:
+            if p in unit_of:
+                out[path] = unit_of[p]
+                break
+            if not p:
+                out[path] = root
+                break
+            p = p.rpartition(".")[0]
+    return out
+
+
+# ===================================================================== the schedule
+
+
+@dataclass
+class _Net:
+    """One network: collectives run one at a time in the order they are issued."""
+
+    free: float = 0.0
+    busy: float = 0.0
+
+    def run(self, ready: float, seconds: float) -> float:
+        start = max(self.free, ready)
+        self.free = start + seconds
+        self.busy += seconds
+        return self.free
+
+
+def collective_s(c: Collective, hw: Hardware) -> float:
+    if c.kind == "host_to_device" or c.kind == "device_to_host":
+        return c.bytes / hw.host_bw
+    return hw.link(c.ranks * c.stride).collective_s(c.kind, c.bytes, c.ranks)
+
+
+def _assumptions(hw: Hardware, eff: float, tp: int) -> list[str]:
+    out = [
+        f"estimates, not measurements: hardware `{hw.name}` ({hw.source or 'user profile'})",
+        f"compute = counted FLOPs / ({eff:.0%} of peak dense FLOP/s for the unit's compute dtype: "
+        f"bf16 {hw.bf16_flops / 1e12:.0f} TFLOP/s, fp32 {hw.fp32_flops / 1e12:.1f} TFLOP/s); ops FlopCounterMode "
+        "counts 0 (norms, elementwise, softmax) take no time",
+        f"collectives: alpha + bytes x bus factor / busbw (nccl-tests); within a node ({hw.gpus_per_node} GPUs) "
+        f"busbw {hw.intra.busbw / 1e9:.0f} GB/s, alpha {hw.intra.alpha_s * 1e6:.0f} us; across nodes "
+        f"{hw.inter.busbw / 1e9:.0f} GB/s, {hw.inter.alpha_s * 1e6:.0f} us; ranks are laid out tensor axis "
+        "innermost, then shard, then replicate",
+        "FSDP2's schedule: forward all-gathers issued at each unit's pre-forward or by prefetch lists, at most "
+        "two units ahead of compute; backward all-gathers prefetched one unit ahead (or by the lists); "
+        "reduce-scatters after each unit's backward; all FSDP collectives share one network in issue order",
+        "tensor-parallel collectives block compute (no async TP)" if tp > 1 else "no tensor parallelism",
+        f"optimizer step: memory-bound, bytes read and written / HBM bandwidth ({hw.hbm_bw / 1e9:.0f} GB/s); "
+        "offloaded units' optimizer steps run on the host and are not timed",
+        "not modelled: kernel launch and CPU overheads, stragglers, memory-bandwidth-bound kernels, "
+        "bandwidth shared by concurrent tensor-parallel and FSDP traffic",
+    ]
+    return out
+
+
+OPTIMIZER_BYTES = {"adamw": 7, "adam": 7, "adamw_fused": 7, "adam_fused": 7, "sgd": 3, "none": 0}
+
+
 def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100", profile=None, graph=None,
                        input_shape: tuple[int, ...] | None = None, inputs=None, loss=None,
                        optimizer: str = "adamw", efficiency: float | None = None) -> StepTime:
-    """The estimated step time of `plan` at `world` ranks (see the module docstring)."""
-    raise NotImplementedError  # pragma: no cover (filled in next)
+    """The estimated step time of `plan` at `world` ranks (see the module docstring for the contract)."""
+    from planc.estimate.flops import step_profile
+    from planc.lower.program import Checkpoint
+
+    if isinstance(plan, Program):
+        program = plan
+        if graph is None:
+            raise ValueError("estimating a Program needs its model graph")
+    else:
+        program, graph = plan.program, graph or plan.graph
+    hw = hardware_of(hardware)
+    eff = hw.efficiency if efficiency is None else float(efficiency)
+    if not 0 < eff <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], got {eff}")
+    if profile is None and (inputs is not None or input_shape is not None):
+        profile = step_profile(graph, inputs, input_shape=input_shape, loss=loss)
+    sizes = program.mesh.sizes(world) or {"shard": world}
+    tp = sizes.get("tensor", 1)
+    units = program.units
+    fsdp = unit_collectives(program, graph, world)
+    per_unit = [UnitTime(u.name, i, list(cs)) for i, (u, cs) in enumerate(zip(units, fsdp))]
+    compute = _compute_dtypes(program, graph)
+    for i, u in enumerate(units):
+        if u.params:
+            per_unit[i].compute_dtype = str(compute[u.params[0]]).replace("torch.", "")
+    root = next((i for i, u in enumerate(units) if u.is_root), None)
+
+    fwd_segments: list[tuple[int, float]] = []
+    bwd_segments: list[tuple[int, float]] = []
+    tp_cs: dict[str, list[Collective]] = {}
+    model_flops = 0
+    if profile is not None:
+        paths = set(profile.forward) | set(profile.backward) | set(profile.order) | {""}
+        own = owners(program, graph, paths)
+        # recompute: `full` runs the module's forward again in backward, `selective` its unsaved ops
+        recompute: dict[str, int] = {}
+        for op in program.of_type(Checkpoint):
+            table = profile.forward if op.mode != "selective" else profile.recomputed
+            prefix = op.module + "."
+            for path, n in table.items():
+                if path == op.module or path.startswith(prefix) or op.module == "":
+                    recompute[path] = recompute.get(path, 0) + n
+        for path, n in profile.forward.items():
+            per_unit[own[path]].forward_flops += n // tp
+        for path, n in profile.backward.items():
+            per_unit[own[path]].backward_flops += n // tp
+        for path, n in recompute.items():
+            per_unit[own[path]].recompute_flops += n // tp
+        model_flops = profile.total // tp
+        tp_cs = tp_collectives(program, graph, profile, world)
+        for path, cs in tp_cs.items():
+            per_unit[own.get(path, root if root is not None else 0)].collectives.extend(cs)
+        rate = [hw.flops(u.compute_dtype) * eff for u in per_unit]
+        for path, n in profile.forward_segments:
+            fwd_segments.append((own[path], n / tp / rate[own[path]]))
+        # recompute runs at the start of the checkpointed module's backward
+        rec_done: set[str] = set()
+        ck = [op.module for op in program.of_type(Checkpoint)]
+        for path, n in profile.backward_segments:
+            for m in ck:
+                if m not in rec_done and (path == m or path.startswith(m + ".") or m == ""):
+                    rec_done.add(m)
+                    table = profile.forward if next(op for op in program.of_type(Checkpoint)
+                                                    if op.module == m).mode != "selective" else profile.recomputed
+                    extra = sum(v for p, v in table.items() if p == m or p.startswith(m + ".") or m == "")
+                    bwd_segments.append((own[path], extra / tp / rate[own[path]]))
+            bwd_segments.append((own[path], n / tp / rate[own[path]]))
+        for u in per_unit:
+            r = rate[u.index]
+            u.forward_s = u.forward_flops / r
+            u.backward_s = (u.backward_flops + u.recompute_flops) / r
+    for u in per_unit:
+        u.comm_s = sum(collective_s(c, hw) for c in u.collectives)
+
+    # TP collectives: blocking, at their module's forward / backward
+    tp_fwd = {p: sum(collective_s(c, hw) for c in cs if c.phase == "forward") for p, cs in tp_cs.items()}
+    tp_bwd = {p: sum(collective_s(c, hw) for c in cs if c.phase == "backward") for p, cs in tp_cs.items()}
+    tp_s = sum(tp_fwd.values()) + sum(tp_bwd.values())
+
+    total_s, compute_s, net = _schedule(program, per_unit, fwd_segments, bwd_segments, hw, root)
+    total_s += tp_s
+    compute_s_all = compute_s
+    opt_bytes = 0
+    for u in units:
+        if u.policy.offload.enabled:
+            continue
+        for name in u.params:
+            info = graph.params[name]
+            if info.requires_grad:
+                shard = sizes.get("shard", 1)
+                opt_bytes += _padded(tuple(info.shape), shard) * _itemsize(info.dtype) * OPTIMIZER_BYTES.get(optimizer, 7)
+    optimizer_s = opt_bytes / tp / hw.hbm_bw if tp > 1 else opt_bytes / hw.hbm_bw
+    total_s += optimizer_s
+    exposed = max(0.0, total_s - compute_s_all - optimizer_s)
+    tokens = None
+    if profile is not None and profile.tokens:
+        tokens = profile.tokens * (world // tp)
+    return StepTime(world, hw, per_unit, compute_s_all, net.busy + tp_s, exposed, optimizer_s, total_s, tokens,
+                    model_flops, _assumptions(hw, eff, tp), efficiency=eff, tp=tp)
+
+
+def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, float]],
+              bwd: list[tuple[int, float]], hw: Hardware, root: int | None) -> tuple[float, float, _Net]:
+    """Replay FSDP2's overlap of collectives with compute; returns (end of backward, compute seconds, network)."""
+    names = [u.name for u in per_unit]
+    index = {n: i for i, n in enumerate(names)}
+    net, pcie = _Net(), _Net()
+    t = 0.0
+    compute_s = 0.0
+    n = len(per_unit)
+
+    def cols(i: int, kind: str, phase: str) -> list[Collective]:
+        return [c for c in per_unit[i].collectives if c.kind == kind and c.phase == phase and c.axis != "tensor"]
+
+    def gather(i: int, phase: str, ready: float) -> float:
+        """Issue unit i's all-gather (after its host copy, if offloaded); returns when it is done."""
+        done = ready
+        for c in cols(i, "host_to_device", phase):
+            done = pcie.run(done, collective_s(c, hw))
+        end = done
+        for c in cols(i, "all_gather", phase):
+            end = net.run(done, collective_s(c, hw))
+        return end
+
+    # ---------------------------------------------------------------- forward
+    order: list[int] = []
+    for i, _ in fwd:
+        if i not in order:
+            order.append(i)
+    if root is not None and root in order:
+        order.remove(root)
+    if root is not None:
+        order.insert(0, root)
+    order += [i for i in range(n) if i not in order]
+    pf_fwd = program.prefetch("forward")
+    ready_at: dict[int, float] = {}
+    starts: list[float] = []
+    issued: set[int] = set()
+    seen: set[int] = set()
+
+    def pre_forward(i: int, now: float) -> None:
+        # the all-gather streams wait for the copy-out two units back (at most two in flight)
+        k = len(starts)
+        limit = starts[k - 2] if k >= 2 else 0.0
+        targets = [i] + [index[x] for x in pf_fwd.get(names[i], ()) if x in index]
+        for j in targets:
+            if j not in issued:
+                issued.add(j)
+                ready_at[j] = gather(j, "forward", limit)
+
+    segs = list(fwd)
+    if not segs:
+        segs = [(i, 0.0) for i in order]
+    if root is not None and (not segs or segs[0][0] != root):
+        segs.insert(0, (root, 0.0))
+    for i, sec in segs:
+        if i not in seen:
+            seen.add(i)
+            pre_forward(i, t)
+            t = max(t, ready_at.get(i, 0.0))
+            starts.append(t)
+        t += sec
+        compute_s += sec
+    for i in order:  # units with no compute of their own still gather
+        if i not in seen:
+            seen.add(i)
+            pre_forward(i, t)
+            t = max(t, ready_at.get(i, 0.0))
+            starts.append(t)
+
+    # ---------------------------------------------------------------- backward
+    post_forward = [i for i in order if i != root]
+    # post-forward order: the order each unit finished forward (its last forward segment)
+    last_fwd: dict[int, int] = {}
+    for k, (i, _) in enumerate(segs):
+        last_fwd[i] = k
+    post_forward.sort(key=lambda i: last_fwd.get(i, -1))
+    bwd_order = list(reversed(post_forward))
+    pf_bwd = program.prefetch("backward")
+    b_issued: set[int] = set()
+    b_ready: dict[int, float] = {}
+
+    def bgather(j: int, ready: float) -> None:
+        if j in b_issued:
+            return
+        b_issued.add(j)
+        b_ready[j] = gather(j, "backward", ready) if cols(j, "all_gather", "backward") else ready
+
+    def pre_backward(i: int, now: float) -> None:
+        bgather(i, now)
+        if names[i] in pf_bwd:
+            targets = [index[x] for x in pf_bwd[names[i]] if x in index]
+        else:
+            k = bwd_order.index(i) if i in bwd_order else -1
+            targets = bwd_order[k + 1:k + 2] if k >= 0 else bwd_order[:1]
+        for j in targets:
+            bgather(j, now)
+
+    def post_backward(i: int, now: float) -> None:
+        end = now
+        for c in cols(i, "reduce_scatter", "backward"):
+            end = net.run(end, collective_s(c, hw))
+        for c in cols(i, "all_reduce", "backward"):
+            end = net.run(end, collective_s(c, hw))
+        for c in cols(i, "device_to_host", "backward"):
+            pcie.run(end, collective_s(c, hw))
+
+    bsegs = list(bwd) or [(i, 0.0) for i in bwd_order]
+    last_b: dict[int, int] = {}
+    for k, (i, _) in enumerate(bsegs):
+        last_b[i] = k
+    b_seen: set[int] = set()
+    if root is not None:
+        b_seen.add(root)
+        pre_backward(root, t)
+    for k, (i, sec) in enumerate(bsegs):
+        if i not in b_seen:
+            b_seen.add(i)
+            pre_backward(i, t)
+            t = max(t, b_ready.get(i, t))
+        t += sec
+        compute_s += sec
+        if last_b[i] == k and i != root:
+            post_backward(i, t)
+    for i in bwd_order:  # units with no backward compute (token embeddings: reduced at the end)
+        if i not in b_seen:
+            b_seen.add(i)
+            pre_backward(i, t)
+            t = max(t, b_ready.get(i, t))
+            post_backward(i, t)
+    if root is not None:
+        post_backward(root, t)
+    end = max(t, net.free, pcie.free)
+    return end, compute_s, net
+
+
 
 
 __all__ = ["Collective", "UnitTime", "StepTime", "estimate_step_time", "unit_collectives", "hardware_of", "KINDS"]
