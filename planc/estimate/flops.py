@@ -78,6 +78,8 @@ class StepProfile:
 
     forward: dict[str, int] = field(default_factory=dict)        # path -> forward FLOPs
     recomputed: dict[str, int] = field(default_factory=dict)     # path -> forward FLOPs of unsaved ops
+    recompute_full: dict[str, int] = field(default_factory=dict)  # path -> FLOPs `full` checkpointing reruns
+    recompute_selective: dict[str, int] = field(default_factory=dict)  # ... `selective` reruns
     backward: dict[str, int] = field(default_factory=dict)       # path -> backward FLOPs
     forward_segments: list[tuple[str, int]] = field(default_factory=list)   # (path, FLOPs) in order
     backward_segments: list[tuple[str, int]] = field(default_factory=list)
@@ -136,8 +138,18 @@ def count_step(model: torch.nn.Module, example: Example, loss: LossFn | None = N
         inner = max((p for p in parents if p != "Global"), key=lambda p: p.count("."), default=root_name)
         return inner.split(".", 1)[1] if "." in inner else ""
 
+    events: list[tuple[int, bool]] = []   # forward: (FLOPs, op kept by selective) per op; (-1, _) per saved tensor
+    spans: dict[str, list[int]] = {}
+
+    def pack(t):
+        if phase[0] == "forward":
+            events.append((-1, False))
+        return t
+
     def on_flops(func, n, parents):
         path = path_of(parents)
+        if phase[0] == "forward":
+            events.append((n, func in SAVED_OPS))
         table = getattr(prof, phase[0])
         table[path] = table.get(path, 0) + n
         if phase[0] == "forward" and func not in SAVED_OPS:
@@ -153,6 +165,8 @@ def count_step(model: torch.nn.Module, example: Example, loss: LossFn | None = N
         names[id(mod)] = path
 
         def pre(mod, args, path=path):
+            if path not in spans and phase[0] == "forward":
+                spans[path] = [len(events), -1]
             if path not in prof.inputs:
                 prof.order.append(path)
                 t = _first_float(args)
@@ -160,6 +174,8 @@ def count_step(model: torch.nn.Module, example: Example, loss: LossFn | None = N
                     prof.inputs[path] = Activation(tuple(t.shape), t.dtype, t.requires_grad)
 
         def post(mod, args, out, path=path):
+            if path in spans and spans[path][1] < 0:
+                spans[path][1] = len(events)
             if path not in prof.outputs:
                 t = _first_float(out)
                 if t is not None:
@@ -171,17 +187,37 @@ def count_step(model: torch.nn.Module, example: Example, loss: LossFn | None = N
     try:
         with counter, warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = model(*example.args, **example.kwargs)
-            value = step_loss(out, example)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = model(*example.args, **example.kwargs)
+                value = step_loss(out, example)
             del out
             phase[0] = "backward"
             value.backward()
     finally:
         for h in handles:
             h.remove()
+    _recompute(prof, events, spans)
     ids = [t for t in example.tensors() if not t.is_floating_point() and t.dim() == 2]
     prof.tokens = int(ids[0].numel()) if ids else None
     return prof
+
+
+def _recompute(prof: StepProfile, events: list[tuple[int, bool]], spans: dict[str, list[int]]) -> None:
+    """FLOPs a checkpointed module reruns in backward, for each module.
+
+    torch's non-reentrant checkpoint stops recomputing as soon as every tensor the module's
+    forward saved for backward is saved again (early stop, on by default): the ops after the
+    last saved tensor never rerun. Autograd saves an op's inputs before its kernel runs and its
+    outputs after, so a final matmul whose output nobody saves (the block's last projection,
+    feeding a residual add) is not recomputed. `selective` reruns only the ops it does not keep.
+    """
+    for path, (start, end) in spans.items():
+        if end < 0:
+            continue
+        last = max((k for k in range(start, end) if events[k][0] < 0), default=start)
+        ops = [events[k] for k in range(start, last) if events[k][0] >= 0]
+        prof.recompute_full[path] = sum(n for n, _ in ops)
+        prof.recompute_selective[path] = sum(n for n, kept in ops if not kept)
 
 
 # graph -> {(input key, loss): StepProfile}
@@ -189,7 +225,7 @@ _PROFILES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 def step_profile(graph, inputs=None, *, input_shape: tuple[int, ...] | None = None,
-                 loss: LossFn | None = None) -> StepProfile | None:
+                 loss: LossFn | None = None, dtype: torch.dtype | None = None) -> StepProfile | None:
     """The (cached) compute profile of one step of `graph`'s model; None without an input.
 
     Args:
@@ -197,6 +233,8 @@ def step_profile(graph, inputs=None, *, input_shape: tuple[int, ...] | None = No
         inputs: the model's inputs (a tuple, dict or `Example`; only shapes and dtypes matter).
         input_shape: (batch, seq) token ids for a language model, if `inputs` is not given.
         loss: the step's loss (default: `planc.estimate.trace.default_loss`).
+        dtype: run the step with floating-point parameters in this dtype (some kernels, such as
+            grouped matmuls of MoE experts, only take bf16); FLOPs and shapes do not depend on it.
 
     Raises:
         TraceError: the model did not run on these inputs.
@@ -211,10 +249,14 @@ def step_profile(graph, inputs=None, *, input_shape: tuple[int, ...] | None = No
         return None
     example = Example.of(inputs)
     cache = _PROFILES.setdefault(graph, {})
-    key = (example.key(), loss)
+    key = (example.key(), loss, dtype)
     if key not in cache:
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        plain = types.SimpleNamespace(graph=graph, program=types.SimpleNamespace(units=()))
+        from planc.lower.program import Precision
+        cast = () if dtype is None else (types.SimpleNamespace(
+            params=tuple(n for n, info in graph.params.items() if info.dtype.is_floating_point),
+            policy=types.SimpleNamespace(precision=Precision(param_dtype=dtype))),)
+        plain = types.SimpleNamespace(graph=graph, program=types.SimpleNamespace(units=cast))
         model = fake_model(plain, fake_mode)
         with fake_mode:
             fake = example.map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))

@@ -308,6 +308,15 @@ def _compute_dtypes(program: Program, graph) -> dict[str, torch.dtype]:
     return out
 
 
+def main_dtype(program: Program, graph) -> torch.dtype | None:
+    """The compute dtype most parameters are gathered in (the dtype a step profile is run in)."""
+    counts: dict[torch.dtype, int] = {}
+    for name, dtype in _compute_dtypes(program, graph).items():
+        if dtype.is_floating_point:
+            counts[dtype] = counts.get(dtype, 0) + graph.params[name].numel
+    return max(counts, key=counts.get) if counts else None
+
+
 def _module_dtype(graph, path: str, compute: dict[str, torch.dtype]) -> torch.dtype:
     """The dtype a module computes in: its first parameter's compute dtype (float32 without one)."""
     own = list(graph.own_params(path))
@@ -402,7 +411,7 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     if not 0 < eff <= 1:
         raise ValueError(f"efficiency must be in (0, 1], got {eff}")
     if profile is None and (inputs is not None or input_shape is not None):
-        profile = step_profile(graph, inputs, input_shape=input_shape, loss=loss)
+        profile = step_profile(graph, inputs, input_shape=input_shape, loss=loss, dtype=main_dtype(program, graph))
     sizes = program.mesh.sizes(world) or {"shard": world}
     tp = sizes.get("tensor", 1)
     units = program.units
@@ -421,14 +430,12 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     if profile is not None:
         paths = set(profile.forward) | set(profile.backward) | set(profile.order) | {""}
         own = owners(program, graph, paths)
-        # recompute: `full` runs the module's forward again in backward, `selective` its unsaved ops
+        # recompute: what torch's checkpoint reruns of the module in backward (`full` or `selective`)
         recompute: dict[str, int] = {}
         for op in program.of_type(Checkpoint):
-            table = profile.forward if op.mode != "selective" else profile.recomputed
-            prefix = op.module + "."
-            for path, n in table.items():
-                if path == op.module or path.startswith(prefix) or op.module == "":
-                    recompute[path] = recompute.get(path, 0) + n
+            table = profile.recompute_selective if op.mode == "selective" else profile.recompute_full
+            recompute[op.module] = table.get(op.module, 0)
+        own.update(owners(program, graph, recompute))
         for path, n in profile.forward.items():
             per_unit[own[path]].forward_flops += n // tp
         for path, n in profile.backward.items():
@@ -443,16 +450,11 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
         for path, n in profile.forward_segments:
             fwd_segments.append((own[path], n / tp / rate[own[path]]))
         # recompute runs at the start of the checkpointed module's backward
-        rec_done: set[str] = set()
-        ck = [op.module for op in program.of_type(Checkpoint)]
+        pending = dict(recompute)
         for path, n in profile.backward_segments:
-            for m in ck:
-                if m not in rec_done and (path == m or path.startswith(m + ".") or m == ""):
-                    rec_done.add(m)
-                    table = profile.forward if next(op for op in program.of_type(Checkpoint)
-                                                    if op.module == m).mode != "selective" else profile.recomputed
-                    extra = sum(v for p, v in table.items() if p == m or p.startswith(m + ".") or m == "")
-                    bwd_segments.append((own[path], extra / tp / rate[own[path]]))
+            for m in list(pending):
+                if path == m or path.startswith(m + ".") or m == "":
+                    bwd_segments.append((own[m], pending.pop(m) / tp / rate[own[m]]))
             bwd_segments.append((own[path], n / tp / rate[own[path]]))
         for u in per_unit:
             r = rate[u.index]
