@@ -76,7 +76,7 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce", "host_to_device", "device
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
+    return dtype.itemsize
 
 
 def _padded(shape: tuple[int, ...], shard: int, dim: int = 0) -> int:
@@ -345,6 +345,22 @@ def owners(program: Program, graph, paths: Iterable[str]) -> dict[str, int]:
     return out
 
 
+def _ancestors_in(marked: Iterable[str], paths: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """Each path -> the marked modules at or above it, outermost first."""
+    marked = set(marked)
+    out: dict[str, tuple[str, ...]] = {}
+    for path in paths:
+        chain, p = [], path
+        while True:
+            if p in marked:
+                chain.append(p)
+            if not p:
+                break
+            p = p.rpartition(".")[0]
+        out[path] = tuple(reversed(chain))
+    return out
+
+
 # ===================================================================== the schedule
 
 
@@ -451,9 +467,10 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
             fwd_segments.append((own[path], n / tp / rate[own[path]]))
         # recompute runs at the start of the checkpointed module's backward
         pending = dict(recompute)
+        checkpointed = _ancestors_in(pending, {p for p, _ in profile.backward_segments})
         for path, n in profile.backward_segments:
-            for m in list(pending):
-                if path == m or path.startswith(m + ".") or m == "":
+            for m in checkpointed.get(path, ()):
+                if m in pending:
                     bwd_segments.append((own[m], pending.pop(m) / tp / rate[own[m]]))
             bwd_segments.append((own[path], n / tp / rate[own[path]]))
         for u in per_unit:
