@@ -89,6 +89,97 @@ def test_collective_bytes_per_unit_equal_a_fake_process_group_step(path):
     assert sum(len(v) for v in recorded.values()) > 0
 
 
+class _FFN(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.w1 = torch.nn.Linear(d, 4 * d, bias=False)
+        self.w2 = torch.nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.relu(self.w1(x)))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.ffn = _FFN(d)
+
+    def forward(self, x):
+        return x + self.ffn(self.norm(x))
+
+
+class SequenceParallelModel(torch.nn.Module):
+    """A decoder small enough to run sequence parallelism on a fake process group."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, n: int = 2):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList([_Block(d) for _ in range(n)])
+        self.norm = torch.nn.LayerNorm(d)
+        self.out = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(self.norm(x))
+
+
+SEQUENCE_PARALLEL = """mesh (shard = *, tensor = 2)
+unit blocks.*
+root {}
+parallel emb rowwise {
+  input replicate
+  output shard(1)
+}
+parallel blocks.*.norm sequence
+parallel blocks.*.ffn prepare_input {
+  input shard(1)
+  desired_input replicate
+}
+parallel blocks.*.ffn.w1 colwise
+parallel blocks.*.ffn.w2 rowwise { output shard(1) }
+parallel norm sequence
+parallel out colwise {
+  input shard(1)
+  output replicate
+}
+"""
+
+
+def test_sequence_parallel_chain_bytes_equal_a_fake_process_group_step():
+    """Embedding rowwise -> shard(1), sequence norms, prepare_input shard(1) -> replicate, colwise,
+    rowwise -> shard(1), output colwise from shard(1): every activation collective and every
+    FSDP one, per unit, as recorded (the norms' gradient all-reduces run in their unit's post-backward)."""
+    from planc.estimate.time import owners
+    plan = planc.loads(SEQUENCE_PARALLEL, filename="sp.plan")
+    compiled = planc.compile(plan, SequenceParallelModel(), WORLD)
+    program, graph = compiled.program, compiled.graph
+    predicted = {u.name: [(c.kind, c.phase, c.bytes, c.ranks) for c in cs]
+                 for u, cs in zip(program.units, unit_collectives(program, graph, WORLD))}
+    predicted["tensor"] = []
+    profile = step_profile(graph, (torch.zeros(2, 16, dtype=torch.long),))
+    tp = tp_collectives(program, graph, profile, WORLD)
+    own = owners(program, graph, tp)
+    for path, cs in tp.items():
+        for c in cs:
+            where = program.units[own[path]].name if _style(program, path) == "sequence" else "tensor"
+            predicted[where].append((c.kind, c.phase, c.bytes, c.ranks))
+    recorded = collections.defaultdict(list)
+    for r in record_collectives(plan, SequenceParallelModel, WORLD, inputs=lambda m: (torch.randint(0, 64, (2, 16)),)):
+        recorded[r.unit].append((r.kind, r.phase, r.bytes, r.ranks))
+    assert {k: sorted(v) for k, v in recorded.items() if v} == {k: sorted(v) for k, v in predicted.items() if v}
+    kinds = {(c[0], c[1]) for c in predicted["tensor"]}
+    assert {("all_gather", "forward"), ("reduce_scatter", "backward"), ("reduce_scatter", "forward"),
+            ("all_gather", "backward")} <= kinds
+
+
+def _style(program, path: str) -> str:
+    from planc.lower.program import Parallelize
+    return next(op.style.kind for op in program.of_type(Parallelize) if op.module == path)
+
+
 def test_padding_reshard_int_and_hsdp_bytes():
     """Dim 0 padded to a multiple of the shard size; `reshard N` gathers in backward over N
     ranks; HSDP all-reduces the reduce-scatter output over the replicate axis."""

@@ -249,8 +249,14 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
     * rowwise: output `replicate` (default): forward all-reduce of the output; output
       `shard(d)`: forward reduce-scatter of the output, backward all-gather of its gradient;
       a `replicate` floating-point input: backward all-gather of its gradient.
-    * sequence: backward all-reduce of the parameters' gradients (partial over the sequence shards).
-    * replicate, prepare_*: nothing (inputs assumed already in the layout the style expects).
+    * sequence: backward all-reduce of the parameters' gradients (partial over the sequence
+      shards; torch issues it in the owning FSDP unit's post-backward).
+    * prepare_input / prepare with a first input `shard(d)` desired `replicate`: forward
+      all-gather of the input; backward reduce-scatter of its (partial) gradient unless
+      `local_output true`. A colwise module under such a prepare (its input arrives as a
+      DTensor) leaves the reduction to the prepare: no all-reduce of its own.
+    * replicate, prepare_output, other prepare layouts: nothing (inputs assumed already in the
+      layout the style expects).
     """
     sizes = program.mesh.sizes(world) or {}
     tp = sizes.get("tensor", 1)
@@ -260,6 +266,14 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
         return {}
     compute = _compute_dtypes(program, graph)
     out: dict[str, list[Collective]] = {}
+    # modules whose inputs arrive as DTensors from a `prepare_input`/`prepare` above them:
+    # a colwise module there leaves its input gradient partial for the prepare to reduce
+    dtensor_in = [op.module for op in ops if op.style.kind in ("prepare_input", "prepare")
+                  and op.style.use_local_output is not True]
+
+    def under_prepare(path: str) -> bool:
+        return any(path.startswith(m + ".") for m in dtensor_in)
+
     for op in ops:
         style, path = op.style, op.module
         cs: list[Collective] = []
@@ -277,7 +291,7 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
                     cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "forward", path))
                     if inp.requires_grad:
                         cs.append(Collective("reduce_scatter", "tensor", tp, nbytes(inp), "backward", path))
-                elif inp.requires_grad:
+                elif inp.requires_grad and not under_prepare(path):
                     cs.append(Collective("all_reduce", "tensor", tp, nbytes(inp), "backward", path))
             if out_layout is not None and out_layout.kind == "replicate":
                 cs.append(Collective("all_gather", "tensor", tp, nbytes(outp), "forward", path))
@@ -290,6 +304,13 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
             if in_layout is not None and in_layout.kind == "replicate" and inp is not None \
                     and inp.dtype.is_floating_point and inp.requires_grad:
                 cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "backward", path))
+        elif style.kind in ("prepare_input", "prepare"):
+            desired = (style.desired_input_layouts or (None,))[0]
+            if in_layout is not None and in_layout.kind == "shard" and desired is not None \
+                    and desired.kind == "replicate" and inp is not None and inp.dtype.is_floating_point:
+                cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "forward", path))
+                if inp.requires_grad and style.use_local_output is not True:
+                    cs.append(Collective("reduce_scatter", "tensor", tp, nbytes(inp), "backward", path))
         elif style.kind == "sequence":
             for _, canon in graph.own_params(path):
                 info = graph.params[canon]
