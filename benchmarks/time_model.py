@@ -24,6 +24,9 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _llama405b import llama405b  # noqa: E402
 
 import planc  # noqa: E402
 from planc.estimate.flops import step_profile  # noqa: E402
@@ -43,16 +46,41 @@ CASES = [
      "selective AC, no compile; 500 W HBM2e H100s (below the SXM peak the profile assumes)"),
     ("Llama 3.1 8B, FSDP, 128 H100", "8B", 128, "h100", 2, 8192, "selective", 5605, H100,
      "selective AC, no compile; 500 W HBM2e H100s"),
+    ("Llama 3.1 405B, FSDP 16 x TP 8 (SP), 128 H100", "405B", 128, "h100", 2, 8192, "full", 109, PERF,
+     "full AC, loss parallel, no Float8/async TP; published MFU 29.0%"),
 ]
 
+# torchtitan's `parallelize_llama` tensor plan (sequence parallel, loss parallel), planc's words
+TENSOR_PLAN = """parallel tok_embeddings rowwise {
+  input replicate
+  output shard(1)
+}
+parallel norm sequence
+parallel output colwise {
+  input shard(1)
+  loss_parallel
+}
+parallel layers.*.{attention_norm,ffn_norm} sequence
+parallel layers.*.{attention,feed_forward} prepare_input {
+  input shard(1)
+  desired_input replicate
+}
+parallel layers.*.attention.{wq,wk,wv} colwise
+parallel layers.*.attention.wo rowwise { output shard(1) }
+parallel layers.*.feed_forward.{w1,w3} colwise
+parallel layers.*.feed_forward.w2 rowwise { output shard(1) }
+"""
 
-def plan_text(checkpoint: str) -> str:
-    return ("mesh (replicate = 1, shard = *)\n"
+
+def plan_text(checkpoint: str, tensor: int = 1) -> str:
+    mesh = "mesh (replicate = 1, shard = *)\n" if tensor == 1 else f"mesh (shard = *, tensor = {tensor})\n"
+    tail = "" if tensor == 1 else TENSOR_PLAN
+    return (mesh +
             "defaults {\n  precision param = bf16, reduce = fp32, cast_inputs = false\n"
             "  reshard after_forward = true\n}\n"
-            "unit tok_embeddings\nunit layers.*\nunit [norm, lm_head] { reshard after_forward = false }\n"
+            "unit tok_embeddings\nunit layers.*\nunit [norm, HEAD] { reshard after_forward = false }\n"
             "root { reshard after_forward = false }\n"
-            f"checkpoint layers.* {checkpoint}\n")
+            f"checkpoint layers.* {checkpoint}\n" + tail).replace("HEAD", "lm_head" if tensor == 1 else "output")
 
 
 def run(quick: bool) -> dict:
@@ -62,18 +90,21 @@ def run(quick: bool) -> dict:
         if quick and flavor != "8B":
             continue
         key = (flavor, seq)
+        tensor = 8 if flavor == "405B" else 1
         if key not in models:
             with torch.device("meta"):
-                models[key] = llama3(flavor, max_seq_len=seq)
+                # the 405B case: benchmarks/_llama405b.py (torchtitan's module names, separate
+                # wq/wk/wv as in the torchtitan release the published run used)
+                models[key] = llama405b() if flavor == "405B" else llama3(flavor, max_seq_len=seq)
         model = models[key]
-        compiled = planc.compile(planc.loads(plan_text(ckpt), filename=f"{flavor}.plan"), model, gpus)
+        compiled = planc.compile(planc.loads(plan_text(ckpt, tensor), filename=f"{flavor}.plan"), model, gpus)
         start = time.perf_counter()
         profile = step_profile(compiled.graph, input_shape=(batch, seq), dtype=torch.bfloat16)
         traced = time.perf_counter() - start
         start = time.perf_counter()
         st = estimate_step_time(compiled, world=gpus, hardware=hw, profile=profile)
         timed = time.perf_counter() - start
-        per_gpu = st.tokens_per_s / gpus
+        per_gpu = st.tokens_per_s / gpus  # tokens over the job: batch x seq x data-parallel ranks
         cases.append({"case": name, "hardware": hw, "gpus": gpus, "local_batch": batch, "seq": seq,
                       "checkpoint": ckpt, "estimated_tps_per_gpu": round(per_gpu, 1), "published_tps_per_gpu": published,
                       "estimate_over_published": round(per_gpu / published, 3), "estimated_mfu": round(st.mfu, 4),

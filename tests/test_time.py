@@ -362,3 +362,17 @@ def test_hardware_profiles_and_files(tmp_path):
             hardware(str(f))
     with pytest.raises(HardwareError, match="unknown hardware"):
         hardware("v100")
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointed_tensor_parallel_blocks_rerun_their_collectives_as_recorded(mode):
+    """Recompute reruns the blocks' forward redistributions up to checkpoint's early stop."""
+    plan = planc.loads(SEQUENCE_PARALLEL + f"checkpoint blocks.* {mode}\n", filename="sp.plan")
+    compiled = planc.compile(plan, SequenceParallelModel(), WORLD)
+    st = estimate_step_time(compiled, world=WORLD, inputs=(torch.zeros(2, 16, dtype=torch.long),))
+    predicted = collections.Counter((c.kind, c.phase, c.bytes, c.ranks) for u in st.per_unit for c in u.collectives)
+    recorded = collections.Counter((r.kind, r.phase, r.bytes, r.ranks) for r in record_collectives(
+        plan, SequenceParallelModel, WORLD, inputs=lambda m: (torch.randint(0, 64, (2, 16)),)))
+    assert predicted == recorded
+    reruns = [c for u in st.per_unit for c in u.collectives if c.what.endswith("(recompute)")]
+    assert reruns and all(c.kind == "all_gather" for c in reruns)  # the blocks' final reduce-scatters do not rerun

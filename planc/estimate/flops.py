@@ -86,6 +86,8 @@ class StepProfile:
     order: list[str] = field(default_factory=list)               # paths in first-forward order
     inputs: dict[str, Activation] = field(default_factory=dict)
     outputs: dict[str, Activation] = field(default_factory=dict)
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # path -> its first forward's op range
+    stops: dict[str, int] = field(default_factory=dict)          # path -> where checkpoint's recompute stops
     tokens: int | None = None                                     # batch x sequence of token-id inputs
     source: str = ""
 
@@ -215,6 +217,8 @@ def _recompute(prof: StepProfile, events: list[tuple[int, bool]], spans: dict[st
         if end < 0:
             continue
         last = max((k for k in range(start, end) if events[k][0] < 0), default=start)
+        prof.spans[path] = (start, end)
+        prof.stops[path] = last
         ops = [events[k] for k in range(start, last) if events[k][0] >= 0]
         prof.recompute_full[path] = sum(n for n, _ in ops)
         prof.recompute_selective[path] = sum(n for n, kept in ops if not kept)

@@ -6,26 +6,30 @@ model (`StepProfile`) and a hardware profile (`planc/estimate/hardware.py`).
 
 API (what `planc explain` and `planc suggest` call)::
 
-    profile = step_profile(graph, input_shape=(8, 4096))        # once per model + input
+    from planc.estimate.flops import step_profile
+    profile = step_profile(graph, input_shape=(8, 4096), dtype=torch.bfloat16)  # once per model + input
     st = estimate_step_time(compiled, world=64, hardware="h100", profile=profile)
-    st.total_s, st.exposed_comm_s, st.tokens_per_s, st.mfu, st.per_unit[i].comm ...
+    st.total_s, st.exposed_comm_s, st.tokens_per_s, st.mfu, st.per_unit[i].collectives ...
 
-`step_profile(graph, inputs=None, *, input_shape=None, loss=None) -> StepProfile`
-    Runs one forward and backward of the plain model on fake CPU tensors (no memory) under
-    torch's `FlopCounterMode`, and records per module (by path): forward FLOPs, the forward
-    FLOPs of the ops selective checkpointing recomputes, backward FLOPs, the order modules
-    first run, and the shapes of each module's first floating-point input and output (for
-    tensor-parallel collectives). It does not depend on the plan: cached per (graph, input,
-    loss), so a search over units, reshard, precision, offload, checkpointing, prefetch and
-    mesh sizes traces the model once.
+`planc.estimate.flops.step_profile(graph, inputs=None, *, input_shape=None, loss=None, dtype=None)
+-> StepProfile | None`
+    Runs one forward, loss and backward of the plain model on fake CPU tensors (no memory)
+    under torch's `FlopCounterMode`, and records per module path: forward and backward FLOPs,
+    what `full` and `selective` checkpointing of that module would rerun, the (module, FLOPs)
+    segments in execution order, and the shapes of each module's first floating-point input
+    and output (for tensor-parallel collectives). It does not depend on the plan: cached per
+    (graph, input, loss, dtype), so a search over units, reshard, precision, offload,
+    checkpointing, prefetch and mesh sizes traces the model once. `dtype` runs the step with
+    parameters in that dtype (MoE grouped matmuls need bf16); FLOPs do not depend on it.
 
 `estimate_step_time(plan, *, world, hardware="h100", profile=None, graph=None, input_shape=None,
 inputs=None, loss=None, optimizer="adamw", efficiency=None) -> StepTime`
     `plan` is a `CompiledPlan` or a lowered `Program` (then `graph` is required). `hardware`
     is a profile name, a TOML/JSON path or a `Hardware`; `efficiency` overrides the profile's
     achievable fraction of peak FLOP/s. Without a profile (and no input), FLOPs are 0 and only
-    communication is timed. Pure arithmetic over the program and profile: no tracing, no
-    torch ops; milliseconds for a 126-block model.
+    communication is timed. Given a profile, pure arithmetic over the program: no tracing,
+    no torch ops; about 5 ms for the 126-block 405B-shaped model. Without one but with an
+    input, the profile is built (and cached) in the plan's main compute dtype.
 
 `StepTime` holds `per_unit` (a `UnitTime` per `fully_shard` call, in program order: its
 collectives as `Collective(kind, axis, ranks, bytes, phase)`, forward/backward/recompute
@@ -44,11 +48,12 @@ What is modelled (torch 2.13 FSDP2; docs/time-model.md says it at length):
   the gradients (padded, `reduce_dtype`; size = the input); with HSDP one all-reduce of the
   reduce-scatter output across the replicate axis; offload copies the sharded parameters
   host->device at each all-gather and the sharded gradients device->host; tensor-parallel
-  styles move activations (see `_tp_collectives`).
-* FLOPs: `FlopCounterMode` counts per module; a unit's are those of its modules' subtrees
-  minus nested units'; `full` checkpointing adds the module's forward again in backward;
-  `selective` adds the forward FLOPs of the ops it does not save (everything but matmuls and
-  attention: by FlopCounterMode's count, usually 0).
+  styles move activations (see `tp_collectives`).
+* FLOPs: `FlopCounterMode` counts per module; a unit's are those of the modules it owns
+  (nested units' excluded); with a tensor axis of size T every FLOP is divided by T;
+  checkpointing adds what torch's checkpoint reruns in backward (its early stop skips the
+  ops after the last saved tensor; `selective` reruns only ops that are not matmuls or
+  attention, which FlopCounterMode counts as 0).
 * time: compute = FLOPs / (peak for the unit's compute dtype x efficiency); collectives in
   alpha-beta form on the link their group spans; the schedule FSDP2 runs: forward all-gathers
   issued at each unit's pre-forward (implicitly one unit ahead, since the CPU runs ahead,
@@ -60,6 +65,7 @@ What is modelled (torch 2.13 FSDP2; docs/time-model.md says it at length):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -103,6 +109,7 @@ class Collective:
     phase: str
     what: str = ""          # "params", "grads", or the module a TP collective belongs to
     stride: int = 1         # distance between consecutive ranks of the group (link class)
+    side: str = ""          # TP, forward: "input" (before the module's ops) or "output" (after)
 
 
 @dataclass
@@ -288,18 +295,18 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
         if style.kind == "colwise":
             if inp is not None and inp.dtype.is_floating_point:
                 if in_layout is not None and in_layout.kind == "shard":
-                    cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "forward", path))
+                    cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "forward", path, side="input"))
                     if inp.requires_grad:
                         cs.append(Collective("reduce_scatter", "tensor", tp, nbytes(inp), "backward", path))
                 elif inp.requires_grad and not under_prepare(path):
                     cs.append(Collective("all_reduce", "tensor", tp, nbytes(inp), "backward", path))
             if out_layout is not None and out_layout.kind == "replicate":
-                cs.append(Collective("all_gather", "tensor", tp, nbytes(outp), "forward", path))
+                cs.append(Collective("all_gather", "tensor", tp, nbytes(outp), "forward", path, side="output"))
         elif style.kind == "rowwise":
             if out_layout is None or out_layout.kind == "replicate":
-                cs.append(Collective("all_reduce", "tensor", tp, nbytes(outp), "forward", path))
+                cs.append(Collective("all_reduce", "tensor", tp, nbytes(outp), "forward", path, side="output"))
             elif out_layout.kind == "shard":
-                cs.append(Collective("reduce_scatter", "tensor", tp, nbytes(outp), "forward", path))
+                cs.append(Collective("reduce_scatter", "tensor", tp, nbytes(outp), "forward", path, side="output"))
                 cs.append(Collective("all_gather", "tensor", tp, nbytes(outp), "backward", path))
             if in_layout is not None and in_layout.kind == "replicate" and inp is not None \
                     and inp.dtype.is_floating_point and inp.requires_grad:
@@ -308,7 +315,7 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
             desired = (style.desired_input_layouts or (None,))[0]
             if in_layout is not None and in_layout.kind == "shard" and desired is not None \
                     and desired.kind == "replicate" and inp is not None and inp.dtype.is_floating_point:
-                cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "forward", path))
+                cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "forward", path, side="input"))
                 if inp.requires_grad and style.use_local_output is not True:
                     cs.append(Collective("reduce_scatter", "tensor", tp, nbytes(inp), "backward", path))
         elif style.kind == "sequence":
@@ -318,6 +325,32 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
                     cs.append(Collective("all_reduce", "tensor", tp, info.numel * _itemsize(compute[canon]),
                                          "backward", path))
         out[path] = [c for c in cs if c.bytes]
+    return out
+
+
+def recompute_collectives(program: Program, profile, tp_cs: dict[str, list[Collective]]) -> dict[str, list[Collective]]:
+    """Module path -> the forward TP collectives a checkpointed ancestor's recompute issues again.
+
+    Checkpoint reruns the module's forward in backward, DTensor redistributions included, up to
+    its early stop (the last tensor its forward saved): an input-side collective reruns when its
+    module starts before the stop, an output-side one when its module ends before it (a block's
+    final reduce-scatter, feeding only a residual add, does not rerun).
+    """
+    from planc.lower.program import Checkpoint
+    out: dict[str, list[Collective]] = {}
+    if profile is None or not tp_cs:
+        return out
+    for op in program.of_type(Checkpoint):
+        stop = profile.stops.get(op.module)
+        if stop is None:
+            continue
+        for path, cs in tp_cs.items():
+            if not (path == op.module or path.startswith(op.module + ".") or op.module == ""):
+                continue
+            start, end = profile.spans.get(path, (stop + 1, stop + 1))
+            for c in cs:
+                if c.phase == "forward" and ((c.side == "input" and start <= stop) or (c.side == "output" and end <= stop)):
+                    out.setdefault(path, []).append(dataclasses.replace(c, phase="backward", what=f"{path} (recompute)"))
     return out
 
 
@@ -481,6 +514,8 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
             per_unit[own[path]].recompute_flops += n // tp
         model_flops = profile.total // tp
         tp_cs = tp_collectives(program, graph, profile, world)
+        for path, cs in recompute_collectives(program, profile, tp_cs).items():
+            tp_cs[path] = tp_cs[path] + cs
         for path, cs in tp_cs.items():
             per_unit[own.get(path, root if root is not None else 0)].collectives.extend(cs)
         rate = [hw.flops(u.compute_dtype) * eff for u in per_unit]
