@@ -277,9 +277,10 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
     # a colwise module there leaves its input gradient partial for the prepare to reduce
     dtensor_in = [op.module for op in ops if op.style.kind in ("prepare_input", "prepare")
                   and op.style.use_local_output is not True]
+    above = _ancestors_in(dtensor_in, [op.module for op in ops])
 
     def under_prepare(path: str) -> bool:
-        return any(path.startswith(m + ".") for m in dtensor_in)
+        return any(m != path for m in above[path])
 
     for op in ops:
         style, path = op.style, op.module
@@ -340,12 +341,12 @@ def recompute_collectives(program: Program, profile, tp_cs: dict[str, list[Colle
     out: dict[str, list[Collective]] = {}
     if profile is None or not tp_cs:
         return out
-    for op in program.of_type(Checkpoint):
-        stop = profile.stops.get(op.module)
-        if stop is None:
-            continue
-        for path, cs in tp_cs.items():
-            if not (path == op.module or path.startswith(op.module + ".") or op.module == ""):
+    modes = {op.module: op.mode for op in program.of_type(Checkpoint)}
+    for path, marks in _ancestors_in(modes, tp_cs).items():
+        cs = tp_cs[path]
+        for m in marks:
+            stop = profile.stops.get(m)
+            if stop is None:
                 continue
             start, end = profile.spans.get(path, (stop + 1, stop + 1))
             for c in cs:
