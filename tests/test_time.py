@@ -378,3 +378,19 @@ def test_checkpointed_tensor_parallel_blocks_rerun_their_collectives_as_recorded
     assert predicted == recorded
     reruns = [c for u in st.per_unit for c in u.collectives if c.what.endswith("(recompute)")]
     assert reruns and all(c.kind == "all_gather" for c in reruns)  # the blocks' final reduce-scatters do not rerun
+
+
+def test_collective_time_is_alpha_beta_on_the_link_its_group_spans():
+    """nccl-tests' form: alpha + bytes x bus factor / busbw; a shard group inside a node uses
+    NVLink, the replicate group across nodes the network (HSDP 8 x 8 on 8-GPU nodes)."""
+    from planc.estimate.time import collective_s
+    text = ("model planc.zoo:seed_transformer\nmesh (replicate = 8, shard = 8)\n"
+            "defaults { precision param = bf16, reduce = fp32 }\nunit embedding\nunit transformer_layers.*\n"
+            "unit [norm, output]\n")
+    compiled = planc.compile(planc.loads(text, filename="h.plan"), zoo.seed_transformer_tiny(), 64)
+    hw = PROFILES["h100"]
+    cs = {(c.kind, c.phase): c for c in unit_collectives(compiled.program, compiled.graph, 64)[1]}
+    rs, ar = cs["reduce_scatter", "backward"], cs["all_reduce", "backward"]
+    assert collective_s(rs, hw) == pytest.approx(hw.intra.alpha_s + rs.bytes * 7 / 8 / hw.intra.busbw)
+    assert collective_s(ar, hw) == pytest.approx(hw.inter.alpha_s + ar.bytes * 2 * 7 / 8 / hw.inter.busbw)
+    assert ar.bytes * 8 == rs.bytes
