@@ -394,3 +394,17 @@ def test_collective_time_is_alpha_beta_on_the_link_its_group_spans():
     assert collective_s(rs, hw) == pytest.approx(hw.intra.alpha_s + rs.bytes * 7 / 8 / hw.intra.busbw)
     assert collective_s(ar, hw) == pytest.approx(hw.inter.alpha_s + ar.bytes * 2 * 7 / 8 / hw.inter.busbw)
     assert ar.bytes * 8 == rs.bytes
+
+
+def test_overlap_hides_gathers_behind_compute_and_offload_adds_host_copies():
+    """Compute-bound (8 GPUs in one node, a large batch): only the first gather and the last
+    reduce-scatter stay exposed. Offloading the blocks adds their host<->device copies."""
+    base = estimate_step_time(_seed(world=8), world=8, hardware="h100", input_shape=(8, 1024))
+    assert base.compute_s > base.comm_s and base.exposed_comm_s < 0.1 * base.comm_s
+    off = estimate_step_time(_seed("unit transformer_layers.* { offload cpu }\n", world=8), world=8,
+                             hardware="h100", input_shape=(8, 1024))
+    layer = next(u for u in off.per_unit if u.name == "transformer_layers.0")
+    h2d = layer.bytes("host_to_device")
+    assert h2d == 2 * next(m for m in memory.unit_memory(_seed(world=8).program, _seed(world=8).graph, 8)
+                           if m.name == "transformer_layers.0").sharded  # forward and backward gathers
+    assert layer.bytes("device_to_host") > 0 and off.total_s >= base.total_s

@@ -73,7 +73,7 @@ def time_report(st) -> dict[str, Any]:
                      "gpus_per_node": hw.gpus_per_node,
                      "intra": {"alpha_s": hw.intra.alpha_s, "busbw": hw.intra.busbw},
                      "inter": {"alpha_s": hw.inter.alpha_s, "busbw": hw.inter.busbw},
-                     "host_bw": hw.host_bw, "source": hw.source},
+                     "host_bw": hw.host_bw, "host_optimizer_bw": hw.host_optimizer_bw, "source": hw.source},
         "efficiency": st.efficiency,
         "units": units,
         "totals": {"bytes": st.totals(), "flops": sum(u.flops for u in st.per_unit), "model_flops": st.model_flops,

@@ -10,7 +10,9 @@ A profile is what `planc/estimate/time.py` needs to turn FLOPs and bytes into se
   (S: the gathered output / the scattered input) and 2(n-1)/n for all-reduce; `busbw` and
   `alpha` for a group inside one node (NVLink/NVSwitch) and for a group spanning nodes
   (the per-GPU network bandwidth: one NIC per GPU);
-* host<->device bandwidth (offload) and GPUs per node;
+* host<->device bandwidth (offload), the bytes per second an optimizer step on the host
+  streams (offloaded units step there; 20 GB/s, an a priori figure for a foreach AdamW on
+  a server CPU), and GPUs per node;
 * `efficiency`: the fraction of peak FLOP/s the model assumes compute achieves (one factor for
   every op, chosen a priori, never fitted to a measurement), stated in every output.
 
@@ -67,6 +69,7 @@ class Hardware:
     inter: Link              # a group spanning nodes
     host_bw: float           # B/s each way, host <-> device (offload)
     efficiency: float = 0.6  # achievable fraction of peak FLOP/s (stated in every output)
+    host_optimizer_bw: float = 20e9  # B/s an optimizer step on the host streams (offloaded units)
     source: str = ""
 
     def flops(self, dtype_name: str) -> float:

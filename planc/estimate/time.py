@@ -454,7 +454,7 @@ def _assumptions(hw: Hardware, eff: float, tp: int) -> list[str]:
         "reduce-scatters after each unit's backward; all FSDP collectives share one network in issue order",
         "tensor-parallel collectives block compute (no async TP)" if tp > 1 else "no tensor parallelism",
         f"optimizer step: memory-bound, bytes read and written / HBM bandwidth ({hw.hbm_bw / 1e9:.0f} GB/s); "
-        "offloaded units' optimizer steps run on the host and are not timed",
+        f"offloaded units step on the host at {hw.host_optimizer_bw / 1e9:.0f} GB/s, not overlapped",
         "not modelled: kernel launch and CPU overheads, stragglers, memory-bandwidth-bound kernels, "
         "bandwidth shared by concurrent tensor-parallel and FSDP traffic",
     ]
@@ -545,16 +545,16 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     total_s, compute_s, net = _schedule(program, per_unit, fwd_segments, bwd_segments, hw, root)
     total_s += tp_s
     compute_s_all = compute_s
-    opt_bytes = 0
+    on_device = on_host = 0
+    shard = sizes.get("shard", 1)
     for u in units:
+        n = sum(_padded(tuple(graph.params[name].shape), shard) * _itemsize(graph.params[name].dtype)
+                for name in u.params if graph.params[name].requires_grad) * OPTIMIZER_BYTES.get(optimizer, 7) // tp
         if u.policy.offload.enabled:
-            continue
-        for name in u.params:
-            info = graph.params[name]
-            if info.requires_grad:
-                shard = sizes.get("shard", 1)
-                opt_bytes += _padded(tuple(info.shape), shard) * _itemsize(info.dtype) * OPTIMIZER_BYTES.get(optimizer, 7)
-    optimizer_s = opt_bytes / tp / hw.hbm_bw if tp > 1 else opt_bytes / hw.hbm_bw
+            on_host += n
+        else:
+            on_device += n
+    optimizer_s = on_device / hw.hbm_bw + on_host / hw.host_optimizer_bw
     total_s += optimizer_s
     exposed = max(0.0, total_s - compute_s_all - optimizer_s)
     tokens = None
