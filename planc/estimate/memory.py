@@ -15,7 +15,8 @@ Two parts, both without torch.distributed and without a GPU:
   (a group unit `[a, b]` is one FSDP parameter group, as in torch 2.13: gathered once in
   forward and once in backward, one reduce-scatter of all its gradients, after the member that
   ran forward first finishes backward), the all-gather output alive during each copy-out and kept until the next
-  copy-out in forward, one reduce-scatter input kept alive until the next one, extra
+  copy-out in forward, one reduce-scatter input kept alive until the next one (torch 2.13's
+  default `reduce_scatter_max_input_buffers = 1`; planc sets no other), extra
   copies for `Shard(d != 0)` parameters, then the optimizer step (foreach AdamW needs one
   temporary the size of the sharded parameters). When an input is given, the replay is driven by a
   forward and backward of the model on **fake CPU tensors** (shapes only, no memory): a
