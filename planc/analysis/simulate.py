@@ -104,6 +104,9 @@ def _tracker_class():
                 self._fsdp_mod_to_saved_methods[module] = _SavedFSDPMethods(group.pre_backward, group.post_backward)
                 group.pre_backward = self._fsdp_param_group_pre_backward(module, group.pre_backward)
                 group.post_backward = self._fsdp_param_group_post_backward(module, group.post_backward)
+            from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+            for buffer in self._root_mod.buffers():  # as the tracker's own method does
+                self._update_and_maybe_create_winfos(buffer, _FSDPRefType.BUFFER)
 
         def _deregister_module_and_optimizer_hooks(self) -> None:
             for module, saved in self._fsdp_mod_to_saved_methods.items():

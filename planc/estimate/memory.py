@@ -322,8 +322,8 @@ class _Replay:
         self.slices.discard(i)
         # NOTE: FSDP2 drops the previous all-gather result in this wait, but a local
         # still holds it until the copy-out returns; in forward this one is kept until the
-        # next. The last forward one so lives through the loss and its backward, until the
-        # first all-gather of backward (measured: the peak of an LM step is often there)
+        # next, the last one until the root's post-forward (without a root unit, until the
+        # first all-gather of backward)
         self.ag_kept = m.unsharded if self.shard > 1 and self.phase == "forward" else 0
 
     def prefetch(self, i: int) -> None:
@@ -390,6 +390,9 @@ class _Replay:
             elif ev.kind == "fwd_post":
                 self.post_forward_order.append(i)
                 if units[i].is_root:
+                    # torch 2.13: the root's post-forward frees the last forward all-gather result
+                    # (without a root unit it lives until the first all-gather of backward)
+                    self.ag_kept = 0
                     continue
                 if self.mem[i].post_forward == 0:
                     self.reshard(i)

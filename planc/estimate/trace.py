@@ -410,10 +410,11 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
             out = model(*example.args, **example.kwargs)
             if root_precision is not None and root_precision.output_dtype is not None:
                 out = _cast(out, root_precision.output_dtype)
+            if root is not None:  # the root's post-forward runs as the model returns, before the loss
+                events.append(Event("fwd_post", root, live=mode.live))
             value = step_loss(out, labels)
             del out
             if root is not None:
-                events.append(Event("fwd_post", root, live=mode.live))
                 events.append(Event("bwd_pre", root, live=mode.live))
             with warnings.catch_warnings():  # full backward hooks warn on int inputs; harmless here
                 warnings.simplefilter("ignore")
