@@ -408,3 +408,14 @@ def test_overlap_hides_gathers_behind_compute_and_offload_adds_host_copies():
     assert h2d == 2 * next(m for m in memory.unit_memory(_seed(world=8).program, _seed(world=8).graph, 8)
                            if m.name == "transformer_layers.0").sharded  # forward and backward gathers
     assert layer.bytes("device_to_host") > 0 and off.total_s >= base.total_s
+
+
+def test_compute_outside_every_unit_has_its_own_row_with_root_none():
+    text = "model planc.zoo:seed_transformer\nunit transformer_layers.*\nroot none\n"
+    compiled = planc.compile(planc.loads(text, filename="r.plan"), zoo.seed_transformer_tiny(), WORLD, strict=False)
+    st = estimate_step_time(compiled, world=WORLD, input_shape=(2, 16))
+    layers = [u for u in st.per_unit if u.name.startswith("transformer_layers")]
+    assert layers[0].flops == layers[1].flops  # the output projection is not billed to the last block
+    outside = st.per_unit[-1]
+    assert outside.name == "(outside units)" and outside.flops > 0 and not outside.collectives
+    assert sum(u.flops for u in st.per_unit) == step_profile(compiled.graph, input_shape=(2, 16)).total

@@ -382,10 +382,11 @@ def _module_dtype(graph, path: str, compute: dict[str, torch.dtype]) -> torch.dt
 
 
 def owners(program: Program, graph, paths: Iterable[str]) -> dict[str, int]:
-    """Module path -> index of the unit whose parameters it uses (nearest unit module above it, else the root)."""
+    """Module path -> index of the unit whose parameters it uses (nearest unit module above it, else
+    the root; without a root unit, `len(program.units)`: outside every unit)."""
     units = program.units
     unit_of = {m: i for i, u in enumerate(units) if not u.is_root for m in u.modules}
-    root = next((i for i, u in enumerate(units) if u.is_root), -1)
+    root = next((i for i, u in enumerate(units) if u.is_root), len(units))
     out: dict[str, int] = {}
     for path in paths:
         p = path
@@ -461,6 +462,7 @@ def _assumptions(hw: Hardware, eff: float, tp: int) -> list[str]:
     return out
 
 
+OUTSIDE = "(outside units)"  # the row of compute no unit owns (plans with `root none`)
 OPTIMIZER_BYTES = {"adamw": 7, "adam": 7, "adamw_fused": 7, "adam_fused": 7, "sgd": 3, "none": 0}
 
 
@@ -493,6 +495,8 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
         if u.params:
             per_unit[i].compute_dtype = str(compute[u.params[0]]).replace("torch.", "")
     root = next((i for i, u in enumerate(units) if u.is_root), None)
+    if root is None:  # `root none`: compute outside every unit has a row of its own, with no collectives
+        per_unit.append(UnitTime(OUTSIDE, len(units)))
 
     fwd_segments: list[tuple[int, float]] = []
     bwd_segments: list[tuple[int, float]] = []
@@ -518,7 +522,7 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
         for path, cs in recompute_collectives(program, profile, tp_cs).items():
             tp_cs[path] = tp_cs[path] + cs
         for path, cs in tp_cs.items():
-            per_unit[own.get(path, root if root is not None else 0)].collectives.extend(cs)
+            per_unit[own.get(path, root if root is not None else len(units))].collectives.extend(cs)
         rate = [hw.flops(u.compute_dtype) * eff for u in per_unit]
         for path, n in profile.forward_segments:
             fwd_segments.append((own[path], n / tp / rate[own[path]]))
