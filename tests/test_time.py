@@ -320,6 +320,7 @@ def test_step_time_is_consistent_and_says_what_it_assumes():
     st = estimate_step_time(_seed(), world=64, hardware="h100", input_shape=(2, 512))
     assert st.total_s >= st.compute_s + st.optimizer_s
     assert st.exposed_comm_s == pytest.approx(st.total_s - st.compute_s - st.optimizer_s)
+    assert sum(u.exposed_s for u in st.per_unit) == pytest.approx(st.exposed_comm_s)  # no TP: all FSDP waits
     assert 0 < st.mfu < 1 and st.tokens == 2 * 512 * 64
     assert any("estimates" in a for a in st.assumptions) and any("60%" in a for a in st.assumptions)
     # faster links, faster step; more compute per step, a larger share of it hidden

@@ -65,7 +65,7 @@ def time_report(st) -> dict[str, Any]:
                              "what": c.what} for c in u.collectives],
             "forward_flops": u.forward_flops, "backward_flops": u.backward_flops,
             "recompute_flops": u.recompute_flops, "compute_dtype": u.compute_dtype,
-            "forward_s": u.forward_s, "backward_s": u.backward_s, "comm_s": u.comm_s,
+            "forward_s": u.forward_s, "backward_s": u.backward_s, "comm_s": u.comm_s, "exposed_s": u.exposed_s,
         })
     return {
         "estimate": True,
@@ -344,9 +344,10 @@ def _time_text(t: dict[str, Any], style: _Style) -> list[str]:
                      gib(sum(c["bytes"] for c in u["collectives"] if c["axis"] == "tensor")),
                      flops(u["forward_flops"] + u["backward_flops"] + u["recompute_flops"]),
                      seconds(u["forward_s"] + u["backward_s"]),
-                     seconds(u["comm_s"]) if fsdp or u["collectives"] else "-"])
+                     seconds(u["comm_s"]) if fsdp or u["collectives"] else "-",
+                     seconds(sum(g["exposed_s"] for g in group) / len(group))])
     out += _table(rows, ["unit", "all-gather fwd", "all-gather bwd", "reduce-scatter", "all-reduce (repl)",
-                         "tensor axis", "FLOPs", "compute", "comm"], style)
+                         "tensor axis", "FLOPs", "compute", "comm", "exposed"], style)
     by_kind = []
     for kind, axes in tot["bytes"].items():
         for axis, n in axes.items():

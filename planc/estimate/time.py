@@ -126,6 +126,7 @@ class UnitTime:
     forward_s: float = 0.0
     backward_s: float = 0.0    # including recompute
     comm_s: float = 0.0        # busy time of this unit's collectives
+    exposed_s: float = 0.0     # compute waiting for this unit's gathers (and the step's tail, on the last reducer)
 
     def bytes(self, kind: str | None = None, axis: str | None = None, phase: str | None = None) -> int:
         return sum(c.bytes for c in self.collectives if (kind is None or c.kind == kind)
@@ -578,6 +579,13 @@ def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, f
     compute_s = 0.0
     n = len(per_unit)
 
+    def wait(i: int, ready: float) -> float:
+        """Compute of unit i waits for its all-gather: the wait is exposed communication, billed to i."""
+        if ready > t:
+            per_unit[i].exposed_s += ready - t
+            return ready
+        return t
+
     def cols(i: int, kind: str, phase: str) -> list[Collective]:
         return [c for c in per_unit[i].collectives if c.kind == kind and c.phase == phase and c.axis != "tensor"]
 
@@ -626,7 +634,7 @@ def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, f
         if i not in seen:
             seen.add(i)
             pre_forward(i, t)
-            t = max(t, ready_at.get(i, 0.0))
+            t = wait(i, ready_at.get(i, 0.0))
             starts.append(t)
         t += sec
         compute_s += sec
@@ -634,7 +642,7 @@ def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, f
         if i not in seen:
             seen.add(i)
             pre_forward(i, t)
-            t = max(t, ready_at.get(i, 0.0))
+            t = wait(i, ready_at.get(i, 0.0))
             starts.append(t)
 
     # ---------------------------------------------------------------- backward
@@ -665,7 +673,12 @@ def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, f
         for j in targets:
             bgather(j, now)
 
+    last_rs: list[int] | None = None
+
     def post_backward(i: int, now: float) -> None:
+        nonlocal last_rs
+        if cols(i, "reduce_scatter", "backward") or cols(i, "all_reduce", "backward"):
+            last_rs = [i]
         end = now
         for c in cols(i, "reduce_scatter", "backward"):
             end = net.run(end, collective_s(c, hw))
@@ -686,7 +699,7 @@ def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, f
         if i not in b_seen:
             b_seen.add(i)
             pre_backward(i, t)
-            t = max(t, b_ready.get(i, t))
+            t = wait(i, b_ready.get(i, t))
         t += sec
         compute_s += sec
         if last_b[i] == k and i != root:
@@ -695,11 +708,13 @@ def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, f
         if i not in b_seen:
             b_seen.add(i)
             pre_backward(i, t)
-            t = max(t, b_ready.get(i, t))
+            t = wait(i, b_ready.get(i, t))
             post_backward(i, t)
     if root is not None:
         post_backward(root, t)
     end = max(t, net.free, pcie.free)
+    if end > t and last_rs is not None:  # the tail: collectives still running after the last compute
+        per_unit[last_rs[0]].exposed_s += end - t
     return end, compute_s, net
 
 
