@@ -54,6 +54,11 @@ def _setting(unit: Unit, key: str, policy: Policy) -> dict[str, Any]:
             "set_by": s.rule, "line": f"{s.span.file}:{s.span.line}" if s.span else None}
 
 
+def _sig(x: float | None) -> float | None:
+    """Seconds to 9 significant digits: estimates, and stable across float summation orders."""
+    return None if x is None else float(f"{x:.9g}")
+
+
 def time_report(st) -> dict[str, Any]:
     """The step-time estimate (`planc.estimate.time.StepTime`) as JSON-ready data (seconds, bytes per rank)."""
     hw = st.hardware
@@ -65,7 +70,8 @@ def time_report(st) -> dict[str, Any]:
                              "what": c.what} for c in u.collectives],
             "forward_flops": u.forward_flops, "backward_flops": u.backward_flops,
             "recompute_flops": u.recompute_flops, "compute_dtype": u.compute_dtype,
-            "forward_s": u.forward_s, "backward_s": u.backward_s, "comm_s": u.comm_s, "exposed_s": u.exposed_s,
+            "forward_s": _sig(u.forward_s), "backward_s": _sig(u.backward_s), "comm_s": _sig(u.comm_s),
+            "exposed_s": _sig(u.exposed_s),
         })
     return {
         "estimate": True,
@@ -77,9 +83,9 @@ def time_report(st) -> dict[str, Any]:
         "efficiency": st.efficiency,
         "units": units,
         "totals": {"bytes": st.totals(), "flops": sum(u.flops for u in st.per_unit), "model_flops": st.model_flops,
-                   "compute_s": st.compute_s, "comm_s": st.comm_s, "exposed_comm_s": st.exposed_comm_s,
-                   "optimizer_s": st.optimizer_s, "step_s": st.total_s, "tokens": st.tokens,
-                   "tokens_per_s": st.tokens_per_s, "mfu": st.mfu},
+                   "compute_s": _sig(st.compute_s), "comm_s": _sig(st.comm_s), "exposed_comm_s": _sig(st.exposed_comm_s),
+                   "optimizer_s": _sig(st.optimizer_s), "step_s": _sig(st.total_s), "tokens": st.tokens,
+                   "tokens_per_s": _sig(st.tokens_per_s), "mfu": _sig(st.mfu)},
         "assumptions": list(st.assumptions),
     }
 

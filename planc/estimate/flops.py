@@ -137,7 +137,7 @@ def count_step(model: torch.nn.Module, example: Example, loss: LossFn | None = N
     phase = ["forward"]
 
     def path_of(parents) -> str:
-        inner = max((p for p in parents if p != "Global"), key=lambda p: p.count("."), default=root_name)
+        inner = max((p for p in parents if p != "Global"), key=lambda p: (p.count("."), p), default=root_name)
         return inner.split(".", 1)[1] if "." in inner else ""
 
     events: list[tuple[int, bool]] = []   # forward: (FLOPs, op kept by selective) per op; (-1, _) per saved tensor
