@@ -53,6 +53,24 @@ BENCHMARKS = [
         ("simulated_peak_bytes", "simulated peak (bytes)"),
         ("estimate_over_simulated", "analytic / simulated"),
     ]),
+    ("simulate_tp_bench.py", "`planc check --simulate` of a 2-D plan: 405B-shaped model, world 512, tp 8", [
+        ("total_cpu_seconds", "compile + simulation, CPU time (s; target < 20)"),
+        ("total_seconds", "compile + simulation, wall clock (s; noisy on a shared machine)"),
+        ("compile_seconds", "of which compile, model built on meta included (s, wall)"),
+        ("simulate_seconds", "of which the simulated step (s, wall)"),
+        ("simulation_diagnostics", "diagnostics (none: the plan runs)"),
+    ]),
+    ("suggest_bench.py", "`planc suggest` on the 405B-shaped model at 64 ranks (1 x 8192, 120GiB, h200)", [
+        ("search_seconds", "search: trace + linear models + MILPs (s, wall; target < 10)"),
+        ("verify_seconds", "verification: the winner re-traced with its checkpointing (s, wall)"),
+        ("search_cpu_seconds", "search, CPU time (s)"),
+        ("verify_cpu_seconds", "verification, CPU time (s)"),
+        ("load_average", "machine load average during the run"),
+        ("choice", "the suggested plan"),
+    ]),
+    ("sac_compare.py", "activation checkpointing alone: planc suggest vs torch's sac_milp", [
+        ("budgets_bytes", "budgets (bytes per rank)"),
+    ]),
     ("memory_accuracy.py", "analytic peak vs FSDPMemTracker on the faithful step (loss head, optimizer, clipping)", [
         ("worst_ratio_error", "worst |analytic / measured - 1| (target <= 0.03)"),
         ("within_3_percent", "every case within 3%"),

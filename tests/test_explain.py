@@ -33,6 +33,7 @@ CASES = {
     "moe_w2_sgd": ["plans/moe.plan", "--model", "planc.zoo:moe_transformer_tiny", "--world-size", "2",
                    "--optimizer", "sgd", "--input-shape", "2x16"],
     "seed_hsdp_w4": ["plans/seed_hsdp.plan", "--model", "planc.zoo:seed_transformer_tiny", "--world-size", "4"],
+    "llama_tp_w16": ["plans/llama-tp.plan", "--world-size", "16", "--input-shape", "2x16"],  # 2-D: placements per axis
 }
 
 

@@ -24,7 +24,7 @@ from planc.analysis.simulate import simulate, zoo_inputs
 from planc.estimate import memory
 from planc.estimate.flops import count_step, step_profile
 from planc.estimate.hardware import PROFILES, HardwareError, hardware
-from planc.estimate.time import estimate_step_time, main_dtype, tp_collectives, unit_collectives
+from planc.estimate.time import estimate_step_time, main_dtype, owners, tp_collectives, unit_collectives
 from planc.estimate.trace import Example
 from planc.model.build import build_model
 
@@ -77,9 +77,12 @@ def test_collective_bytes_per_unit_equal_a_fake_process_group_step(path):
     with torch.device("cpu"):
         example = Example.of(lm_inputs(build_model(ref, device="meta")))
     profile = step_profile(compiled.graph, example, dtype=main_dtype(compiled.program, compiled.graph))
-    predicted["tensor"] = sorted((c.kind, c.phase, c.bytes, c.ranks)
-                                 for cs in tp_collectives(compiled.program, compiled.graph, profile, WORLD).values()
-                                 for c in cs)
+    predicted["tensor"] = []
+    tp = tp_collectives(compiled.program, compiled.graph, profile, WORLD)
+    own = owners(compiled.program, compiled.graph, tp)
+    for path, cs in tp.items():  # sequence norms' gradient all-reduces run in their unit's post-backward
+        where = compiled.program.units[own[path]].name if _style(compiled.program, path) == "sequence" else "tensor"
+        predicted[where] = sorted(predicted[where] + [(c.kind, c.phase, c.bytes, c.ranks) for c in cs])
     recorded = collections.defaultdict(list)
     for r in record_collectives(plan, lambda: build_model(ref), WORLD, inputs=lm_inputs):
         recorded[r.unit].append((r.kind, r.phase, r.bytes, r.ranks))
@@ -152,7 +155,6 @@ def test_sequence_parallel_chain_bytes_equal_a_fake_process_group_step():
     """Embedding rowwise -> shard(1), sequence norms, prepare_input shard(1) -> replicate, colwise,
     rowwise -> shard(1), output colwise from shard(1): every activation collective and every
     FSDP one, per unit, as recorded (the norms' gradient all-reduces run in their unit's post-backward)."""
-    from planc.estimate.time import owners
     plan = planc.loads(SEQUENCE_PARALLEL, filename="sp.plan")
     compiled = planc.compile(plan, SequenceParallelModel(), WORLD)
     program, graph = compiled.program, compiled.graph

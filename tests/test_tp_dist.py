@@ -101,6 +101,11 @@ def _ranks(rank: int, world: int) -> dict:
     placements = {n: (tuple(mesh.mesh_dim_names), tuple(str(p) for p in t.placements), tuple(t.to_local().shape))
                   for n, t in model.named_parameters() if isinstance(t, DTensor)}
     plain = [n for n, t in model.named_parameters() if not isinstance(t, DTensor)]
+    from planc.analysis.explain import placement_text
+
+    # in the words `planc explain` prints them, to compare with what it derives from the program
+    explained = {n: dict(zip(mesh.mesh_dim_names, (placement_text(p) for p in t.placements)))
+                 if isinstance(t, DTensor) else {} for n, t in model.named_parameters()}
     dp_rank = mesh["shard"].get_local_rank()
     losses = steps(model, data, dp_rank, 2, world)
 
@@ -121,6 +126,7 @@ def _ranks(rank: int, world: int) -> dict:
     lp = planc.apply(sharded_logits, planc.loads(LOSS_PARALLEL_PLAN), mesh=mesh)
     lp_losses = steps(sharded_logits, data, dp_rank, 2, world, context=lp.loss_parallel)
     return {"losses": losses, "placements": placements, "plain": plain, "estimated": estimated, "local": local_bytes,
+            "explained": explained,
             "loss_parallel": lp_losses,
             "emitted_losses": steps(emitted, data, dp_rank, 2, world), "emitted_placements": emitted_placements}
 
@@ -171,3 +177,20 @@ def test_every_parameter_is_a_2d_dtensor_with_the_planned_placements(results):
     assert r["placements"]["model.norm.weight"][1] == ("S(0)", "R")  # replicated on the tensor axis
     # local shapes: q_proj is 64 x 64: 64 / tp 2 / dp 2 rows, all 64 columns
     assert r["placements"]["model.layers.0.self_attn.q_proj.weight"][2] == (16, 64)
+
+
+def test_placements_equal_what_planc_explain_prints(results):
+    from planc.analysis.explain import parameter_placements
+    from planc.model.hf import build_hf_model
+
+    compiled = planc_compile(build_hf_model("llama-tiny"))
+    expected = parameter_placements(compiled, 4)
+    for r in results:
+        assert r["explained"] == expected
+    assert expected["model.layers.0.self_attn.q_proj.weight"] == {"shard": "_StridedShard(0, sf=2)", "tensor": "Shard(0)"}
+
+
+def planc_compile(model):
+    import planc
+
+    return planc.compile(planc.loads(PLAN), model, 4)

@@ -2,7 +2,8 @@
 
 `<name>.stderr` holds exactly what `planc check` prints for the plan (colour off) followed by
 a last line `exit: N`. A plan picks its model with its own `model` line and may set the world
-size with a first-line comment `# world-size: 8`. When a change in output is intended, run
+size with a first-line comment `# world-size: 8` (`# world-size: 8, simulate` adds `--simulate`).
+When a change in output is intended, run
 
     PLANC_UPDATE_GOLDENS=1 pytest tests/test_ui.py
 
@@ -30,9 +31,14 @@ from goldens import check_golden  # noqa: E402
 WORLD = re.compile(r"#\s*world-size:\s*([0-9 ]+)")
 
 # Codes `planc check` cannot produce: P6xx are raised by `planc.apply` on a live model in a
-# process group, P7xx by `planc import` on accelerate configs; each is covered by that
-# command's own tests. Every other code needs a golden here.
-OTHER_COMMANDS = ("P6", "P7")
+# process group, P7xx by `planc import` on accelerate configs, P457-P459 by `planc import
+# --hf-tp-plan` (tests/test_import_hf_tp.py), P95x by `planc suggest` (tests/test_suggest.py,
+# golden in tests/golden/suggest/); each is covered by that command's own tests.
+# P442 / P443 (a style torch refuses, parameters on different meshes in the simulated step)
+# are reported by `planc check --simulate` only when the static checks let the plan through,
+# and every case of them known is caught first by P420 / P418; tests/test_shapecheck.py
+# reaches them with `check_step(..., after_static=True)`. Every other code needs a golden here.
+OTHER_COMMANDS = ("P6", "P7", "P457", "P458", "P459", "P442", "P443", "P95")
 
 
 def reachable_from_check(code: str) -> bool:
@@ -46,6 +52,8 @@ def check_args(plan: pathlib.Path) -> list[str]:
     m = WORLD.match(first)
     if m:
         args += ["--world-size", *m.group(1).split()]
+        if re.search(r"\bsimulate\b", first[m.end():]):  # `# world-size: 4, simulate`: planc check --simulate
+            args.append("--simulate")
     return args
 
 

@@ -44,6 +44,76 @@ def count(n: int) -> str:
     return str(n)
 
 
+# ===================================================================== placements per mesh axis
+
+
+def placement_text(placement) -> str:
+    """A torch placement as `explain` writes it: `Shard(0)`, `Replicate()`, `_StridedShard(0, sf=2)`, `Partial()`."""
+    name = type(placement).__name__
+    if name == "_StridedShard":
+        return f"_StridedShard({placement.dim}, sf={placement.split_factor})"
+    if name == "Shard":
+        return f"Shard({placement.dim})"
+    return f"{name}()"
+
+
+def parameter_placements(compiled, world: int) -> dict[str, dict[str, str]]:
+    """Canonical parameter -> {mesh dimension name: placement} as `planc.apply` leaves it, from the program.
+
+    The tensor axis (`Parallelize` ops): colwise and rowwise shard the dims of
+    `planc.lower.lowering.tensor_dims`, their other own parameters (a rowwise bias) are
+    replicated; `replicate` and `sequence` replicate every parameter below their module
+    (torch's `distribute_module` visits the subtree); `prepare_*` styles move none. The
+    data-parallel axes (`FullyShard` ops): `Replicate()` on a replicate axis; on the shard axis
+    `Shard(d)` (d = 0, or the `place` dim), `_StridedShard(d, sf=tp)` when tensor parallelism
+    already shards d. A parameter no unit manages (ignored) has no data-parallel axis; one no
+    style touches, no tensor axis (it is then a DTensor on the data-parallel submesh only).
+    """
+    from planc.lower.lowering import tensor_dims
+    from planc.lower.program import Parallelize
+
+    program, graph, mesh = compiled.program, compiled.graph, compiled.mesh
+    sizes = mesh.sizes(world) or {}
+    tdim, tp = mesh.tensor_dim, sizes.get("tensor", 1)
+    on_tensor: dict[str, int | None] = {}  # parameter -> tensor-parallel dim (None: replicated on the tensor axis)
+    if tdim is not None:
+        dims = tensor_dims(program, graph)
+        for op in program.of_type(Parallelize):
+            if op.style.kind in ("colwise", "rowwise"):
+                for _, canonical in graph.own_params(op.module):
+                    on_tensor[canonical] = dims.get(canonical)
+            elif op.style.kind in ("replicate", "sequence"):
+                for canonical in graph.subtree_params(op.module):
+                    on_tensor.setdefault(canonical, None)
+    out: dict[str, dict[str, str]] = {name: {} for name in graph.params}
+    for op in program.units:
+        placed = dict(op.placements)
+        for name in op.params:
+            dim = placed.get(name, 0)
+            for axis in mesh.dp_axes:
+                if axis.role == "replicate":
+                    out[name][axis.dim] = "Replicate()"
+                elif name in on_tensor and on_tensor[name] == dim and tp > 1:
+                    out[name][axis.dim] = f"_StridedShard({dim}, sf={tp})"
+                else:
+                    out[name][axis.dim] = f"Shard({dim})"
+    for name, dim in on_tensor.items():
+        out[name][tdim] = "Replicate()" if dim is None else f"Shard({dim})"  # type: ignore[index]
+    return out
+
+
+def _unit_placements(unit: Unit, table: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
+    """A unit's parameters grouped by placement, names relative to the unit's module (first group: most)."""
+    prefix = "" if unit.is_root or len(unit.modules) != 1 else unit.modules[0] + "."
+    groups: dict[str, dict[str, Any]] = {}
+    for name in unit.params:
+        axes = table.get(name, {})
+        key = json.dumps(axes, sort_keys=False)
+        groups.setdefault(key, {"axes": axes, "params": []})["params"].append(
+            name[len(prefix):] if prefix and name.startswith(prefix) else name)
+    return list(groups.values())
+
+
 # ===================================================================== the report as data
 
 
@@ -90,9 +160,21 @@ def time_report(st) -> dict[str, Any]:
     }
 
 
+def _mesh(compiled, est: Estimate) -> dict[str, Any]:
+    """`replicate` and `shard` sizes (as before), `tensor` when the mesh has a tensor axis, and
+    `axes`: every `DeviceMesh` dimension planc builds, outermost first, with its role and size."""
+    out: dict[str, Any] = {"replicate": est.replicate, "shard": est.shard}
+    sizes = compiled.mesh.sizes(est.world) or {}
+    if compiled.mesh.tensor_dim is not None:
+        out["tensor"] = sizes.get("tensor")
+    out["axes"] = [{"dim": a.dim, "role": a.role, "size": sizes.get(a.role)} for a in compiled.mesh.device_axes]
+    return out
+
+
 def report(compiled, est: Estimate, measured=None, model_ref: str | None = None, step_time=None) -> dict[str, Any]:
     """Everything `explain` shows, as JSON-ready data (bytes are per rank)."""
     res = compiled.resolution
+    table = parameter_placements(compiled, est.world)
     units = []
     for u, m in zip(compiled.units, est.units):
         units.append({
@@ -103,11 +185,12 @@ def report(compiled, est: Estimate, measured=None, model_ref: str | None = None,
             "prefetch_backward": list(res.prefetch_backward.get(u.name, ())),
             "settings": {k: _setting(u, k, compiled.program.unit(u.name).policy) for k in SHOWN_SETTINGS},
             "defined_by": u.rule or None, "line": f"{u.span.file}:{u.span.line}" if u.span else None,
+            "placements": _unit_placements(u, table),
         })
     peak = est.peak
     out: dict[str, Any] = {
         "plan": compiled.plan.file, "model": model_ref or compiled.plan.model_ref,
-        "world_size": est.world, "mesh": {"replicate": est.replicate, "shard": est.shard},
+        "world_size": est.world, "mesh": _mesh(compiled, est),
         "optimizer": est.optimizer, "input_shape": list(est.input_shape) if est.input_shape else None,
         "units": units,
         "totals": {"params": sum(p.numel for p in compiled.graph.params.values()),
@@ -233,11 +316,30 @@ def _origin_key(u: dict) -> tuple:
     return (u["defined_by"], tuple(_own_settings(u)))
 
 
+def _placement_lines(data: dict[str, Any], dims: list[str]) -> list[str]:
+    """One line per placement of each run of units: `(shard: Shard(0), tensor: Shard(1))  o_proj.weight, ...`."""
+    def text(axes: dict[str, str]) -> str:
+        return "(" + ", ".join(f"{d}: {axes.get(d, '-')}" for d in dims) + ")"
+
+    runs = _runs(data["units"], lambda u: (u["defined_by"], json.dumps(u["placements"])))
+    width = max((len(_run_name(g)) for g in runs), default=0)
+    cell = max((len(text(p["axes"])) for g in runs for p in g[0]["placements"]), default=0)
+    lines = []
+    for group in runs:
+        for k, p in enumerate(group[0]["placements"]):
+            names = p["params"]
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            lines.append(f"  {_run_name(group) if k == 0 else '':<{width}}  {text(p['axes']):<{cell}}  {shown}".rstrip())
+    return lines
+
+
 def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
     style = _Style(color)
     mem = data["memory"]
+    mesh = data["mesh"]
+    tensor = f" x tensor {mesh['tensor']}" if mesh.get("tensor") is not None else ""
     out = [style.bold(f"plan {data['plan']}") + f"  model {data['model'] or '(given)'}  "
-           f"world {data['world_size']} (replicate {data['mesh']['replicate']} x shard {data['mesh']['shard']})  "
+           f"world {data['world_size']} (replicate {mesh['replicate']} x shard {mesh['shard']}{tensor})  "
            f"optimizer {data['optimizer']}", ""]
     out += _tree(compiled, style) + [""]
     rows = []
@@ -252,6 +354,9 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
                      "cpu" if u["offload"] else "-", f"{pf} / {pb}"])
     out += _table(rows, ["unit", "params", "sharded/rank", "unsharded", "param/reduce", "reshard", "offload",
                          "prefetch fwd / bwd"], style)
+    if tensor:
+        out += ["", style.bold("placements per mesh axis (" + " x ".join(a["dim"] for a in mesh["axes"]) + ")")]
+        out += _placement_lines(data, [a["dim"] for a in mesh["axes"]])
     out += ["", style.bold("where each setting comes from")]
     from_defaults: dict[str, str] = {}
     for u in data["units"]:

@@ -47,7 +47,8 @@ def render_html(data: dict[str, Any], compiled, est, measured=None) -> str:
     title = f"planc explain {data['plan']}"
     mesh = data["mesh"]
     head = (f"<h1>{escape(title)}</h1><div class=meta>model <code>{escape(str(data['model']))}</code> · world "
-            f"{data['world_size']} (replicate {mesh['replicate']} × shard {mesh['shard']}) · optimizer "
+            f"{data['world_size']} (replicate {mesh['replicate']} × shard {mesh['shard']}"
+            + (f" × tensor {mesh['tensor']}" if mesh.get("tensor") is not None else "") + ") · optimizer "
             f"{escape(str(data['optimizer']))}" + (f" · input {'x'.join(map(str, data['input_shape']))}"
                                                     if data["input_shape"] else "") + "</div>")
     parts = [head, "<h2>Module tree</h2>", _tree(data, compiled, color),

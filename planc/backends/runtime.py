@@ -419,25 +419,56 @@ def placement(layout: Layout | None):
 
 
 class ReplicateParallel(ParallelStyle):
-    """Parameters replicated on the tensor axis, inputs made Replicate DTensors, outputs local
-    (torchtitan's `NoParallel`): a module TP does not split still lives on the same meshes."""
+    """Parameters replicated on the tensor axis, the forward run on local tensors (torchtitan's
+    `NoParallel`): a module tensor parallelism does not split still lives on the same meshes.
+
+    Every rank of the tensor axis computes the same thing from the same (replicated) inputs,
+    so the forward runs on the parameters' local tensors and on its inputs' (a DTensor input is
+    first made `Replicate`, as torchtitan's `NoParallel` asks), and returns local tensors; the
+    parameter gradients come back as `Replicate` DTensors through `to_local`. No DTensor
+    operator runs inside the module, so any module works: `nn.MultiheadAttention` (CPU flash
+    attention has no DTensor sharding rule), a mixture of experts (`grouped_mm`, data-dependent
+    indexing), torchtitan 0.3.0's `Embedding` (which unwraps its own weight). A parameter
+    shared by two submodules stays shared.
+    """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
+        from torch.distributed.tensor import Replicate, distribute_tensor
 
-        def params(name, mod, mesh):
-            for key, p in list(mod.named_parameters(recurse=False)):
-                mod.register_parameter(key, nn.Parameter(distribute_tensor(p, mesh, [Replicate()]),
-                                                         requires_grad=p.requires_grad))
+        done: dict[int, nn.Parameter] = {}
+        for sub in module.modules():
+            for key, p in list(sub._parameters.items()):
+                if p is None or isinstance(p, DTensor):
+                    continue
+                if id(p) not in done:
+                    done[id(p)] = nn.Parameter(distribute_tensor(p, device_mesh, [Replicate()]),
+                                               requires_grad=p.requires_grad)
+                sub.register_parameter(key, done[id(p)])
+        forward = module.forward
 
-        def inputs(mod, args, mesh):
-            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
-                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+        def local(x):
+            if not isinstance(x, DTensor):
+                return x
+            if not all(p.is_replicate() for p in x.placements):  # e.g. a sequence-parallel Shard(1) input
+                x = x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+            return x.to_local()
 
-        def outputs(mod, out, mesh):
-            return out.to_local() if isinstance(out, DTensor) else out
+        def local_forward(*args, **kwargs):
+            # NOTE: the parameters are read here, inside forward, after FSDP's pre-forward hook
+            # has put the unsharded ones in place; they are put back however forward ends.
+            swapped = [(sub, key, p) for sub in module.modules() for key, p in sub._parameters.items()
+                       if isinstance(p, DTensor)]
+            for sub, key, p in swapped:
+                sub._parameters[key] = p.to_local()
+            try:
+                out = forward(*(local(a) for a in args), **{k: local(v) for k, v in kwargs.items()})
+            finally:
+                for sub, key, p in swapped:
+                    sub._parameters[key] = p
+            return torch.utils._pytree.tree_map(local, out)
 
-        return distribute_module(module, device_mesh, params, inputs, outputs)
+        module.forward = local_forward
+        return module
 
 
 def torch_style(style: TensorStyle):

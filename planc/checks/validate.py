@@ -5,7 +5,7 @@ pattern); each entry declares the inputs it needs (`planc/checks/context.py`), a
 `validate` runs exactly those the compile can feed: without a model only the mesh and the
 `expect` lines read alone are checked. Each check reads a `Context` and never mutates it, so
 each can be tested alone. The checks live by family: `structure`, `precision`, `mesh`,
-`rules`, `expect`.
+`rules`, `tensor` (tensor parallelism), `expect`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,18 @@ from planc.checks.structure import (
     check_shared_modules,
     check_tied,
     check_unowned,
+)
+from planc.checks.tensor import (
+    check_colwise_consumed,
+    check_heads,
+    check_rowwise_fed,
+    check_same_meshes,
+    check_sequence_length,
+    check_sequence_norms,
+    check_split_modules,
+    check_split_sizes,
+    check_tensor_last,
+    check_tied_placements,
 )
 from planc.diagnostics import Diagnostic
 
@@ -46,6 +58,16 @@ CHECKS: tuple[Check, ...] = (
     Check(check_mesh, frozenset({WORLD})),
     Check(check_reshard_size, frozenset({MODEL, WORLD})),
     Check(check_placements, _MODEL),
+    Check(check_tensor_last),
+    Check(check_split_modules, _MODEL),
+    Check(check_heads, _MODEL),
+    Check(check_split_sizes, _MODEL),
+    Check(check_sequence_length, _MODEL),
+    Check(check_colwise_consumed, _MODEL),
+    Check(check_rowwise_fed, _MODEL),
+    Check(check_sequence_norms, _MODEL),
+    Check(check_same_meshes, _MODEL),
+    Check(check_tied_placements, _MODEL),
     Check(check_root_reshard, _MODEL),
     Check(check_shadowed, _MODEL),
     Check(check_metric_lines, about_expectations=True),

@@ -63,13 +63,27 @@ def main(args) -> int:
     try:
         est = estimate(c, args.world_size, optimizer=args.optimizer, input_shape=shape, inputs=example, loss=loss)
     except TraceError as err:
+        # a 2-D plan traces one tensor-parallel rank's local shapes: a model that cannot run
+        # them is the plan's (or the model's) problem, located as `planc check --simulate` does
+        located = _locate_failure(c, ref, args, shape, factory, loss) if c.mesh.tensor_dim else []
+        if located:
+            print(render.render_text(located, sources, color=use_color(sys.stderr)), file=sys.stderr)
+            return EXIT_ERRORS
         what = "--inputs" if factory is not None else "--input-shape"
         raise UsageError(f"{what}: {err}" + ("" if factory is not None else "; the shape is batch x sequence of "
                          "token ids (leave it out to estimate without activations)")) from err
     step_time = _step_time(c, args, shape, example, loss)
     measured = None
     if args.simulate:
-        measured = _simulate(c, ref, args, shape, factory, loss)
+        try:
+            measured = _simulate(c, ref, args, shape, factory, loss)
+        except UsageError as err:
+            located = _locate_failure(c, ref, args, shape, factory, loss) if err.__cause__ is not None else []
+            if not located:
+                raise
+            # the step failed in the plan's own terms: the rule behind it, as `planc check --simulate` says
+            print(render.render_text(located, sources, color=use_color(sys.stderr)), file=sys.stderr)
+            return EXIT_ERRORS
     data = report(c, est, measured, ref, step_time)
     if args.plot:
         from planc.analysis.plot import PlotError, plot_step
@@ -157,3 +171,16 @@ def _simulate(compiled, ref: str, args, shape, factory=None, loss=None):
     except Exception as err:  # the model's own code, under fake tensors: report, never a traceback
         raise UsageError(f"--simulate: the step failed: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
                          ) from err
+
+
+def _locate_failure(compiled, ref: str, args, shape, factory=None, loss=None) -> list:
+    """The failed `--simulate` step again, under `planc check --simulate`'s tracking: the
+    diagnostic on the plan line behind the failure (P440-P444), or [] when it does not fail there."""
+    from planc.analysis.shapecheck import check_step
+    base = None if args.model else os.path.dirname(os.path.abspath(args.plan))
+    try:
+        return check_step(compiled.plan, lambda: build_model(ref, device="meta", base=base), args.world_size,
+                          input_shape=shape if factory is None else None, inputs=factory, loss=loss,
+                          optimizer=args.optimizer if args.optimizer in ("adamw", "adam", "sgd") else "none")
+    except Exception:  # the plain usage error stands
+        return []

@@ -1,6 +1,6 @@
 """The `planc` command line: argument parsing and dispatch to one module per command.
 
-    check  tree  explain  emit  fmt  import  lsp  codes
+    check  tree  explain  suggest  emit  fmt  import  lsp  codes
 
 No traceback reaches the user: unexpected failures are reported as internal errors.
 """
@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Sequence
 
-from planc.cli import check, codes, emit, explain, fmt, importer, lsp, tree
+from planc.cli import check, codes, emit, explain, fmt, importer, lsp, suggest, tree
 from planc.cli.common import EXIT_USAGE, UsageError
 from planc.limits import MAX_RANKS
 
@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", metavar="MODULE:CALLABLE", help="model to check against (default: the plan's `model` line)")
     c.add_argument("--world-size", type=_world_size, nargs="+", metavar="N", help="check for these world sizes")
     c.add_argument("--format", choices=("text", "json", "github"), default="text")
+    c.add_argument("--simulate", action="store_true", help="also apply the plan on a fake process group and run one "
+                   "training step on fake tensors (the shape-level check of tensor parallelism)")
+    c.add_argument("--input-shape", metavar="BxS", help="with --simulate: batch x sequence of token ids "
+                   "(default 2x16, the sequence rounded up to a multiple of the tensor size)")
     c.set_defaults(func=check.cmd_check)
 
     t = sub.add_parser("tree", help="print a model's module tree, to write selectors")
@@ -73,6 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="achievable fraction of peak FLOP/s (default: the profile's, 0.6 built in)")
     e.set_defaults(func=explain.main)
 
+    g = sub.add_parser("suggest", help="search for the fastest plan that fits a per-rank memory budget")
+    g.add_argument("--model", required=True, metavar="MODULE:CALLABLE")
+    g.add_argument("--world-size", type=_world_size, required=True, metavar="N")
+    g.add_argument("--budget", required=True, metavar="BYTES", help="per-rank memory budget, e.g. 40GiB")
+    g.add_argument("--input-shape", required=True, metavar="BxS", help="token ids per rank, batch x sequence")
+    g.add_argument("--hardware", default="h100", help="hardware profile: h100, h200, a100, b200 (default h100)")
+    g.add_argument("--optimizer", choices=("adamw", "adamw_fused", "adam", "adam_fused", "sgd", "none"), default="adamw")
+    g.add_argument("-o", "--output", metavar="FILE", help="write the plan here (default: stdout)")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    g.set_defaults(func=suggest.main)
+
     m = sub.add_parser("emit", help="print the equivalent hand-written fully_shard code")
     m.add_argument("plan")
     m.add_argument("--model", metavar="MODULE:CALLABLE")
@@ -83,9 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--check", action="store_true", help="exit 1 if a plan is not formatted")
     f.set_defaults(func=fmt.main)
 
-    i = sub.add_parser("import", help="translate an accelerate FSDP config into a plan")
-    i.add_argument("config")
+    i = sub.add_parser("import", help="translate an accelerate FSDP config and/or a Hugging Face TP plan into a plan")
+    i.add_argument("config", nargs="?", help="an accelerate config (YAML)")
     i.add_argument("--model", metavar="MODULE:CALLABLE")
+    i.add_argument("--hf-tp-plan", action="store_true",
+                   help="add the tensor-parallel plan transformers ships with --model (base_model_tp_plan)")
+    i.add_argument("--tensor", type=int, default=2, metavar="N", help="ranks on the tensor axis (default 2)")
     i.add_argument("-o", "--output", help="write the plan here (default: stdout)")
     i.set_defaults(func=importer.main)
 

@@ -148,6 +148,125 @@ CODES: dict[str, Code] = {
                  "probably a typo or a size in another unit. (One size past the limit is already a P103 "
                  "where the plan writes it.)\n\n"
                  "    mesh (replicate = 65536, shard = 65536)   # error: 4,294,967,296 ranks"),
+    # --- the step simulated on a fake process group (P44x; `planc check --simulate`, planc/analysis/shapecheck.py)
+    "P440": Code("simulated step fails at a tensor-parallel module", "`planc check --simulate` applies the whole plan "
+                 "on a fake process group of the world size and runs one training step on fake tensors (shapes, no "
+                 "data). The step failed in a module's forward or backward after a `parallel` rule changed the shapes "
+                 "it sees: the diagnostic names the rule, the module that failed, and the shapes. The usual cause is "
+                 "model code that reshapes with a global size, e.g. the head count: under colwise each rank holds "
+                 "n_heads / tp heads.\n\n"
+                 "    q = self.wq(x).view(b, s, self.n_heads, self.head_dim)   # fails under colwise\n"
+                 "    q = self.wq(x).view(b, s, -1, self.head_dim)             # works: the local count"),
+    "P441": Code("tensor-parallel size does not divide the heads", "Found by `planc check --simulate`: a colwise "
+                 "projection is split into tp slices of features, and the model's view into heads of `head_dim` fails "
+                 "because tp does not divide the number of heads (each rank would hold a fraction of a head). DTensor "
+                 "allows uneven shards; head reshapes do not.\n\n"
+                 "    mesh (shard = *, tensor = 8)   # a model with 4 heads: use tensor = 1, 2 or 4"),
+    "P442": Code("style cannot be applied", "Found by `planc check --simulate`: torch refused an operation of the "
+                 "lowered program while `planc.apply` ran it on a fake process group: a tensor-parallel style on a "
+                 "module it does not support (colwise and rowwise take `nn.Linear` and `nn.Embedding`), or "
+                 "`fully_shard` of a unit after tensor parallelism.\n\n"
+                 "    parallel layers.*.attention_norm colwise   # a norm: use `replicate` or `sequence`"),
+    "P443": Code("clipping or the optimizer step fails", "Found by `planc check --simulate`: forward and backward ran, "
+                 "but `clip_grad_norm_` or the (foreach) optimizer step failed. With tensor parallelism the cause is "
+                 "almost always parameters on different meshes: modules left out of the `parallel` rules are 1-D "
+                 "DTensors over the data-parallel axes next to 2-D ones (pytorch#134212). Give them `replicate`.\n\n"
+                 "    parallel model.norm replicate"),
+    "P444": Code("simulated step fails outside tensor parallelism", "Found by `planc check --simulate`: the step failed "
+                 "in a module no `parallel` rule touches, before any tensor-parallel module ran: the model does not run "
+                 "on the simulated input (token ids of `--input-shape`, default 2 x 16). Pass an input that fits."),
+    # --- tensor parallelism (P41x-P43x), static: read from the module tree and the mesh
+    "P410": Code("tensor axis not innermost", "The tensor-parallel axis must be the last (innermost) `mesh` "
+                 "dimension: its ranks exchange activations every layer and belong within a node. planc "
+                 "builds the device mesh with the tensor axis last whatever the order written, so a plan "
+                 "that writes it elsewhere does not say what runs.\n\n"
+                 "    mesh (tensor = 8, shard = *)   # error: write `mesh (shard = *, tensor = 8)`"),
+    "P411": Code("tensor parallelism does not divide the query heads", "A colwise projection splits an attention "
+                 "module's query heads over the tensor axis; the head count (read from the module: Hugging "
+                 "Face `config.num_attention_heads`, torchtitan `n_heads`, `num_heads`) must be a multiple of "
+                 "the tensor-parallel size, or the reshape to heads fails in forward.\n\n"
+                 "    mesh (shard = *, tensor = 8)\n    parallel **.self_attn.q_proj colwise   # error: 4 heads"),
+    "P412": Code("tensor parallelism does not divide the key/value heads", "With grouped-query attention the "
+                 "key and value projections hold fewer heads (`num_key_value_heads`, `n_kv_heads`) than the "
+                 "queries; tensor parallelism splits them too, so the tensor-parallel size must divide them. "
+                 "Hugging Face loads Qwen3-VL (4 KV heads) at tp = 8 and crashes in forward "
+                 "(transformers#48307).\n\n"
+                 "    mesh (shard = *, tensor = 8)\n    parallel **.self_attn.k_proj colwise   # error: 4 KV heads"),
+    "P413": Code("tensor-parallel split not even", "A colwise layer whose output stays sharded (`Shard(-1)`) "
+                 "splits its out-features, the rowwise Linear after it its in-features; a size the "
+                 "tensor-parallel size does not divide leaves ranks with unequal shards. DTensor splits the "
+                 "weights unevenly without complaint, but the rowwise layer rebuilds its input with "
+                 "`DTensor.from_local`, which assumes equal shards, and its matmul fails in forward (torch "
+                 "2.13: `Sharding propagation failed for aten.mm`). Uneven splits that torch handles are not "
+                 "reported: an Embedding's vocabulary rowwise, a colwise layer gathered with `output replicate`, a "
+                 "colwise layer with `local_output false` (a DTensor knows its global shape; checked on 2 gloo "
+                 "ranks: the same output as one process).\n\n"
+                 "    parallel mlp.w1 colwise   # error: 42 out-features over tensor = 4\n"
+                 "    parallel mlp.w2 rowwise   # error: 42 in-features"),
+    "P414": Code("vocabulary not divisible under loss parallel", "`loss_parallel` keeps the logits sharded on "
+                 "the vocabulary and computes the cross-entropy on the shards. torch 2.13 computes the right "
+                 "loss on unequal shards (checked on 2 gloo ranks), so this is a warning: the ranks then hold "
+                 "unequal logits and weights. Pad the vocabulary to a multiple of the tensor-parallel size, as "
+                 "Megatron and torchtitan do.\n\n"
+                 "    parallel output colwise { loss_parallel }   # warning: vocabulary 50 over tensor = 4",
+                 "warning"),
+    "P415": Code("sequence length not divisible under sequence parallel", "Sequence parallelism splits the "
+                 "tokens of each sequence over the tensor axis (`Shard(1)`), so the sequence length of an "
+                 "`input = BxS` the plan states must be a multiple of the tensor-parallel size. Checked only "
+                 "where a plan gives an input shape (`expect ... at input = BxS`); 3 tokens over 2 gloo ranks "
+                 "aborted the process group in the all-gather.\n\n"
+                 "    parallel **.attention_norm sequence\n"
+                 "    expect memory.peak <= 80GiB at world = 8, input = 2x30   # error at tensor = 4"),
+    "P416": Code("colwise output not taken back", "A colwise style leaves its output sharded on the last "
+                 "dimension (`Shard(-1)`, as a local tensor by default). Its consumer must accept that: a "
+                 "rowwise Linear (whose input is `Shard(-1)`) or an explicit `prepare_input`. planc found "
+                 "none among the modules after it in the same block, so the next layer sees 1/tp of the "
+                 "features, or the loss 1/tp of the vocabulary. Write `output replicate` to gather the "
+                 "output, `loss_parallel` on the output projection, or add the rowwise consumer. (A warning: "
+                 "planc reads the module tree, not the forward code.)\n\n"
+                 "    parallel lm_head colwise   # warning: logits left sharded; `{ output replicate }`",
+                 "warning"),
+    "P417": Code("norm inside a sequence-parallel region", "Where the plan keeps activations sharded on the "
+                 "sequence (`Shard(1)`: a `sequence` style, an `input shard(1)` or an `output shard(1)` next "
+                 "to it), a norm with weights sees only 1/tp of the tokens. Unless it has the `sequence` "
+                 "style, its weight gradient is not summed over the tensor axis and the tensor-parallel "
+                 "ranks drift apart silently (checked on 2 gloo ranks: replicated or unstyled, each rank "
+                 "keeps the gradient of its own tokens).\n\n"
+                 "    parallel layers.*.attention_norm replicate   # error: write `sequence`"),
+    "P418": Code("parameters left out of the tensor-parallel plan", "Once some modules are on the tensor axis, "
+                 "their parameters are 2-D DTensors (data parallel x tensor) after `fully_shard`; the "
+                 "parameters of modules no `parallel` line covers are 1-D. `clip_grad_norm_` fails on the "
+                 "mix (torch 2.13: `All operands in aten.stack.default must have the same mesh`; "
+                 "pytorch#180346), as foreach optimizers were reported to (pytorch#134212). Give such "
+                 "modules the `replicate` style (torchtitan's "
+                 "`NoParallel`) so every parameter lives on the same meshes.\n\n"
+                 "    parallel **.self_attn.q_proj colwise\n"
+                 "    # error: model.norm is left out: add `parallel model.norm replicate`"),
+    "P419": Code("loss parallel not on the output projection", "`loss_parallel` belongs on the projection that "
+                 "makes the logits: a Linear whose out-features are the vocabulary (the input embedding's "
+                 "size). On another module its vocabulary-sharded DTensor output flows into layers that "
+                 "expect local activations.\n\n"
+                 "    parallel layers.*.mlp.w1 colwise { loss_parallel }   # error: not the logits"),
+    "P420": Code("colwise or rowwise on a module torch cannot split", "torch's `ColwiseParallel` and "
+                 "`RowwiseParallel` split only `nn.Linear` and `nn.Embedding` modules (subclasses included); "
+                 "on anything else `parallelize_module` raises `NotImplementedError`. Select the Linear "
+                 "layers inside, or use `prepare_input` / `prepare_output` / `replicate` on the container.\n\n"
+                 "    parallel layers.*.attention colwise   # error: a block, not a Linear"),
+    "P421": Code("tied parameters with different tensor-parallel placements", "A parameter shared by two "
+                 "modules (a tied embedding and output projection) is one tensor: tensor parallelism must "
+                 "place it the same way from both (embedding rowwise and output colwise both split the "
+                 "vocabulary, `Shard(0)`), and both owners must be on the tensor axis. (They must also "
+                 "be in one FSDP unit: P301.)\n\n"
+                 "    parallel tok_embeddings rowwise\n    parallel output rowwise   # error: Shard(0) vs Shard(1)"),
+    "P422": Code("rowwise input not produced", "A rowwise Linear reads its input as sharded on the last "
+                 "dimension (`Shard(-1)`, its default): each rank holds 1/tp of the features, as a colwise layer "
+                 "before it leaves them. planc found no colwise layer before it (or beside it) in the same "
+                 "block, so its input is probably whole on every rank, and `DTensor.from_local` would read it "
+                 "as a shard of a tp-times wider tensor. Make the layers that feed it colwise, or write "
+                 "`input replicate`. (A warning: planc reads the module tree, not the forward code.)\n\n"
+                 "    parallel **.self_attn.{q_proj, k_proj, v_proj} replicate\n"
+                 "    parallel **.self_attn.o_proj rowwise   # warning: nothing colwise feeds it",
+                 "warning"),
     # --- expectations (P5xx)
     "P501": Code("expectation failed", "An `expect` statement does not hold for the resolved plan."),
     "P502": Code("memory expectation failed", "An `expect memory...` bound does not hold under planc's "
@@ -200,6 +319,21 @@ CODES: dict[str, Code] = {
                  "(e.g. `fsdp_state_dict_type`); keep it where the script sets it.", "note"),
     "P706": Code("unknown fsdp_config key", "A key under `fsdp_config` is not one accelerate reads; it is "
                  "probably misspelled and accelerate ignores it.", "warning"),
+    # --- `planc import --hf-tp-plan` (tpplans: P457-P459)
+    "P457": Code("Hugging Face tensor-parallel style not imported", "An entry of the model's Hugging Face "
+                 "tensor-parallel plan (`base_model_tp_plan`, `_tp_plan`) has no torch `ParallelStyle` "
+                 "equivalent (packed fused weights, expert parallelism, MLA), places a single parameter, or "
+                 "names no module of the model. The imported plan leaves it out with a `# not imported:` "
+                 "comment; the module's parameters are replicated on the tensor axis instead.\n\n"
+                 "    # not imported: model.layers.*.mlp.experts.gate_up_proj packed_colwise (...)", "warning"),
+    "P458": Code("no Hugging Face tensor-parallel plan", "`planc import --hf-tp-plan` reads the plan "
+                 "transformers ships with the model (`config.base_model_tp_plan`); this model has none (it "
+                 "is not a Hugging Face model, or transformers has no tensor-parallel plan for it). Write "
+                 "the `parallel` statements by hand (docs/language.md)."),
+    "P459": Code("tensor parallelism unties shared parameters", "Two modules share one parameter (tied "
+                 "input and output embeddings). Every tensor-parallel style registers a new parameter on its "
+                 "own module, so after tensor parallelism the modules hold two separate copies that train "
+                 "apart. Untie the weights in the model config, or leave tensor parallelism off.", "warning"),
     "P503": Code("memory expectation not checked", "An `expect memory...` line needs a world size: "
                  "`at world = N` on the line, or `--world-size N` on the command line; "
                  "`expect memory.activations` also needs an input shape (`input = BxS`). Without them it "
@@ -209,6 +343,15 @@ CODES: dict[str, Code] = {
                  "sequence length S, to count activations. The model did not run on them: it takes other "
                  "inputs, or the sequence does not fit it. Fix the shape, or remove `input =` to check the "
                  "bound without activations.\n\n    expect memory.peak <= 8GiB at world = 8, input = 2x512"),
+    # --- planc suggest (P950-P969)
+    "P950": Code("no plan fits the budget", "`planc suggest` searched unit granularity, resharding, offload, "
+                 "activation checkpointing, prefetch and HSDP replicate sizes, and no plan's estimated per-rank "
+                 "peak fits `--budget`. The message gives the smallest peak it found and the plan that reaches "
+                 "it: raise the budget to at least that, use more ranks, or a shorter input.\n\n"
+                 "    planc suggest --model planc.zoo:seed_transformer --world-size 8 --budget 1GiB --input-shape 2x512"),
+    "P951": Code("model has no block chain", "`planc suggest` searches plans for models built as a chain of "
+                 "blocks of one class (`layers.*`, `blocks.*`). This model has no list of two or more such "
+                 "blocks; write its plan by hand (`planc tree --model ...` shows the module tree)."),
     # --- notes (P9xx)
     "P902": Code("root reshards after forward by default", "`defaults` apply to the root unit too. "
                  "`reshard after_forward = true` there frees the root's parameters after forward, although "

@@ -24,6 +24,8 @@ Two parts, both without torch.distributed and without a GPU:
   (activations, temporaries, unsharded gradients until their unit's reduce-scatter), with
   each unit's precision and checkpointing applied; FSDP2's buffers are added around it.
   Without an input, activations are left out and the replay walks the units in module order.
+  On a 2-D plan the traced step is one tensor rank's (planc/estimate/tensor_local.py): the
+  split parameters in their local shapes, each style's gathers and scatters on plain tensors.
 
 The traced step is a training step: the model's forward on the given inputs, the loss
 (by default, for a language model, cross-entropy over the logits upcast to fp32, as
@@ -458,7 +460,7 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
     if inputs is None and input_shape is not None and graph.model is not None:
         inputs = default_input(graph.model, input_shape)
     example = None if inputs is None else Example.of(inputs)
-    trace = trace_for(compiled, example, loss)
+    trace = trace_for(compiled, example, loss, (program.mesh.sizes(world) or {}).get("tensor", 1))
     mem = unit_memory(program, graph, world, optimizer)
     replicated = sum(graph.params[n].nbytes for n in _replicated_params(program, graph))
     buffers = buffer_bytes(graph)

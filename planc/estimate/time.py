@@ -259,6 +259,8 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
       a `replicate` floating-point input: backward all-gather of its gradient.
     * sequence: backward all-reduce of the parameters' gradients (partial over the sequence
       shards; torch issues it in the owning FSDP unit's post-backward).
+    * prepare_input / prepare with a first input `replicate` desired `shard(d)`: a local slice
+      forward, backward all-gather of its gradient.
     * prepare_input / prepare with a first input `shard(d)` desired `replicate`: forward
       all-gather of the input; backward reduce-scatter of its (partial) gradient unless
       `local_output true`. A colwise module under such a prepare (its input arrives as a
@@ -320,6 +322,10 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
                 cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "forward", path, side="input"))
                 if inp.requires_grad and style.use_local_output is not True:
                     cs.append(Collective("reduce_scatter", "tensor", tp, nbytes(inp), "backward", path))
+            elif (in_layout is None or in_layout.kind == "replicate") and desired is not None \
+                    and desired.kind == "shard" and inp is not None and inp.dtype.is_floating_point and inp.requires_grad:
+                # replicate -> shard(d) is a local slice forward; its gradient is gathered back in backward
+                cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "backward", path))
         elif style.kind == "sequence":
             for _, canon in graph.own_params(path):
                 info = graph.params[canon]
@@ -374,9 +380,13 @@ def main_dtype(program: Program, graph) -> torch.dtype | None:
 
 
 def _module_dtype(graph, path: str, compute: dict[str, torch.dtype]) -> torch.dtype:
-    """The dtype a module computes in: its first parameter's compute dtype (float32 without one)."""
+    """The dtype a module computes in: its first parameter's compute dtype, or its subtree's first
+    (a container such as an attention block), float32 without any."""
     own = list(graph.own_params(path))
-    return compute[own[0][1]] if own else torch.float32
+    if own:
+        return compute[own[0][1]]
+    below = sorted(graph.subtree_params(path))
+    return compute[below[0]] if below else torch.float32
 
 
 # ===================================================================== ownership

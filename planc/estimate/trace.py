@@ -216,11 +216,13 @@ def vocab_sizes(model: nn.Module) -> set[int]:
     return {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
 
 
-def default_loss(model: nn.Module) -> LossFn:
+def default_loss(model: nn.Module, tp: int = 1) -> LossFn:
     """The loss of one training step as every planc measurement takes it by default: `lm_loss`
     when the output is logits over an embedding's vocabulary and an integer input has their
-    shape (token ids as labels; only shapes matter), else the first float output's sum."""
+    shape (token ids as labels; only shapes matter), else the first float output's sum. With
+    `tp` > 1, logits over one tensor rank's share of the vocabulary count too (loss parallel)."""
     vocab = vocab_sizes(model)
+    vocab |= {-(-v // tp) for v in vocab}
 
     def loss(output: Any, example: Example) -> torch.Tensor:
         out = _output_tensor(output)
@@ -242,9 +244,10 @@ def loss_of(output: Any) -> torch.Tensor:
     return _output_tensor(output).sum()
 
 
-def fake_model(compiled, fake_mode) -> nn.Module:
+def fake_model(compiled, fake_mode, tp: int = 1) -> nn.Module:
     """A copy of the plan's model whose tensors are fake CPU tensors (shapes only, no memory),
-    each unit's parameters in its param_dtype.
+    each unit's parameters in its param_dtype; with `tp` > 1, the parameters tensor
+    parallelism splits in their local shape on one of `tp` tensor ranks.
 
     Fake CPU rather than meta: operators then pick the kernels a real device would (a meta
     `scaled_dot_product_attention` falls back to the math path and materialises the
@@ -262,9 +265,13 @@ def fake_model(compiled, fake_mode) -> nn.Module:
         for name in op.params:  # the parameters FSDP2 casts (ignored ones keep their dtype)
             dtype_of[name] = op.policy.precision.compute_dtype(graph.params[name].dtype)
     new: dict[str, nn.Parameter] = {}
+    local = {}
+    if tp > 1:
+        from planc.estimate.tensor_local import local_shapes
+        local = local_shapes(compiled.program, graph, tp)
     with fake_mode:
         for name, info in graph.params.items():
-            t = torch.empty(info.shape, dtype=dtype_of.get(name, info.dtype), device="cpu")
+            t = torch.empty(local.get(name, info.shape), dtype=dtype_of.get(name, info.dtype), device="cpu")
             new[name] = nn.Parameter(t, requires_grad=info.requires_grad)
         for mod in model.modules():
             for local, b in list(mod._buffers.items()):
@@ -281,7 +288,7 @@ def _cast(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None = None) -> Trace:
+def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None = None, tp: int = 1) -> Trace:
     """Run one forward and backward on fake CPU tensors and record the events of the step.
 
     The step is a training step: `loss(output, example)` (default `default_loss`: the LM
@@ -292,6 +299,9 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
         compiled: the compiled plan (its graph must hold the model).
         inputs: inputs of the model (any device; only shapes and dtypes are used).
         loss: the step's loss; default `default_loss(model)`.
+        tp: tensor-parallel degree: with `parallel` statements and tp > 1, the step of one
+            tensor rank (local parameter shapes, each style's gathers and scatters:
+            `planc/estimate/tensor_local.py`).
 
     Returns:
         The trace: unit hooks and live non-parameter bytes after every op.
@@ -300,11 +310,16 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
     from torch.distributed._composable.checkpoint_activation import checkpoint as checkpoint_module
 
     from planc.lower.checkpointing import context_fn
-    from planc.lower.program import Checkpoint
+    from planc.lower.program import Checkpoint, Parallelize
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    model = fake_model(compiled, fake_mode)
     program = compiled.program
+    tp = tp if any(True for _ in program.of_type(Parallelize)) else 1
+    model = fake_model(compiled, fake_mode, tp)
+    layout_handles = []
+    if tp > 1:
+        from planc.estimate.tensor_local import emulate_layouts
+        layout_handles = emulate_layouts(model, program, compiled.graph, tp)
     for op in program.of_type(Checkpoint):
         checkpoint_module(model.get_submodule(op.module), context_fn=context_fn(op.mode))
     events: list[Event] = []
@@ -396,7 +411,7 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
         example = example.map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
     input_bytes = sum(t.nbytes for t in example.tensors())
     mode.ignore([*model.parameters(), *model.buffers(), *example.tensors()])
-    step_loss = loss or default_loss(model)
+    step_loss = loss or default_loss(model, tp)
     labels = example
     root_precision = units[root].policy.precision if root is not None else None
     if root_precision is not None and root_precision.casts_inputs:
@@ -427,10 +442,11 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
                 post_backward(root, final=True)
             events.append(Event("end_backward", live=mode.live, grads=mode.grads))
     finally:
-        for h in handles:
+        for h in handles + layout_handles:
             h.remove()
-    return Trace(events, input_bytes, "live tensors of one forward and backward on fake CPU tensors, each unit's "
-                 f"precision and checkpointing applied; {loss_name(model, labels, loss)}")
+    on = f" (one of {tp} tensor-parallel ranks, its local shapes)" if tp > 1 else ""
+    return Trace(events, input_bytes, f"live tensors of one forward and backward{on} on fake CPU tensors, each "
+                 f"unit's precision and checkpointing applied; {loss_name(model, labels, loss)}")
 
 
 def default_input(model: nn.Module, input_shape: tuple[int, ...] | None) -> tuple | None:
@@ -448,12 +464,14 @@ _TRACES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 def _step_key(compiled) -> tuple:
     """What of a compiled plan one traced step depends on: the units (their modules,
-    parameters and precision), the checkpointed modules and the ignored parameters."""
-    from planc.lower.program import Checkpoint
+    parameters and precision), the checkpointed modules, the ignored parameters and the
+    tensor-parallel styles."""
+    from planc.lower.program import Checkpoint, Parallelize
     program = compiled.program
     units = tuple((u.modules, u.params, u.is_root, u.policy.precision) for u in program.units)
     checkpointed = tuple(sorted((op.module, op.mode) for op in program.of_type(Checkpoint)))
-    return units, checkpointed, frozenset(compiled.resolution.ignored)
+    styles = tuple((op.module, op.style) for op in program.of_type(Parallelize))
+    return units, checkpointed, frozenset(compiled.resolution.ignored), styles
 
 
 # torch logs (at ERROR, with a full traceback) every op that fails under FakeTensorMode before
@@ -474,21 +492,22 @@ def _quiet_fake_tensor_logs():
             lg.disabled = was
 
 
-def trace_for(compiled, inputs: "tuple | dict | Example | None", loss: LossFn | None = None) -> Trace:
-    """The (cached) trace of one step of `compiled` with `inputs` and `loss`."""
+def trace_for(compiled, inputs: "tuple | dict | Example | None", loss: LossFn | None = None, tp: int = 1) -> Trace:
+    """The (cached) trace of one step of `compiled` with `inputs` and `loss`, on one of `tp` tensor ranks."""
     cache = _TRACES.setdefault(compiled.graph, {})
     example = None if inputs is None else Example.of(inputs)
-    key = (_step_key(compiled), None if example is None else example.key(), loss)
+    key = (_step_key(compiled), None if example is None else example.key(), loss, tp)
     if key not in cache:
         if example is None:
             cache[key] = synthetic_trace(compiled)
         else:
             try:
                 with _quiet_fake_tensor_logs():
-                    cache[key] = fake_trace(compiled, example, loss)
+                    cache[key] = fake_trace(compiled, example, loss, tp)
             except Exception as err:  # any model code can fail on unexpected inputs
                 shapes = " and ".join("x".join(map(str, t.shape)) for t in example.tensors())
-                raise TraceError(f"the model did not run on inputs of shape {shapes}: "
+                rank = f" as one of {tp} tensor-parallel ranks (local shapes)" if tp > 1 and key[0][3] else ""
+                raise TraceError(f"the model did not run on inputs of shape {shapes}{rank}: "
                                  f"{type(err).__name__}: {err}") from err
     return cache[key]
 

@@ -68,24 +68,29 @@ def _fully_shard(unit: Unit, res: Resolution, graph: ModelGraph, mesh_dims: tupl
         ignored_spans={n: res.ignored[n] for n in ignored})
 
 
-def tensor_dims(program: Program, graph: ModelGraph) -> dict[str, int]:
-    """Canonical parameter -> the dim tensor parallelism shards it on (absent: replicated on the tensor axis).
+def tensor_param_dim(kind: str, embedding: bool, local: str) -> int | None:
+    """The dim a style of `kind` shards a module's own parameter `local` on (None: replicated).
 
     What torch's styles do (torch 2.13): colwise shards an `nn.Linear`'s weight and bias on
     dim 0 (out features) and an `nn.Embedding`'s weight on dim 1; rowwise shards a Linear's
     weight on dim 1 (in features, the bias stays replicated) and an Embedding's on dim 0 (the
     vocabulary). The other styles leave parameters replicated.
     """
+    if kind == "colwise":
+        return 1 if embedding else 0
+    if kind == "rowwise":
+        return 0 if embedding else (1 if local == "weight" else None)
+    return None
+
+
+def tensor_dims(program: Program, graph: ModelGraph) -> dict[str, int]:
+    """Canonical parameter -> the dim tensor parallelism shards it on (absent: replicated on the
+    tensor axis), by `tensor_param_dim`."""
     out: dict[str, int] = {}
     for op in program.of_type(Parallelize):
         embedding = graph.cls(op.module).endswith("Embedding")
         for local, canonical in graph.own_params(op.module):
-            if op.style.kind == "colwise":
-                dim = 1 if embedding else 0
-            elif op.style.kind == "rowwise":
-                dim = 0 if embedding else (1 if local == "weight" else None)
-            else:
-                dim = None
+            dim = tensor_param_dim(op.style.kind, embedding, local)
             if dim is not None:
                 out[canonical] = dim
     return out

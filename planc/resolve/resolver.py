@@ -136,12 +136,17 @@ class Resolver:
         self.graph = graph
         self.diags: list[Diagnostic] = []
         self.out = Resolution()
+        self._mesh_ok = True  # the last `mesh` line resolved without errors (set by `run`)
 
     # ----------------------------------------------------------------- driver
     def run(self) -> tuple[Resolution, list[Diagnostic]]:
         stmts = self.plan.statements
         meshes = [s for s in stmts if isinstance(s, st.MeshStmt)]
+        errors = sum(d.is_error for d in self.diags)
         self.out.mesh = resolve_mesh(meshes[-1] if meshes else None, self.diags)
+        # a mesh with errors resolves to the default 1-D mesh: its missing tensor axis is not
+        # news, so `parallel` lines then report no P109 (one error, not one per line)
+        self._mesh_ok = sum(d.is_error for d in self.diags) == errors
         for stale in meshes[:-1]:  # only the last mesh counts; an earlier one is dead text
             found: list[Diagnostic] = []
             resolve_mesh(stale, found)
@@ -194,7 +199,7 @@ class Resolver:
                     self.out.broken.add(i)
                     continue
                 styles[i] = style
-                if self.out.mesh.tensor_dim is None:
+                if self.out.mesh.tensor_dim is None and self._mesh_ok:
                     self.diags.append(Diagnostic(
                         code="P109", severity="error", message="a tensor-parallel style, but the mesh has no tensor axis",
                         span=s.span, label=f"`{s.style.value}` needs a tensor axis",

@@ -1,0 +1,98 @@
+"""`planc suggest --model M --world-size N --budget 40GiB --input-shape BxS`: the fastest plan that fits."""
+
+from __future__ import annotations
+
+import sys
+
+from planc.cli.common import EXIT_ERRORS, EXIT_OK, EXIT_USAGE, ModelCache, UsageError, use_color
+from planc.cli.explain import parse_shape
+from planc.diagnostics import Diagnostic, render
+from planc.model.build import ModelLoadError
+
+
+def _budget(text: str) -> int:
+    from planc.lang.transform import parse_quantity
+    try:
+        value, is_bytes = parse_quantity(text.strip())
+    except (KeyError, ValueError):
+        is_bytes, value = False, 0
+    if not is_bytes or value <= 0:
+        raise UsageError(f"--budget {text}: expected bytes per rank such as 40GiB or 500MiB")
+    return int(value)
+
+
+class _Progress:
+    """A tqdm bar on stderr, shown only once the search has run for a second."""
+
+    def __init__(self, enabled: bool):
+        import time
+        self.enabled, self.start, self.bar, self.time = enabled, time.perf_counter(), None, time
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None and self.time.perf_counter() - self.start > 1.0:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc="planc suggest", unit="choice", file=sys.stderr, leave=False)
+        if self.bar is not None:
+            self.bar.n = done
+            self.bar.refresh()
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def main(args) -> int:
+    """`planc suggest` (arguments declared in `planc.cli.main.build_parser`)."""
+    from planc.suggest.cost import HARDWARE
+    from planc.suggest.search import suggest
+    budget = _budget(args.budget)
+    shape = parse_shape(args.input_shape)
+    if shape is None or len(shape) != 2:
+        raise UsageError("--input-shape is batch x sequence of token ids per rank, e.g. 2x4096")
+    if args.hardware not in HARDWARE:
+        raise UsageError(f"--hardware {args.hardware}: known profiles are {', '.join(sorted(HARDWARE))}")
+    try:
+        graph = ModelCache().graph(args.model)
+    except ModelLoadError as err:
+        raise UsageError(f"--model {args.model}: {err}") from err
+    progress = _Progress(not args.quiet and sys.stderr.isatty())  # a bar only where someone watches
+    try:
+        result = suggest(graph, args.model, args.world_size, budget, shape, hardware=args.hardware,
+                         optimizer=args.optimizer, budget_text=args.budget.strip(), progress=progress)
+    except ValueError as err:  # no block chain in the model
+        _report([Diagnostic(code="P951", severity="error", message=f"cannot search plans for `{args.model}`: {err}",
+                            span=None, help=("write the plan by hand; `planc tree --model ...` "
+                                                           "shows the module tree",))])
+        return EXIT_ERRORS
+    finally:
+        progress.close()
+    if result.best is None:
+        s = result.smallest
+        from planc.quantities import show_bytes
+        _report([Diagnostic(
+            code="P950", severity="error", message=f"no plan in the search space fits {show_bytes(budget)} per rank "
+            f"on {args.world_size} ranks with input {args.input_shape}",
+            span=None,
+            help=(f"the smallest estimated peak planc found is {show_bytes(s.peak)} ({s.candidate.describe()}); "
+                  "raise --budget to at least that, add ranks, or shorten the input",),
+            notes=tuple(result.notes))])
+        return EXIT_ERRORS
+    if args.output:
+        try:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(result.text)
+        except OSError as err:
+            raise UsageError(f"-o {args.output}: cannot write: {err.strerror}") from err
+        print(f"{args.output}: {result.best.candidate.describe()}", file=sys.stderr)
+    else:
+        sys.stdout.write(result.text)
+    return EXIT_OK
+
+
+def _report(diags) -> None:
+    print(render.render_text(diags, {}, color=use_color(sys.stderr)), file=sys.stderr)
+
+
+_ = EXIT_USAGE

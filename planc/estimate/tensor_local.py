@@ -1,0 +1,133 @@
+"""One tensor-parallel rank's step on plain tensors: local shapes and the layouts' gathers and scatters.
+
+The activation trace (`planc/estimate/trace.py`) runs the model on fake tensors. Under tensor
+parallelism a rank holds each split parameter's local shard and sees local activations: a
+colwise output has out/tp features, a sequence-parallel region seq/tp tokens. `local_shape`
+gives a parameter's local shape; `emulate_layouts` hooks each module a `parallel` statement
+names so that its inputs and outputs change layout as torch's style changes them, with the
+same allocations on one rank: an all-gather (`Shard(d)` -> `Replicate`) makes a tensor tp
+times larger along d, a scatter or reduce-scatter (`Replicate`/`Partial` -> `Shard(d)`) a
+local slice, an all-reduce (`Partial` -> `Replicate`) a tensor of the same size. The model
+then runs on local plain tensors, which is what a rank's kernels see (DTensor's own wrapper
+objects hold no memory). A model that hard-codes global head counts fails here as it would
+under real tensor parallelism; the trace then says so.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from planc.lower.lowering import tensor_dims
+from planc.lower.program import Parallelize
+from planc.resolve.tensor import Layout
+
+
+def local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
+    """The shape of one tensor rank's shard of `shape` split on `dim` (ceil, as DTensor pads the last)."""
+    if dim is None or tp <= 1:
+        return tuple(shape)
+    return tuple(-(-n // tp) if d == dim else n for d, n in enumerate(shape))
+
+
+def local_shapes(program, graph, tp: int) -> dict[str, tuple[int, ...]]:
+    """Canonical parameter -> its local shape on one tensor rank (only the split ones)."""
+    return {name: local_shape(graph.params[name].shape, dim, tp) for name, dim in tensor_dims(program, graph).items()}
+
+
+def _gather(x, dim: int, tp: int):
+    import torch
+    return torch.cat([x] * tp, dim=dim)
+
+
+def _scatter(x, dim: int, tp: int):
+    n = x.shape[dim]
+    return x.narrow(dim, 0, -(-n // tp)).clone()
+
+
+def relayout(x, have: Layout | None, want: Layout | None, tp: int):
+    """`x` (this rank's local tensor in layout `have`) in layout `want`, allocating what torch's redistribute does."""
+    import torch
+    if not isinstance(x, torch.Tensor) or have is None or want is None or have == want or x.dim() == 0:
+        return x
+    if want.kind == "replicate":
+        if have.kind == "shard":
+            return _gather(x, have.dim, tp)
+        return x.clone()  # partial -> replicate: an all-reduce into a new tensor
+    if want.kind == "shard":
+        if have.kind == "shard":  # all-to-all: local size, new tensor
+            return _scatter(_gather(x, have.dim, tp), want.dim, tp)
+        return _scatter(x, want.dim, tp)
+    return x  # to partial: no data movement
+
+
+_REPLICATE = Layout("replicate")
+_PARTIAL = Layout("partial")
+_LAST = Layout("shard", -1)
+
+
+def _one(layouts, default: Layout) -> Layout:
+    return layouts[0] if layouts and layouts[0] is not None else default
+
+
+def _first(args, fn):
+    if not args:
+        return args
+    return (fn(args[0]), *args[1:])
+
+
+def _hooks(module: nn.Module, style, tp: int, embedding: bool):
+    """(forward pre-hook, forward hook) that change layouts as `style` does on one rank."""
+    kind = style.kind
+    if kind == "colwise":
+        have = _one(style.input_layouts, _REPLICATE)
+        out = _LAST if style.loss_parallel else _one(style.output_layouts, _LAST)
+
+        def pre(mod, args):
+            return _first(args, lambda x: relayout(x, have, _REPLICATE, tp)) if not embedding else None
+
+        def post(mod, args, output):
+            return relayout(output, _LAST, out, tp)
+        return pre, post
+    if kind == "rowwise":
+        have = _one(style.input_layouts, _LAST)
+        out = _one(style.output_layouts, _REPLICATE)
+
+        def pre(mod, args):
+            return _first(args, lambda x: relayout(x, have, _LAST, tp)) if not embedding else None
+
+        def post(mod, args, output):
+            return relayout(output, _PARTIAL, out, tp)
+        return pre, post
+    if kind in ("prepare_input", "prepare", "prepare_output"):
+        ins = tuple(zip(style.input_layouts or (), style.desired_input_layouts or ()))
+        kw = dict(style.input_kwarg_layouts)
+        kw_want = dict(style.desired_input_kwarg_layouts)
+        outs = tuple(zip(style.output_layouts or (), style.desired_output_layouts or ()))
+
+        def pre(mod, args, kwargs):
+            args = tuple(relayout(a, *ins[i], tp) if i < len(ins) else a for i, a in enumerate(args))
+            kwargs = {k: relayout(v, kw.get(k), kw_want.get(k), tp) for k, v in kwargs.items()}
+            return args, kwargs
+
+        def post(mod, args, output):
+            if not outs:
+                return None
+            if isinstance(output, tuple):
+                return tuple(relayout(o, *outs[i], tp) if i < len(outs) else o for i, o in enumerate(output))
+            return relayout(output, *outs[0], tp)
+        return (pre if kind != "prepare_output" else None), post
+    return None, None  # sequence (inputs taken as this rank's shard as they are), replicate
+
+
+def emulate_layouts(model: nn.Module, program, graph, tp: int) -> list:
+    """Hook every module a `Parallelize` op names on `model` (a copy of the plan's model); returns the handles."""
+    handles = []
+    for op in program.of_type(Parallelize):
+        module = model.get_submodule(op.module)
+        pre, post = _hooks(module, op.style, tp, graph.cls(op.module).endswith("Embedding"))
+        if pre is not None:
+            with_kwargs = op.style.kind in ("prepare_input", "prepare")
+            handles.append(module.register_forward_pre_hook(pre, with_kwargs=with_kwargs))
+        if post is not None:
+            handles.append(module.register_forward_hook(post))
+    return handles

@@ -1,0 +1,232 @@
+"""`suggest`: the fastest plan whose estimated per-rank peak fits a budget (see planc/suggest/solve.py)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from planc.estimate import memory as mem_model
+from planc.estimate.trace import TraceError, trace_for
+from planc.quantities import show_bytes as format_bytes
+from planc.suggest.cost import HARDWARE, CostContext, cost
+from planc.suggest.evaluate import Evaluator, compress
+from planc.suggest.solve import Subproblem, build, globals_for, min_peak_choice, solve, surely_infeasible
+from planc.suggest.space import Candidate, expect_line
+
+
+@dataclass
+class Option:
+    """One evaluated candidate."""
+
+    candidate: Candidate
+    seconds: float
+    peak: int                 # bytes, per the memory model (`exact`) or the linear model
+    exact: bool
+    where: str = ""           # the moment of the peak (exact estimates only)
+
+
+@dataclass
+class Suggestion:
+    """The result: the best option (None when nothing fits), alternatives, and the plan text."""
+
+    best: Option | None
+    alternatives: list[Option]
+    smallest: Option | None   # the smallest peak found, when nothing fits
+    text: str | None
+    budget: int
+    searched: int             # global choices solved
+    pruned: int               # global choices skipped by their time bound
+    seconds: float
+    stats: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)   # what the search left out, and why
+
+
+def exact_peak(ev: Evaluator, c: Candidate) -> tuple[int, str]:
+    """The memory model's peak of `c` and its moment: `c`'s own trace (checkpointing applied),
+    shortened by `compress` (the same peak as `planc.estimate.memory.estimate`)."""
+    compiled = ev.compiled(c)
+    if not any(m != "none" for m in c.checkpoint):
+        trace = None
+    else:
+        trace = compress(trace_for(compiled, ev.inputs))
+    if trace is None:
+        from planc.suggest.evaluate import remap
+        program = compiled.program
+        trace = remap(ev.atom_trace, ev.atom_program.units, program.units) if c.merge != 1 else ev.atom_trace
+    r = ev._replay(compiled.program, trace, _Replay=mem_model._Replay)
+    peak = max(r.timeline, key=lambda m: m.total)
+    return peak.total, peak.label
+
+
+def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[int, ...], *,
+            hardware: str = "h100", optimizer: str = "adamw", budget_text: str | None = None,
+            progress: Callable[[int, int], None] | None = None, alternatives: int = 3,
+            cost_fn=cost) -> Suggestion:
+    """Search the space of planc/suggest/space.py for `graph` at `world` ranks.
+
+    Args:
+        graph: the model graph (with its model, for the trace).
+        budget: per-rank bytes the estimated peak must not exceed.
+        shape: (batch, sequence) of token ids per rank.
+        hardware: a profile of `planc.suggest.cost.HARDWARE`.
+        progress: called with (done, total) global choices as the search goes.
+        cost_fn: `cost(program, context) -> seconds` (default the provisional one).
+    """
+    t0, c0 = time.perf_counter(), time.process_time()
+    if budget_text is None:  # a size the `expect` line can spell exactly (whole KiB at least)
+        budget, budget_text = budget_spelling(budget)
+    hw = HARDWARE[hardware]
+    ev = Evaluator(graph, model_ref, world, tuple(shape), optimizer)
+    ctx = CostContext(graph, world, shape[0] * shape[1], hw)
+    t_trace, c_trace = time.perf_counter() - t0, time.process_time() - c0
+    subs: list[Subproblem] = [build(ev, g, ctx, cost_fn) for g in globals_for(ev, hw)]
+    t_build = time.perf_counter() - t0 - t_trace
+    bound = {id(sp): sp.base_time + float(sp.time.min(axis=1).sum()) for sp in subs}
+    subs.sort(key=lambda sp: bound[id(sp)])
+    found: list[Option] = []
+    best: Option | None = None
+    searched = pruned = 0
+    for k, sp in enumerate(subs):
+        if progress:
+            progress(k, len(subs))
+        if best is not None and bound[id(sp)] >= best.seconds and len(found) > alternatives:
+            pruned += 1
+            continue
+        if surely_infeasible(sp, budget):
+            pruned += 1
+            continue
+        searched += 1
+        option = _solve_fitting(ev, sp, budget, ctx, cost_fn, verify=False)
+        if option is None:
+            continue
+        found.append(option)
+        if best is None or option.seconds < best.seconds:
+            best = option
+    if progress:
+        progress(len(subs), len(subs))
+    t_solve = time.perf_counter() - t0 - t_trace - t_build
+    c_search = time.process_time() - c0
+    smallest = None
+    if best is not None:
+        # the winner's peak by the memory model itself; if the linear model was optimistic, tighten and re-solve
+        sp = next(s for s in subs if s.g == _global(best.candidate))
+        verified = _solve_fitting(ev, sp, budget, ctx, cost_fn, verify=True)
+        if verified is None:
+            found = [o for o in found if o is not best]
+            best = min(found, key=lambda o: o.seconds) if found else None
+            if best is not None:
+                sp = next(s for s in subs if s.g == _global(best.candidate))
+                best = _solve_fitting(ev, sp, budget, ctx, cost_fn, verify=True)
+        else:
+            best = verified
+    if best is None:
+        for _ in range(3):  # a mode the model cannot be traced with is left out, then again
+            cands = []
+            for sp in subs:
+                ch = min_peak_choice(sp)
+                cands.append((sp.peak(ch), sp, ch))
+            try:  # the three smallest by the linear model, measured by the memory model
+                tried = []
+                for _, sp, ch in sorted(cands, key=lambda t: t[0])[:3]:
+                    c = sp.candidate(ch)
+                    tried.append((*exact_peak(ev, c), c))
+                peak, where, c = min(tried, key=lambda t: t[0])
+                break
+            except TraceError as err:
+                bad = next(m for m in ("selective", "full") if m in c.checkpoint)
+                ev.notes.append(f"`checkpoint {bad}` left out: {str(err).splitlines()[0][:200]}")
+                for other in subs:
+                    other.drop_mode(bad)
+        smallest = Option(c, cost_fn(ev.compiled(c).program, ctx), peak, True, where)
+        if peak <= budget:  # the linear model is conservative here; the memory model says it fits
+            best, smallest = smallest, None
+    others = sorted((o for o in found if best is None or _global(o.candidate) != _global(best.candidate)),
+                    key=lambda o: o.seconds)[:alternatives]
+    for o in others:  # costed as whole programs, as the winner is
+        o.seconds = cost_fn(ev.compiled(o.candidate).program, ctx)
+    others.sort(key=lambda o: o.seconds)
+    text = None
+    if best is not None:
+        text = render(ev, best, others, budget, budget_text, shape, hardware, optimizer)
+    total = time.perf_counter() - t0
+    stats = {"trace_s": t_trace, "build_s": t_build, "solve_s": t_solve,
+             "verify_s": total - t_trace - t_build - t_solve, "total_s": total,
+             "trace_cpu_s": c_trace, "search_cpu_s": c_search, "total_cpu_s": time.process_time() - c0}
+    return Suggestion(best, others, smallest, text, budget, searched, pruned, time.perf_counter() - t0, stats,
+                      list(dict.fromkeys(ev.notes)))
+
+
+def _canonical(sp, choice: list[int], bound: float) -> list[int]:
+    """The same choices moved within runs of equal blocks so that the non-default ones come last
+    (a MILP's ties are arbitrary; a plan reads better as runs), kept only if the model agrees
+    it is no slower and still fits."""
+    keyed = sorted(choice, key=lambda c: (sp.combos[c][0] != "none", sp.combos[c][1] is not True, str(sp.combos[c])))
+    if len({tuple(sp.d_kept[u]) for u in range(len(choice))}) > 2:
+        return choice
+    if sp.peak(keyed) <= bound and sp.seconds(keyed) <= sp.seconds(choice) * (1 + 1e-9):
+        return keyed
+    return choice
+
+
+def budget_spelling(budget: int) -> tuple[int, str]:
+    """(budget, its plan spelling): exact in GiB, MiB or KiB, else rounded down to whole KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if budget >= scale and budget % scale == 0:
+            return budget, f"{budget // scale}{unit}"
+    kib = max(1, budget // 1024)
+    return kib * 1024, f"{kib}KiB"
+
+
+def _global(c: Candidate):
+    from planc.suggest.solve import Global
+    return Global(c.merge, c.replicate, c.prefetch, c.offload)
+
+
+def _solve_fitting(ev, sp, budget, ctx, cost_fn, *, verify: bool, tries: int = 6) -> Option | None:
+    """The MILP's best choice for `sp`; with `verify`, re-estimated and the bound lowered until it fits."""
+    bound = budget
+    for _ in range(tries):
+        choice = solve(sp, bound)
+        if choice is None:
+            return None
+        choice = _canonical(sp, choice, bound)
+        c = sp.candidate(choice)
+        if not verify:  # the linear model's time (the finalists are costed as whole programs)
+            return Option(c, sp.seconds(choice), sp.peak(choice), False)
+        seconds = cost_fn(ev.compiled(c).program, ctx)
+        try:
+            peak, where = exact_peak(ev, c)
+        except TraceError as err:  # the model does not run with one of the modes: search without it
+            bad = next(m for m in ("selective", "full") if m in c.checkpoint and m in {x for x, _ in sp.combos})
+            ev.notes.append(f"`checkpoint {bad}` left out: {str(err).splitlines()[0][:200]}")
+            sp.drop_mode(bad)
+            continue
+        if peak <= budget:
+            return Option(c, seconds, peak, True, where)
+        bound -= peak - budget + max(1, budget // 1000)
+    return None
+
+
+def render(ev: Evaluator, best: Option, others: list[Option], budget: int, budget_text: str, shape, hardware: str,
+           optimizer: str) -> str:
+    c = best.candidate
+    header = [
+        f"Suggested by `planc suggest` for {ev.model_ref or 'the model'} on {ev.world} ranks ({hardware}), "
+        f"input {'x'.join(map(str, shape))} per rank, {optimizer},",
+        f"per-rank budget {budget_text}. Estimates (planc's models, not measurements):",
+        f"  peak {format_bytes(best.peak)} per rank at {best.where}: the binding constraint, "
+        f"{format_bytes(budget - best.peak)} under the budget",
+        f"  step time {best.seconds * 1e3:.3g} ms (PROVISIONAL cost: planc/suggest/cost.py)",
+        f"  choice: {c.describe()}",
+        *[f"Note: {n}" for n in dict.fromkeys(ev.notes)],
+        "Next best (linear-model peaks):",
+    ]
+    for o in others:
+        header.append(f"  {o.seconds * 1e3:.3g} ms (+{(o.seconds / best.seconds - 1) * 100:.1f}%), "
+                      f"peak ~{format_bytes(o.peak)}: {o.candidate.describe()}")
+    if not others:
+        header.append("  none: no other global choice fits")
+    expects = ["# the budget, checked by `planc check` (re-run `planc suggest` when it fails)",
+               expect_line(budget_text, float(budget), ev.world, tuple(shape))]
+    return ev.text(c, header, expects)
