@@ -86,6 +86,11 @@ BENCHMARKS = [
         ("worst_ratio_error", "worst |analytic / measured - 1| (target <= 0.03)"),
         ("within_3_percent", "every case within 3%"),
     ]),
+    ("time_model.py", "step-time estimate vs published torchtitan throughput (estimate / published, nothing fitted)", [
+        ("ratio_min", "smallest estimate / published"),
+        ("ratio_max", "largest estimate / published"),
+        ("estimate_ms_max", "slowest estimate_step_time call, trace reused (ms)"),
+    ]),
 ]
 
 
@@ -152,6 +157,8 @@ def render(results: list[tuple[str, str, list, str, dict | None, str]], quick: b
                     f"{c['ratio']:.4f} |" for c in data["cases"]]
             out += [f"| {f['model']} | | {f['world_size']} | | | failed: {f['error']} | | |" for f in data.get("failed", [])]
             out.append("")
+        if "markdown" in data:  # a benchmark's own table
+            out += [data["markdown"], ""]
         out += ["| figure | value |", "| --- | --- |"]
         for key, label in figures:
             value = data.get(key, "n/a")

@@ -124,6 +124,42 @@ def _setting(unit: Unit, key: str, policy: Policy) -> dict[str, Any]:
             "set_by": s.rule, "line": f"{s.span.file}:{s.span.line}" if s.span else None}
 
 
+def _sig(x: float | None) -> float | None:
+    """Seconds to 9 significant digits: estimates, and stable across float summation orders."""
+    return None if x is None else float(f"{x:.9g}")
+
+
+def time_report(st) -> dict[str, Any]:
+    """The step-time estimate (`planc.estimate.time.StepTime`) as JSON-ready data (seconds, bytes per rank)."""
+    hw = st.hardware
+    units = []
+    for u in st.per_unit:
+        units.append({
+            "name": u.name,
+            "collectives": [{"kind": c.kind, "axis": c.axis, "ranks": c.ranks, "bytes": c.bytes, "phase": c.phase,
+                             "what": c.what} for c in u.collectives],
+            "forward_flops": u.forward_flops, "backward_flops": u.backward_flops,
+            "recompute_flops": u.recompute_flops, "compute_dtype": u.compute_dtype,
+            "forward_s": _sig(u.forward_s), "backward_s": _sig(u.backward_s), "comm_s": _sig(u.comm_s),
+            "exposed_s": _sig(u.exposed_s),
+        })
+    return {
+        "estimate": True,
+        "hardware": {"name": hw.name, "bf16_flops": hw.bf16_flops, "fp32_flops": hw.fp32_flops, "hbm_bw": hw.hbm_bw,
+                     "gpus_per_node": hw.gpus_per_node,
+                     "intra": {"alpha_s": hw.intra.alpha_s, "busbw": hw.intra.busbw},
+                     "inter": {"alpha_s": hw.inter.alpha_s, "busbw": hw.inter.busbw},
+                     "host_bw": hw.host_bw, "host_optimizer_bw": hw.host_optimizer_bw, "source": hw.source},
+        "efficiency": st.efficiency,
+        "units": units,
+        "totals": {"bytes": st.totals(), "flops": sum(u.flops for u in st.per_unit), "model_flops": st.model_flops,
+                   "compute_s": _sig(st.compute_s), "comm_s": _sig(st.comm_s), "exposed_comm_s": _sig(st.exposed_comm_s),
+                   "optimizer_s": _sig(st.optimizer_s), "step_s": _sig(st.total_s), "tokens": st.tokens,
+                   "tokens_per_s": _sig(st.tokens_per_s), "mfu": _sig(st.mfu)},
+        "assumptions": list(st.assumptions),
+    }
+
+
 def _mesh(compiled, est: Estimate) -> dict[str, Any]:
     """`replicate` and `shard` sizes (as before), `tensor` when the mesh has a tensor axis, and
     `axes`: every `DeviceMesh` dimension planc builds, outermost first, with its role and size."""
@@ -135,7 +171,7 @@ def _mesh(compiled, est: Estimate) -> dict[str, Any]:
     return out
 
 
-def report(compiled, est: Estimate, measured=None, model_ref: str | None = None) -> dict[str, Any]:
+def report(compiled, est: Estimate, measured=None, model_ref: str | None = None, step_time=None) -> dict[str, Any]:
     """Everything `explain` shows, as JSON-ready data (bytes are per rank)."""
     res = compiled.resolution
     table = parameter_placements(compiled, est.world)
@@ -171,6 +207,8 @@ def report(compiled, est: Estimate, measured=None, model_ref: str | None = None)
             "notes": est.notes,
         },
     }
+    if step_time is not None:
+        out["time"] = time_report(step_time)
     if measured is not None:
         out["simulated"] = {"rank": measured.rank, "peak_bytes": measured.peak, "moment": measured.moment,
                             "breakdown": measured.breakdown,
@@ -353,6 +391,8 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
                          "leave headroom"))
     for note in mem["notes"]:
         out.append(style.dim(f"  note: {note}"))
+    if data.get("time"):
+        out += [""] + _time_text(data["time"], style)
     sim = data.get("simulated")
     if sim:
         out += ["", style.bold(f"simulated (fake process group, rank {sim['rank']} of {data['world_size']}): "
@@ -363,3 +403,74 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
             if a or m:
                 out.append(f"  {LABELS.get(key, key):<22} {gib(a):>12} estimated {gib(m):>12} measured")
     return "\n".join(out)
+
+
+# ===================================================================== step time
+
+_KIND = {"all_gather": "all-gather", "reduce_scatter": "reduce-scatter", "all_reduce": "all-reduce",
+         "host_to_device": "host->device", "device_to_host": "device->host"}
+
+
+def seconds(s: float) -> str:
+    """Seconds for people: s, ms, us."""
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def flops(n: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} FLOP"
+
+
+def _unit_bytes(u: dict, kind: str, phase: str | None = None, axis: str | None = None) -> int:
+    return sum(c["bytes"] for c in u["collectives"] if c["kind"] == kind and (phase is None or c["phase"] == phase)
+               and (axis is None or c["axis"] == axis))
+
+
+def _time_text(t: dict[str, Any], style: _Style) -> list[str]:
+    tot = t["totals"]
+    hw = t["hardware"]
+    out = [style.bold(f"step time per rank, estimated: {seconds(tot['step_s'])}") +
+           f" on {hw['name']} at {t['efficiency']:.0%} of peak FLOP/s (an estimate, not a measurement)"]
+    rows = []
+
+    def key(u: dict) -> tuple:
+        return (u["forward_flops"], u["backward_flops"], u["recompute_flops"],
+                tuple((c["kind"], c["phase"], c["bytes"], c["ranks"]) for c in u["collectives"]))
+
+    for group in _runs([dict(u, root=u["name"] == "<root>") for u in t["units"]], key):
+        u = group[0]
+        each = " each" if len(group) > 1 else ""
+        fsdp = [c for c in u["collectives"] if c["axis"] != "tensor"]
+        rows.append([_run_name(group),
+                     gib(_unit_bytes(u, "all_gather", "forward", "shard")) + each,
+                     gib(_unit_bytes(u, "all_gather", "backward", "shard")),
+                     gib(_unit_bytes(u, "reduce_scatter", "backward", "shard")),
+                     gib(_unit_bytes(u, "all_reduce", "backward", "replicate")),
+                     gib(sum(c["bytes"] for c in u["collectives"] if c["axis"] == "tensor")),
+                     flops(u["forward_flops"] + u["backward_flops"] + u["recompute_flops"]),
+                     seconds(u["forward_s"] + u["backward_s"]),
+                     seconds(u["comm_s"]) if fsdp or u["collectives"] else "-",
+                     seconds(sum(g["exposed_s"] for g in group) / len(group))])
+    out += _table(rows, ["unit", "all-gather fwd", "all-gather bwd", "reduce-scatter", "all-reduce (repl)",
+                         "tensor axis", "FLOPs", "compute", "comm", "exposed"], style)
+    by_kind = []
+    for kind, axes in tot["bytes"].items():
+        for axis, n in axes.items():
+            by_kind.append(f"{_KIND.get(kind, kind)} {gib(n)} ({axis})")
+    out.append("  bytes per rank: " + (", ".join(by_kind) if by_kind else "none"))
+    out.append(f"  compute {seconds(tot['compute_s'])} ({flops(tot['flops'])}), collectives busy {seconds(tot['comm_s'])}, "
+               f"exposed {seconds(tot['exposed_comm_s'])}, optimizer step {seconds(tot['optimizer_s'])}")
+    if tot["tokens_per_s"]:
+        out.append(f"  {tot['tokens_per_s']:,.0f} tokens/s over the job, MFU {tot['mfu']:.1%} "
+                   f"(model FLOPs {flops(tot['model_flops'])} per rank per step)")
+    else:
+        out.append("  FLOPs not counted: give an input shape (--input-shape BxS) for compute, tokens/s and MFU")
+    for a in t["assumptions"]:
+        out.append(style.dim(f"  assumes: {a}"))
+    return out

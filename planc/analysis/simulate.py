@@ -84,6 +84,43 @@ def _tracker_class():
                 return func(*args, **(kwargs or {}))
             return super().__torch_dispatch__(func, types, args, kwargs)
 
+        # NOTE: torch 2.13's tracker removes a group unit's (`fully_shard([a, b])`) forward hooks
+        # and installs FSDPState's per module, which turns one group into one unit per module:
+        # the group reshards after each member, registers a pre-backward hook on each member's
+        # output and a post-backward on each member's inputs, so in backward it is gathered
+        # and reduce-scattered once per member (and its exit restores per-module hooks, wrapping
+        # `pre_backward` once per member). Real FSDP2 gathers a group once and reduce-scatters
+        # it once (planc/analysis/comms.py records it). These two overrides install the
+        # tracker's wrappers with FSDP2's own group hooks, once per FSDP state.
+        def _instrument_fsdp_module(self) -> None:
+            from torch.distributed._tools.fsdp2_mem_tracker import _SavedFSDPMethods
+            from torch.distributed.fsdp import FSDPModule
+            for module, state in _fsdp_states(self._root_mod, FSDPModule):
+                group = state._fsdp_param_group
+                _remove_forward_hooks(state)
+                self._instrument_fsdp_sharded_params_grads(group)
+                _install_forward_hooks(state, module, self._fsdp_state_pre_forward(module, state._pre_forward),
+                                       self._fsdp_state_post_forward(module, state._post_forward), always=True)
+                self._fsdp_mod_to_saved_methods[module] = _SavedFSDPMethods(group.pre_backward, group.post_backward)
+                group.pre_backward = self._fsdp_param_group_pre_backward(module, group.pre_backward)
+                group.post_backward = self._fsdp_param_group_post_backward(module, group.post_backward)
+            from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+            for buffer in self._root_mod.buffers():  # as the tracker's own method does
+                self._update_and_maybe_create_winfos(buffer, _FSDPRefType.BUFFER)
+
+        def _deregister_module_and_optimizer_hooks(self) -> None:
+            for module, saved in self._fsdp_mod_to_saved_methods.items():
+                state = module._get_fsdp_state()
+                _remove_forward_hooks(state)
+                _install_forward_hooks(state, module, state._pre_forward, state._post_forward, always=False)
+                state._fsdp_param_group.pre_backward = saved.pre_backward
+                state._fsdp_param_group.post_backward = saved.post_backward
+            self._fsdp_mod_to_saved_methods.clear()
+            if self._optimizer_hook_handles is not None:
+                for handle in self._optimizer_hook_handles:
+                    handle.remove()
+                self._optimizer_hook_handles = None
+
         def _update_peak_stats(self, peak_state) -> None:
             super()._update_peak_stats(peak_state)
             if not self.recording:
@@ -97,6 +134,37 @@ def _tracker_class():
                 self.best = (total, deepcopy(snap), f"{phase} of {where}")
 
     return StepTracker
+
+
+def _fsdp_states(root: nn.Module, fsdp_module_cls) -> list:
+    """(first module, FSDP state) for each FSDP state with parameters under `root`, once each."""
+    seen: set[int] = set()
+    out = []
+    for module in root.modules():
+        if isinstance(module, fsdp_module_cls):
+            state = module._get_fsdp_state()
+            if state._fsdp_param_group is not None and id(state) not in seen:
+                seen.add(id(state))
+                out.append((state._modules[0], state))
+    return out
+
+
+def _remove_forward_hooks(state) -> None:
+    state._pre_forward_hook_handle.remove()
+    if state._post_forward_hook_handle is not state._pre_forward_hook_handle:
+        state._post_forward_hook_handle.remove()
+
+
+def _install_forward_hooks(state, module: nn.Module, pre, post, always: bool) -> None:
+    """Forward hooks as `FSDPState.init` registers them: per module, or FSDP2's group hooks for a list unit."""
+    if len(state._modules) > 1:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
+        handle = _register_group_forward_hooks(state._modules, pre, post, state._modules_to_run_forward,
+                                               state._cast_output_dtype)
+        state._pre_forward_hook_handle = state._post_forward_hook_handle = handle
+        return
+    state._pre_forward_hook_handle = module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
+    state._post_forward_hook_handle = module.register_forward_hook(post, prepend=False, always_call=always)
 
 
 def _innermost(where: str, root_name: str) -> str:

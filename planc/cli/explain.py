@@ -72,6 +72,7 @@ def main(args) -> int:
         what = "--inputs" if factory is not None else "--input-shape"
         raise UsageError(f"{what}: {err}" + ("" if factory is not None else "; the shape is batch x sequence of "
                          "token ids (leave it out to estimate without activations)")) from err
+    step_time = _step_time(c, args, shape, example, loss)
     measured = None
     if args.simulate:
         try:
@@ -83,7 +84,7 @@ def main(args) -> int:
             # the step failed in the plan's own terms: the rule behind it, as `planc check --simulate` says
             print(render.render_text(located, sources, color=use_color(sys.stderr)), file=sys.stderr)
             return EXIT_ERRORS
-    data = report(c, est, measured, ref)
+    data = report(c, est, measured, ref, step_time)
     if args.plot:
         from planc.analysis.plot import PlotError, plot_step
         try:
@@ -109,6 +110,24 @@ def main(args) -> int:
     else:
         print(render_text(data, c, color=use_color(sys.stdout)))
     return EXIT_ERRORS if failed else EXIT_OK
+
+
+def _step_time(compiled, args, shape, example, loss):
+    """The step-time estimate for `--hardware` (default h100); FLOPs only with an input."""
+    from planc.estimate.hardware import HardwareError, hardware
+    from planc.estimate.time import estimate_step_time
+    try:
+        hw = hardware(getattr(args, "hardware", None) or "h100")
+    except HardwareError as err:
+        raise UsageError(f"--hardware: {err}") from err
+    efficiency = getattr(args, "efficiency", None)
+    if efficiency is not None and not 0 < efficiency <= 1:
+        raise UsageError(f"--efficiency {efficiency}: expected a fraction in (0, 1]")
+    try:
+        return estimate_step_time(compiled, world=args.world_size, hardware=hw, input_shape=shape, inputs=example,
+                                  loss=loss, optimizer=args.optimizer, efficiency=efficiency)
+    except TraceError as err:
+        raise UsageError(f"--input-shape: {err}") from err
 
 
 def _step_functions(args):

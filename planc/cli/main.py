@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: cross-entropy over fp32 logits for language models, else output.sum())")
     e.add_argument("--plot", metavar="FILE", help="write memory over one step (PNG or SVG)")
     e.add_argument("--html", metavar="FILE", help="write the report as one self-contained HTML page")
+    e.add_argument("--hardware", metavar="NAME|FILE", default="h100",
+                   help="hardware profile for the step-time estimate: h100, h200, a100, b200 or a TOML/JSON file "
+                   "(docs/time-model.md)")
+    e.add_argument("--efficiency", type=float, metavar="F",
+                   help="achievable fraction of peak FLOP/s (default: the profile's, 0.6 built in)")
     e.set_defaults(func=explain.main)
 
     g = sub.add_parser("suggest", help="search for the fastest plan that fits a per-rank memory budget")

@@ -12,9 +12,11 @@ Two parts, both without torch.distributed and without a GPU:
   at pre-forward (and at pre-backward when resharded), the explicit or default backward
   prefetch (the next unit in reverse post-forward order), reshard after forward (`true`
   frees, `false` keeps, `N` keeps a 1/N slice), reshard then reduce-scatter at post-backward
-  (a group unit does this per module, as torch 2.13 does, and is gathered again for the
-  next member), the all-gather output alive during each copy-out and kept until the next
-  copy-out in forward, one reduce-scatter input kept alive until the next one, extra
+  (a group unit `[a, b]` is one FSDP parameter group, as in torch 2.13: gathered once in
+  forward and once in backward, one reduce-scatter of all its gradients, after the member that
+  ran forward first finishes backward), the all-gather output alive during each copy-out and kept until the next
+  copy-out in forward, one reduce-scatter input kept alive until the next one (torch 2.13's
+  default `reduce_scatter_max_input_buffers = 1`; planc sets no other), extra
   copies for `Shard(d != 0)` parameters, then the optimizer step (foreach AdamW needs one
   temporary the size of the sharded parameters). When an input is given, the replay is driven by a
   forward and backward of the model on **fake CPU tensors** (shapes only, no memory): a
@@ -322,8 +324,8 @@ class _Replay:
         self.slices.discard(i)
         # NOTE: FSDP2 drops the previous all-gather result in this wait, but a local
         # still holds it until the copy-out returns; in forward this one is kept until the
-        # next. The last forward one so lives through the loss and its backward, until the
-        # first all-gather of backward (measured: the peak of an LM step is often there)
+        # next, the last one until the root's post-forward (without a root unit, until the
+        # first all-gather of backward)
         self.ag_kept = m.unsharded if self.shard > 1 and self.phase == "forward" else 0
 
     def prefetch(self, i: int) -> None:
@@ -390,6 +392,9 @@ class _Replay:
             elif ev.kind == "fwd_post":
                 self.post_forward_order.append(i)
                 if units[i].is_root:
+                    # torch 2.13: the root's post-forward frees the last forward all-gather result
+                    # (without a root unit it lives until the first all-gather of backward)
+                    self.ag_kept = 0
                     continue
                 if self.mem[i].post_forward == 0:
                     self.reshard(i)
@@ -398,9 +403,7 @@ class _Replay:
             elif ev.kind == "bwd_pre":
                 self.phase = "backward"
                 self.unshard(i, f"all-gather {name} (backward)")
-                # NOTE: measured on torch 2.13: a group unit whose modules finish backward
-                # one by one issues its backward prefetch when gathered for the last of them
-                if k != last_bwd_pre[i]:
+                if k != last_bwd_pre[i]:  # a unit gathered again (checkpoint recompute): prefetched already
                     continue
                 targets = prefetch_backward.get(name)
                 if targets is None:

@@ -331,14 +331,16 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
     names_of = {i: list(u.params) for i, u in enumerate(units)}
     params_of = {i: [model.get_parameter(p) for p in names] for i, names in names_of.items()}
     fwd_pending: dict[int, int] = {}
-    bwd_left: dict[int, int] = {}
+    first_in: dict[int, nn.Module] = {}   # the member of each unit that ran forward first
+    bwd_started: set[int] = set()
 
     def post_backward(i: int, final: bool) -> None:
         """FSDP2's post-backward: reduce-scatter the gradients there are, then reshard.
 
-        A group unit runs it each time one of its modules finishes backward (torch 2.13
-        registers the hook on every member's inputs), so `[norm, output]` reduces `output`'s
-        gradient, reshards, and is gathered again for `norm`.
+        A group unit (`fully_shard([a, b])`) runs it once: torch 2.13 registers its
+        post-backward on the inputs of the member that runs forward first, and its
+        pre-backward on the output of the member that completes the group, so the group is
+        gathered once in backward and reduce-scatters all its gradients together.
         """
         if i in post_done:
             return
@@ -358,6 +360,7 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
         def pre(mod, args, i=i, u=u):
             if fwd_pending.get(i, 0) == 0:
                 events.append(Event("fwd_pre", i, live=mode.live))
+                first_in[i] = mod  # its inputs carry the group's post-backward hook
             fwd_pending[i] = fwd_pending.get(i, 0) + 1
             where.append(u.name)
             if u.policy.precision.casts_inputs:
@@ -374,7 +377,9 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
             return None
 
         def bw_pre(mod, grad_out, i=i, u=u):
-            events.append(Event("bwd_pre", i, live=mode.live))  # per module: groups re-gather
+            if i not in bwd_started:  # a group's pre-backward runs once, at its first member
+                bwd_started.add(i)
+                events.append(Event("bwd_pre", i, live=mode.live))
             where.append(u.name)
 
         def bw_post(mod, grad_in, grad_out, i=i, u=u):
@@ -383,8 +388,8 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
                 # no input needs a gradient (token ids): torch fires this hook before the
                 # module's backward; FSDP2 reduces such units in its end-of-backward callback
                 return
-            bwd_left[i] = bwd_left.get(i, len(u.modules)) - 1
-            post_backward(i, final=bwd_left[i] == 0)
+            if first_in.get(i) is mod:
+                post_backward(i, final=True)
 
         for m in mods:
             handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post),
@@ -420,10 +425,11 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
             out = model(*example.args, **example.kwargs)
             if root_precision is not None and root_precision.output_dtype is not None:
                 out = _cast(out, root_precision.output_dtype)
+            if root is not None:  # the root's post-forward runs as the model returns, before the loss
+                events.append(Event("fwd_post", root, live=mode.live))
             value = step_loss(out, labels)
             del out
             if root is not None:
-                events.append(Event("fwd_post", root, live=mode.live))
                 events.append(Event("bwd_pre", root, live=mode.live))
             with warnings.catch_warnings():  # full backward hooks warn on int inputs; harmless here
                 warnings.simplefilter("ignore")

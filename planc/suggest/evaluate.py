@@ -7,8 +7,9 @@ and derives everything else from that trace:
 
 * **other unit granularities** by renaming the trace's unit events (`remap`): a unit of two
   blocks starts at the first block's pre-forward, ends at the second's post-forward, and
-  is gathered and reduced per member in backward, as torch 2.13 runs a group unit (the
-  trace hooks each member the same way);
+  is gathered once in backward and reduced once, when the first block finishes backward, as
+  torch 2.13 runs a group unit (the other blocks' unsharded gradients, freed per block in the
+  traced step, are carried until then);
 * **a shorter trace with the same peak** (`compress`): between two unit events only the
   live bytes change, so each run of op events is replaced by its largest and its last op;
   the replay's peak is unchanged (tests/test_suggest.py checks it against
@@ -86,19 +87,38 @@ def remap(trace: Trace, atom_units, units) -> Trace:
         first.setdefault(j, i)
         last[j] = i
     out = []
-    for ev in trace.events:
+    events = trace.events
+    started: set[int] = set()
+    carry: dict[int, int] = {}  # merged unit -> unsharded grads a member freed in the atom trace, still alive
+    for k, ev in enumerate(events):
+        extra = sum(carry.values())
         if ev.kind == "op":
-            out.append(Event("op", live=ev.live, grads=ev.grads, where=name_of.get(ev.where, ev.where)))
+            out.append(Event("op", live=ev.live + extra, grads=ev.grads + extra, where=name_of.get(ev.where, ev.where)))
             continue
         if ev.unit < 0:
-            out.append(ev)
+            out.append(Event(ev.kind, ev.unit, live=ev.live + extra, grads=ev.grads + extra, where=ev.where,
+                             params=ev.params) if extra else ev)
             continue
         j = to_new[ev.unit]
         if ev.kind == "fwd_pre" and first[j] != ev.unit:
             continue
         if ev.kind == "fwd_post" and last[j] != ev.unit:
             continue
-        out.append(Event(ev.kind, j, live=ev.live, grads=ev.grads, where=ev.where, params=ev.params))
+        # torch 2.13 runs a group unit's pre-backward once and its post-backward once, when the
+        # member that ran forward first finishes backward: the other members' gradients stay
+        if ev.kind == "bwd_pre":
+            if j in started:
+                continue
+            started.add(j)
+        if ev.kind == "bwd_post" and first[j] != ev.unit:
+            nxt = next((e for e in events[k + 1:] if e.kind == "op"), None)
+            carry[j] = carry.get(j, 0) + max(0, ev.grads - (nxt.grads if nxt is not None else 0))
+            continue
+        if ev.kind == "bwd_post":
+            carry.pop(j, None)
+            out.append(Event(ev.kind, j, live=ev.live + extra, grads=ev.grads + extra, where=ev.where, params=None))
+            continue
+        out.append(Event(ev.kind, j, live=ev.live + extra, grads=ev.grads + extra, where=ev.where, params=ev.params))
     return Trace(out, trace.input_bytes, trace.source)
 
 

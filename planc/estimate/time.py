@@ -1,0 +1,733 @@
+"""Step-time model: communication bytes, FLOPs and the FSDP2 overlap schedule of one training step.
+
+Everything here is an **estimate**, computed without torch.distributed and without a GPU,
+from the lowered program (`planc/lower/program.py`), the model graph, one traced step of the
+model (`StepProfile`) and a hardware profile (`planc/estimate/hardware.py`).
+
+API (what `planc explain` and `planc suggest` call)::
+
+    from planc.estimate.flops import step_profile
+    profile = step_profile(graph, input_shape=(8, 4096), dtype=torch.bfloat16)  # once per model + input
+    st = estimate_step_time(compiled, world=64, hardware="h100", profile=profile)
+    st.total_s, st.exposed_comm_s, st.tokens_per_s, st.mfu, st.per_unit[i].collectives ...
+
+`planc.estimate.flops.step_profile(graph, inputs=None, *, input_shape=None, loss=None, dtype=None)
+-> StepProfile | None`
+    Runs one forward, loss and backward of the plain model on fake CPU tensors (no memory)
+    under torch's `FlopCounterMode`, and records per module path: forward and backward FLOPs,
+    what `full` and `selective` checkpointing of that module would rerun, the (module, FLOPs)
+    segments in execution order, and the shapes of each module's first floating-point input
+    and output (for tensor-parallel collectives). It does not depend on the plan: cached per
+    (graph, input, loss, dtype), so a search over units, reshard, precision, offload,
+    checkpointing, prefetch and mesh sizes traces the model once. `dtype` runs the step with
+    parameters in that dtype (MoE grouped matmuls need bf16); FLOPs do not depend on it.
+
+`estimate_step_time(plan, *, world, hardware="h100", profile=None, graph=None, input_shape=None,
+inputs=None, loss=None, optimizer="adamw", efficiency=None) -> StepTime`
+    `plan` is a `CompiledPlan` or a lowered `Program` (then `graph` is required). `hardware`
+    is a profile name, a TOML/JSON path or a `Hardware`; `efficiency` overrides the profile's
+    achievable fraction of peak FLOP/s. Without a profile (and no input), FLOPs are 0 and only
+    communication is timed. Given a profile, pure arithmetic over the program: no tracing,
+    no torch ops; about 5 ms for the 126-block 405B-shaped model. Without one but with an
+    input, the profile is built (and cached) in the plan's main compute dtype.
+
+`StepTime` holds `per_unit` (a `UnitTime` per `fully_shard` call, in program order: its
+collectives as `Collective(kind, axis, ranks, bytes, phase)`, forward/backward/recompute
+FLOPs, compute seconds), `totals` of bytes per (kind, axis), `compute_s`, `comm_s` (all
+collectives' busy time), `exposed_comm_s` (collective time the compute stream waits for),
+`optimizer_s`, `total_s`, `tokens_per_s`, `mfu`, the `hardware` and the `assumptions` (the
+list of sentences every output prints).
+
+What is modelled (torch 2.13 FSDP2; docs/time-model.md says it at length):
+
+* bytes, exact: a unit all-gathers once per unshard all its parameters' shards, dim 0
+  padded to a multiple of the shard size (`FSDPParam` chunks and pads), in `param_dtype`
+  (nccl-tests size = the gathered output); a unit resharded after forward (`true`) gathers
+  again in backward on the shard axis; `reshard after_forward = N` gathers in backward within
+  groups of N ranks; `false` does not gather again; one reduce-scatter per unit in backward of
+  the gradients (padded, `reduce_dtype`; size = the input); with HSDP one all-reduce of the
+  reduce-scatter output across the replicate axis; offload copies the sharded parameters
+  host->device at each all-gather and the sharded gradients device->host; tensor-parallel
+  styles move activations (see `tp_collectives`).
+* FLOPs: `FlopCounterMode` counts per module; a unit's are those of the modules it owns
+  (nested units' excluded); with a tensor axis of size T every FLOP is divided by T;
+  checkpointing adds what torch's checkpoint reruns in backward (its early stop skips the
+  ops after the last saved tensor; `selective` reruns only ops that are not matmuls or
+  attention, which FlopCounterMode counts as 0).
+* time: compute = FLOPs / (peak for the unit's compute dtype x efficiency); collectives in
+  alpha-beta form on the link their group spans; the schedule FSDP2 runs: forward all-gathers
+  issued at each unit's pre-forward (implicitly one unit ahead, since the CPU runs ahead,
+  at most two all-gathers in flight) or by explicit prefetch lists; backward all-gathers at
+  pre-backward with the default prefetch of the next unit in reverse post-forward order (or the
+  explicit lists); reduce-scatters after each unit's backward compute, overlapping the next
+  unit's; collectives share one network queue in issue order; TP collectives block compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from planc.estimate.hardware import Hardware
+from planc.estimate.hardware import hardware as hardware_of
+from planc.lower.lowering import tensor_dims
+from planc.lower.program import FullyShard, Program
+
+PHASES = ("forward", "backward", "optimizer")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "host_to_device", "device_to_host")
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def _padded(shape: tuple[int, ...], shard: int, dim: int = 0) -> int:
+    """Elements per rank of one parameter: `dim` padded to a multiple of `shard` (FSDP2's chunking)."""
+    if not shape:
+        return 1
+    rest = math.prod(shape) // shape[dim] if shape[dim] else 0
+    return -(-shape[dim] // shard) * rest
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective (or host copy) of one unit: `bytes` in nccl-tests' size convention.
+
+    all_gather: the gathered output; reduce_scatter: the input; all_reduce: the buffer;
+    host_to_device / device_to_host: the bytes copied. `ranks` is the group size, `axis` the
+    mesh axis (`shard`, `replicate`, `tensor`, `host`), `phase` forward or backward.
+    """
+
+    kind: str
+    axis: str
+    ranks: int
+    bytes: int
+    phase: str
+    what: str = ""          # "params", "grads", or the module a TP collective belongs to
+    stride: int = 1         # distance between consecutive ranks of the group (link class)
+    side: str = ""          # TP, forward: "input" (before the module's ops) or "output" (after)
+
+
+@dataclass
+class UnitTime:
+    """One unit's share of the step."""
+
+    name: str
+    index: int
+    collectives: list[Collective] = field(default_factory=list)
+    forward_flops: int = 0
+    backward_flops: int = 0
+    recompute_flops: int = 0
+    compute_dtype: str = "float32"
+    forward_s: float = 0.0
+    backward_s: float = 0.0    # including recompute
+    comm_s: float = 0.0        # busy time of this unit's collectives
+    exposed_s: float = 0.0     # compute waiting for this unit's gathers (and the step's tail, on the last reducer)
+
+    def bytes(self, kind: str | None = None, axis: str | None = None, phase: str | None = None) -> int:
+        return sum(c.bytes for c in self.collectives if (kind is None or c.kind == kind)
+                   and (axis is None or c.axis == axis) and (phase is None or c.phase == phase))
+
+    @property
+    def flops(self) -> int:
+        return self.forward_flops + self.backward_flops + self.recompute_flops
+
+
+# ===================================================================== communication, exact
+
+
+def _group_dtype(op: FullyShard, graph) -> torch.dtype:
+    infos = [graph.params[p] for p in op.params]
+    return infos[0].dtype if infos else torch.float32
+
+
+def unit_collectives(program: Program, graph, world: int) -> list[list[Collective]]:
+    """Every `fully_shard` unit's collectives for one step at `world` ranks (FSDP part only).
+
+    Bytes are exact for torch 2.13's FSDP2: per parameter `ceil(dim / shard) * rest` elements
+    per rank (`Shard(d)` placements pad dim d instead), the tensor-parallel local shape when
+    the parameter is TP-sharded; the all-gather packs all of a unit's parameters into one
+    collective (`foreach_all_gather`), the reduce-scatter all its gradients.
+    """
+    sizes = program.mesh.sizes(world) or {"shard": world}
+    replicate, shard, tp = sizes.get("replicate", 1), sizes.get("shard", 1), sizes.get("tensor", 1)
+    tp_dims = tensor_dims(program, graph) if tp > 1 else {}
+    out: list[list[Collective]] = []
+    for op in program.units:
+        placed = dict(op.placements)
+        precision = op.policy.precision
+        ag = rs = sharded = sharded_grad = 0
+        for name in op.params:
+            info = graph.params[name]
+            shape = tuple(info.shape)
+            if name in tp_dims:  # FSDP shards the tensor-parallel local shard
+                shape = tuple(-(-n // tp) if d == tp_dims[name] else n for d, n in enumerate(shape))
+            per_rank = _padded(shape, shard, placed.get(name, 0))
+            ag += per_rank * shard * _itemsize(precision.compute_dtype(info.dtype))
+            sharded += per_rank * _itemsize(info.dtype)
+            if info.requires_grad:
+                rs += per_rank * shard * _itemsize(precision.reduce(info.dtype))
+                sharded_grad += per_rank * _itemsize(info.dtype)
+        cs: list[Collective] = []
+        stride = tp  # the shard axis sits outside the tensor axis
+        reshard = op.policy.reshard_after_forward
+        offload = op.policy.offload.enabled
+        if shard > 1 and ag:
+            cs.append(Collective("all_gather", "shard", shard, ag, "forward", "params", stride))
+            if offload:
+                cs.append(Collective("host_to_device", "host", 1, sharded, "forward", "params"))
+            if reshard is True or (not isinstance(reshard, bool) and reshard >= shard):
+                cs.append(Collective("all_gather", "shard", shard, ag, "backward", "params", stride))
+                if offload:
+                    cs.append(Collective("host_to_device", "host", 1, sharded, "backward", "params"))
+            elif not isinstance(reshard, bool) and reshard > 1:
+                # hpZ: the backward all-gather runs within groups of N ranks of the shard axis
+                cs.append(Collective("all_gather", "shard", int(reshard), ag, "backward", "params", stride))
+        if rs and shard > 1:
+            cs.append(Collective("reduce_scatter", "shard", shard, rs, "backward", "grads", stride))
+        if rs and replicate > 1:
+            cs.append(Collective("all_reduce", "replicate", replicate, rs // shard, "backward", "grads",
+                                 stride * shard))
+        if offload and rs:
+            cs.append(Collective("device_to_host", "host", 1, sharded_grad, "backward", "grads"))
+        out.append(cs)
+    return out
+
+
+def totals(units: Iterable[UnitTime]) -> dict[str, dict[str, int]]:
+    """Bytes per collective kind per mesh axis, over the step."""
+    out: dict[str, dict[str, int]] = {}
+    for u in units:
+        for c in u.collectives:
+            out.setdefault(c.kind, {}).setdefault(c.axis, 0)
+            out[c.kind][c.axis] += c.bytes
+    return out
+
+
+@dataclass
+class StepTime:
+    """The estimated time of one training step on one rank (see the module docstring)."""
+
+    world: int
+    hardware: Hardware
+    per_unit: list[UnitTime]
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    optimizer_s: float
+    total_s: float
+    tokens: int | None
+    model_flops: int
+    assumptions: list[str]
+    efficiency: float = 0.6
+    tp: int = 1
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens per second per rank (None without an input)."""
+        return self.tokens / self.total_s if self.tokens and self.total_s else None
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs (forward + backward, no recompute) / (step time x peak bf16 FLOP/s)."""
+        if not self.model_flops or not self.total_s:
+            return None
+        return self.model_flops / (self.total_s * self.hardware.bf16_flops)
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        return totals(self.per_unit)
+
+
+# ===================================================================== tensor parallelism
+
+
+def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, list[Collective]]:
+    """Module path -> the activation collectives its tensor-parallel style issues (torch 2.13 DTensor).
+
+    Modelled (sizes are the full activation, nccl-tests' convention; shapes from the profile):
+
+    * colwise: input `replicate` (default): backward all-reduce of the input's gradient (a
+      partial sum); input `shard(d)` (sequence parallel): forward all-gather of the input,
+      backward reduce-scatter of its gradient; output `replicate`: forward all-gather of the
+      output (the default `shard(-1)` costs nothing).
+    * rowwise: output `replicate` (default): forward all-reduce of the output; output
+      `shard(d)`: forward reduce-scatter of the output, backward all-gather of its gradient;
+      a `replicate` floating-point input: backward all-gather of its gradient.
+    * sequence: backward all-reduce of the parameters' gradients (partial over the sequence
+      shards; torch issues it in the owning FSDP unit's post-backward).
+    * prepare_input / prepare with a first input `replicate` desired `shard(d)`: a local slice
+      forward, backward all-gather of its gradient.
+    * prepare_input / prepare with a first input `shard(d)` desired `replicate`: forward
+      all-gather of the input; backward reduce-scatter of its (partial) gradient unless
+      `local_output true`. A colwise module under such a prepare (its input arrives as a
+      DTensor) leaves the reduction to the prepare: no all-reduce of its own.
+    * replicate, prepare_output, other prepare layouts: nothing (inputs assumed already in the
+      layout the style expects).
+    """
+    sizes = program.mesh.sizes(world) or {}
+    tp = sizes.get("tensor", 1)
+    from planc.lower.program import Parallelize
+    ops = program.of_type(Parallelize)
+    if tp <= 1 or not ops or profile is None:
+        return {}
+    compute = _compute_dtypes(program, graph)
+    out: dict[str, list[Collective]] = {}
+    # modules whose inputs arrive as DTensors from a `prepare_input`/`prepare` above them:
+    # a colwise module there leaves its input gradient partial for the prepare to reduce
+    dtensor_in = [op.module for op in ops if op.style.kind in ("prepare_input", "prepare")
+                  and op.style.use_local_output is not True]
+    above = _ancestors_in(dtensor_in, [op.module for op in ops])
+
+    def under_prepare(path: str) -> bool:
+        return any(m != path for m in above[path])
+
+    for op in ops:
+        style, path = op.style, op.module
+        cs: list[Collective] = []
+        dtype = _module_dtype(graph, path, compute)
+        inp, outp = profile.inputs.get(path), profile.outputs.get(path)
+        size = _itemsize(dtype)
+
+        def nbytes(a, size=size) -> int:
+            return a.numel * size if a is not None else 0
+        in_layout = (style.input_layouts or (None,))[0]
+        out_layout = (style.output_layouts or (None,))[0]
+        if style.kind == "colwise":
+            if inp is not None and inp.dtype.is_floating_point:
+                if in_layout is not None and in_layout.kind == "shard":
+                    cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "forward", path, side="input"))
+                    if inp.requires_grad:
+                        cs.append(Collective("reduce_scatter", "tensor", tp, nbytes(inp), "backward", path))
+                elif inp.requires_grad and not under_prepare(path):
+                    cs.append(Collective("all_reduce", "tensor", tp, nbytes(inp), "backward", path))
+            if out_layout is not None and out_layout.kind == "replicate":
+                cs.append(Collective("all_gather", "tensor", tp, nbytes(outp), "forward", path, side="output"))
+        elif style.kind == "rowwise":
+            if out_layout is None or out_layout.kind == "replicate":
+                cs.append(Collective("all_reduce", "tensor", tp, nbytes(outp), "forward", path, side="output"))
+            elif out_layout.kind == "shard":
+                cs.append(Collective("reduce_scatter", "tensor", tp, nbytes(outp), "forward", path, side="output"))
+                cs.append(Collective("all_gather", "tensor", tp, nbytes(outp), "backward", path))
+            if in_layout is not None and in_layout.kind == "replicate" and inp is not None \
+                    and inp.dtype.is_floating_point and inp.requires_grad:
+                cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "backward", path))
+        elif style.kind in ("prepare_input", "prepare"):
+            desired = (style.desired_input_layouts or (None,))[0]
+            if in_layout is not None and in_layout.kind == "shard" and desired is not None \
+                    and desired.kind == "replicate" and inp is not None and inp.dtype.is_floating_point:
+                cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "forward", path, side="input"))
+                if inp.requires_grad and style.use_local_output is not True:
+                    cs.append(Collective("reduce_scatter", "tensor", tp, nbytes(inp), "backward", path))
+            elif (in_layout is None or in_layout.kind == "replicate") and desired is not None \
+                    and desired.kind == "shard" and inp is not None and inp.dtype.is_floating_point and inp.requires_grad:
+                # replicate -> shard(d) is a local slice forward; its gradient is gathered back in backward
+                cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "backward", path))
+        elif style.kind == "sequence":
+            for _, canon in graph.own_params(path):
+                info = graph.params[canon]
+                if info.requires_grad:
+                    cs.append(Collective("all_reduce", "tensor", tp, info.numel * _itemsize(compute[canon]),
+                                         "backward", path))
+        out[path] = [c for c in cs if c.bytes]
+    return out
+
+
+def recompute_collectives(program: Program, profile, tp_cs: dict[str, list[Collective]]) -> dict[str, list[Collective]]:
+    """Module path -> the forward TP collectives a checkpointed ancestor's recompute issues again.
+
+    Checkpoint reruns the module's forward in backward, DTensor redistributions included, up to
+    its early stop (the last tensor its forward saved): an input-side collective reruns when its
+    module starts before the stop, an output-side one when its module ends before it (a block's
+    final reduce-scatter, feeding only a residual add, does not rerun).
+    """
+    from planc.lower.program import Checkpoint
+    out: dict[str, list[Collective]] = {}
+    if profile is None or not tp_cs:
+        return out
+    modes = {op.module: op.mode for op in program.of_type(Checkpoint)}
+    for path, marks in _ancestors_in(modes, tp_cs).items():
+        cs = tp_cs[path]
+        for m in marks:
+            stop = profile.stops.get(m)
+            if stop is None:
+                continue
+            start, end = profile.spans.get(path, (stop + 1, stop + 1))
+            for c in cs:
+                if c.phase == "forward" and ((c.side == "input" and start <= stop) or (c.side == "output" and end <= stop)):
+                    out.setdefault(path, []).append(dataclasses.replace(c, phase="backward", what=f"{path} (recompute)"))
+    return out
+
+
+def _compute_dtypes(program: Program, graph) -> dict[str, torch.dtype]:
+    out = {name: info.dtype for name, info in graph.params.items()}
+    for op in program.units:
+        for name in op.params:
+            out[name] = op.policy.precision.compute_dtype(graph.params[name].dtype)
+    return out
+
+
+def main_dtype(program: Program, graph) -> torch.dtype | None:
+    """The compute dtype most parameters are gathered in (the dtype a step profile is run in)."""
+    counts: dict[torch.dtype, int] = {}
+    for name, dtype in _compute_dtypes(program, graph).items():
+        if dtype.is_floating_point:
+            counts[dtype] = counts.get(dtype, 0) + graph.params[name].numel
+    return max(counts, key=counts.get) if counts else None
+
+
+def _module_dtype(graph, path: str, compute: dict[str, torch.dtype]) -> torch.dtype:
+    """The dtype a module computes in: its first parameter's compute dtype, or its subtree's first
+    (a container such as an attention block), float32 without any."""
+    own = list(graph.own_params(path))
+    if own:
+        return compute[own[0][1]]
+    below = sorted(graph.subtree_params(path))
+    return compute[below[0]] if below else torch.float32
+
+
+# ===================================================================== ownership
+
+
+def owners(program: Program, graph, paths: Iterable[str]) -> dict[str, int]:
+    """Module path -> index of the unit whose parameters it uses (nearest unit module above it, else
+    the root; without a root unit, `len(program.units)`: outside every unit)."""
+    units = program.units
+    unit_of = {m: i for i, u in enumerate(units) if not u.is_root for m in u.modules}
+    root = next((i for i, u in enumerate(units) if u.is_root), len(units))
+    out: dict[str, int] = {}
+    for path in paths:
+        p = path
+        while True:
+            if p in unit_of:
+                out[path] = unit_of[p]
+                break
+            if not p:
+                out[path] = root
+                break
+            p = p.rpartition(".")[0]
+    return out
+
+
+def _ancestors_in(marked: Iterable[str], paths: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """Each path -> the marked modules at or above it, outermost first."""
+    marked = set(marked)
+    out: dict[str, tuple[str, ...]] = {}
+    for path in paths:
+        chain, p = [], path
+        while True:
+            if p in marked:
+                chain.append(p)
+            if not p:
+                break
+            p = p.rpartition(".")[0]
+        out[path] = tuple(reversed(chain))
+    return out
+
+
+# ===================================================================== the schedule
+
+
+@dataclass
+class _Net:
+    """One network: collectives run one at a time in the order they are issued."""
+
+    free: float = 0.0
+    busy: float = 0.0
+
+    def run(self, ready: float, seconds: float) -> float:
+        start = max(self.free, ready)
+        self.free = start + seconds
+        self.busy += seconds
+        return self.free
+
+
+def collective_s(c: Collective, hw: Hardware) -> float:
+    if c.kind == "host_to_device" or c.kind == "device_to_host":
+        return c.bytes / hw.host_bw
+    return hw.link(c.ranks * c.stride).collective_s(c.kind, c.bytes, c.ranks)
+
+
+def _assumptions(hw: Hardware, eff: float, tp: int) -> list[str]:
+    out = [
+        f"estimates, not measurements: hardware `{hw.name}` ({hw.source or 'user profile'})",
+        f"compute = counted FLOPs / ({eff:.0%} of peak dense FLOP/s for the unit's compute dtype: "
+        f"bf16 {hw.bf16_flops / 1e12:.0f} TFLOP/s, fp32 {hw.fp32_flops / 1e12:.1f} TFLOP/s); ops FlopCounterMode "
+        "counts 0 (norms, elementwise, softmax) take no time",
+        f"collectives: alpha + bytes x bus factor / busbw (nccl-tests); within a node ({hw.gpus_per_node} GPUs) "
+        f"busbw {hw.intra.busbw / 1e9:.0f} GB/s, alpha {hw.intra.alpha_s * 1e6:.0f} us; across nodes "
+        f"{hw.inter.busbw / 1e9:.0f} GB/s, {hw.inter.alpha_s * 1e6:.0f} us; ranks are laid out tensor axis "
+        "innermost, then shard, then replicate",
+        "FSDP2's schedule: forward all-gathers issued at each unit's pre-forward or by prefetch lists, at most "
+        "two units ahead of compute; backward all-gathers prefetched one unit ahead (or by the lists); "
+        "reduce-scatters after each unit's backward; all FSDP collectives share one network in issue order",
+        "tensor-parallel collectives block compute (no async TP)" if tp > 1 else "no tensor parallelism",
+        f"optimizer step: memory-bound, bytes read and written / HBM bandwidth ({hw.hbm_bw / 1e9:.0f} GB/s); "
+        f"offloaded units step on the host at {hw.host_optimizer_bw / 1e9:.0f} GB/s, not overlapped",
+        "not modelled: kernel launch and CPU overheads, stragglers, memory-bandwidth-bound kernels, "
+        "bandwidth shared by concurrent tensor-parallel and FSDP traffic",
+    ]
+    return out
+
+
+OUTSIDE = "(outside units)"  # the row of compute no unit owns (plans with `root none`)
+OPTIMIZER_BYTES = {"adamw": 7, "adam": 7, "adamw_fused": 7, "adam_fused": 7, "sgd": 3, "none": 0}
+
+
+def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100", profile=None, graph=None,
+                       input_shape: tuple[int, ...] | None = None, inputs=None, loss=None,
+                       optimizer: str = "adamw", efficiency: float | None = None) -> StepTime:
+    """The estimated step time of `plan` at `world` ranks (see the module docstring for the contract)."""
+    from planc.estimate.flops import step_profile
+    from planc.lower.program import Checkpoint
+
+    if isinstance(plan, Program):
+        program = plan
+        if graph is None:
+            raise ValueError("estimating a Program needs its model graph")
+    else:
+        program, graph = plan.program, graph or plan.graph
+    hw = hardware_of(hardware)
+    eff = hw.efficiency if efficiency is None else float(efficiency)
+    if not 0 < eff <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], got {eff}")
+    if profile is None and (inputs is not None or input_shape is not None):
+        profile = step_profile(graph, inputs, input_shape=input_shape, loss=loss, dtype=main_dtype(program, graph))
+    sizes = program.mesh.sizes(world) or {"shard": world}
+    tp = sizes.get("tensor", 1)
+    units = program.units
+    fsdp = unit_collectives(program, graph, world)
+    per_unit = [UnitTime(u.name, i, list(cs)) for i, (u, cs) in enumerate(zip(units, fsdp))]
+    compute = _compute_dtypes(program, graph)
+    for i, u in enumerate(units):
+        if u.params:
+            per_unit[i].compute_dtype = str(compute[u.params[0]]).replace("torch.", "")
+    root = next((i for i, u in enumerate(units) if u.is_root), None)
+    if root is None:  # `root none`: compute outside every unit has a row of its own, with no collectives
+        per_unit.append(UnitTime(OUTSIDE, len(units)))
+
+    fwd_segments: list[tuple[int, float]] = []
+    bwd_segments: list[tuple[int, float]] = []
+    tp_cs: dict[str, list[Collective]] = {}
+    model_flops = 0
+    if profile is not None:
+        paths = set(profile.forward) | set(profile.backward) | set(profile.order) | {""}
+        own = owners(program, graph, paths)
+        # recompute: what torch's checkpoint reruns of the module in backward (`full` or `selective`)
+        recompute: dict[str, int] = {}
+        for op in program.of_type(Checkpoint):
+            table = profile.recompute_selective if op.mode == "selective" else profile.recompute_full
+            recompute[op.module] = table.get(op.module, 0)
+        own.update(owners(program, graph, recompute))
+        for path, n in profile.forward.items():
+            per_unit[own[path]].forward_flops += n // tp
+        for path, n in profile.backward.items():
+            per_unit[own[path]].backward_flops += n // tp
+        for path, n in recompute.items():
+            per_unit[own[path]].recompute_flops += n // tp
+        model_flops = profile.total // tp
+        tp_cs = tp_collectives(program, graph, profile, world)
+        for path, cs in recompute_collectives(program, profile, tp_cs).items():
+            tp_cs[path] = tp_cs[path] + cs
+        for path, cs in tp_cs.items():
+            per_unit[own.get(path, root if root is not None else len(units))].collectives.extend(cs)
+        rate = [hw.flops(u.compute_dtype) * eff for u in per_unit]
+        for path, n in profile.forward_segments:
+            fwd_segments.append((own[path], n / tp / rate[own[path]]))
+        # recompute runs at the start of the checkpointed module's backward
+        pending = dict(recompute)
+        checkpointed = _ancestors_in(pending, {p for p, _ in profile.backward_segments})
+        for path, n in profile.backward_segments:
+            for m in checkpointed.get(path, ()):
+                if m in pending:
+                    bwd_segments.append((own[m], pending.pop(m) / tp / rate[own[m]]))
+            bwd_segments.append((own[path], n / tp / rate[own[path]]))
+        for u in per_unit:
+            r = rate[u.index]
+            u.forward_s = u.forward_flops / r
+            u.backward_s = (u.backward_flops + u.recompute_flops) / r
+    for u in per_unit:
+        u.comm_s = sum(collective_s(c, hw) for c in u.collectives)
+
+    # TP collectives: blocking, at their module's forward / backward
+    tp_fwd = {p: sum(collective_s(c, hw) for c in cs if c.phase == "forward") for p, cs in tp_cs.items()}
+    tp_bwd = {p: sum(collective_s(c, hw) for c in cs if c.phase == "backward") for p, cs in tp_cs.items()}
+    tp_s = sum(tp_fwd.values()) + sum(tp_bwd.values())
+
+    total_s, compute_s, net = _schedule(program, per_unit, fwd_segments, bwd_segments, hw, root)
+    total_s += tp_s
+    compute_s_all = compute_s
+    on_device = on_host = 0
+    shard = sizes.get("shard", 1)
+    for u in units:
+        n = sum(_padded(tuple(graph.params[name].shape), shard) * _itemsize(graph.params[name].dtype)
+                for name in u.params if graph.params[name].requires_grad) * OPTIMIZER_BYTES.get(optimizer, 7) // tp
+        if u.policy.offload.enabled:
+            on_host += n
+        else:
+            on_device += n
+    optimizer_s = on_device / hw.hbm_bw + on_host / hw.host_optimizer_bw
+    total_s += optimizer_s
+    exposed = max(0.0, total_s - compute_s_all - optimizer_s)
+    tokens = None
+    if profile is not None and profile.tokens:
+        tokens = profile.tokens * (world // tp)
+    return StepTime(world, hw, per_unit, compute_s_all, net.busy + tp_s, exposed, optimizer_s, total_s, tokens,
+                    model_flops, _assumptions(hw, eff, tp), efficiency=eff, tp=tp)
+
+
+def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, float]],
+              bwd: list[tuple[int, float]], hw: Hardware, root: int | None) -> tuple[float, float, _Net]:
+    """Replay FSDP2's overlap of collectives with compute; returns (end of backward, compute seconds, network)."""
+    names = [u.name for u in per_unit]
+    index = {n: i for i, n in enumerate(names)}
+    net, pcie = _Net(), _Net()
+    t = 0.0
+    compute_s = 0.0
+    n = len(per_unit)
+
+    def wait(i: int, ready: float) -> float:
+        """Compute of unit i waits for its all-gather: the wait is exposed communication, billed to i."""
+        if ready > t:
+            per_unit[i].exposed_s += ready - t
+            return ready
+        return t
+
+    def cols(i: int, kind: str, phase: str) -> list[Collective]:
+        return [c for c in per_unit[i].collectives if c.kind == kind and c.phase == phase and c.axis != "tensor"]
+
+    def gather(i: int, phase: str, ready: float) -> float:
+        """Issue unit i's all-gather (after its host copy, if offloaded); returns when it is done."""
+        done = ready
+        for c in cols(i, "host_to_device", phase):
+            done = pcie.run(done, collective_s(c, hw))
+        end = done
+        for c in cols(i, "all_gather", phase):
+            end = net.run(done, collective_s(c, hw))
+        return end
+
+    # ---------------------------------------------------------------- forward
+    order: list[int] = []
+    for i, _ in fwd:
+        if i not in order:
+            order.append(i)
+    if root is not None and root in order:
+        order.remove(root)
+    if root is not None:
+        order.insert(0, root)
+    order += [i for i in range(n) if i not in order]
+    pf_fwd = program.prefetch("forward")
+    ready_at: dict[int, float] = {}
+    starts: list[float] = []
+    issued: set[int] = set()
+    seen: set[int] = set()
+
+    def pre_forward(i: int, now: float) -> None:
+        # the all-gather streams wait for the copy-out two units back (at most two in flight)
+        k = len(starts)
+        limit = starts[k - 2] if k >= 2 else 0.0
+        targets = [i] + [index[x] for x in pf_fwd.get(names[i], ()) if x in index]
+        for j in targets:
+            if j not in issued:
+                issued.add(j)
+                ready_at[j] = gather(j, "forward", limit)
+
+    segs = list(fwd)
+    if not segs:
+        segs = [(i, 0.0) for i in order]
+    if root is not None and (not segs or segs[0][0] != root):
+        segs.insert(0, (root, 0.0))
+    for i, sec in segs:
+        if i not in seen:
+            seen.add(i)
+            pre_forward(i, t)
+            t = wait(i, ready_at.get(i, 0.0))
+            starts.append(t)
+        t += sec
+        compute_s += sec
+    for i in order:  # units with no compute of their own still gather
+        if i not in seen:
+            seen.add(i)
+            pre_forward(i, t)
+            t = wait(i, ready_at.get(i, 0.0))
+            starts.append(t)
+
+    # ---------------------------------------------------------------- backward
+    post_forward = [i for i in order if i != root]
+    # post-forward order: the order each unit finished forward (its last forward segment)
+    last_fwd: dict[int, int] = {}
+    for k, (i, _) in enumerate(segs):
+        last_fwd[i] = k
+    post_forward.sort(key=lambda i: last_fwd.get(i, -1))
+    bwd_order = list(reversed(post_forward))
+    pf_bwd = program.prefetch("backward")
+    b_issued: set[int] = set()
+    b_ready: dict[int, float] = {}
+
+    def bgather(j: int, ready: float) -> None:
+        if j in b_issued:
+            return
+        b_issued.add(j)
+        b_ready[j] = gather(j, "backward", ready) if cols(j, "all_gather", "backward") else ready
+
+    def pre_backward(i: int, now: float) -> None:
+        bgather(i, now)
+        if names[i] in pf_bwd:
+            targets = [index[x] for x in pf_bwd[names[i]] if x in index]
+        else:
+            k = bwd_order.index(i) if i in bwd_order else -1
+            targets = bwd_order[k + 1:k + 2] if k >= 0 else bwd_order[:1]
+        for j in targets:
+            bgather(j, now)
+
+    last_rs: list[int] | None = None
+
+    def post_backward(i: int, now: float) -> None:
+        nonlocal last_rs
+        if cols(i, "reduce_scatter", "backward") or cols(i, "all_reduce", "backward"):
+            last_rs = [i]
+        end = now
+        for c in cols(i, "reduce_scatter", "backward"):
+            end = net.run(end, collective_s(c, hw))
+        for c in cols(i, "all_reduce", "backward"):
+            end = net.run(end, collective_s(c, hw))
+        for c in cols(i, "device_to_host", "backward"):
+            pcie.run(end, collective_s(c, hw))
+
+    bsegs = list(bwd) or [(i, 0.0) for i in bwd_order]
+    last_b: dict[int, int] = {}
+    for k, (i, _) in enumerate(bsegs):
+        last_b[i] = k
+    b_seen: set[int] = set()
+    if root is not None:
+        b_seen.add(root)
+        pre_backward(root, t)
+    for k, (i, sec) in enumerate(bsegs):
+        if i not in b_seen:
+            b_seen.add(i)
+            pre_backward(i, t)
+            t = wait(i, b_ready.get(i, t))
+        t += sec
+        compute_s += sec
+        if last_b[i] == k and i != root:
+            post_backward(i, t)
+    for i in bwd_order:  # units with no backward compute (token embeddings: reduced at the end)
+        if i not in b_seen:
+            b_seen.add(i)
+            pre_backward(i, t)
+            t = wait(i, b_ready.get(i, t))
+            post_backward(i, t)
+    if root is not None:
+        post_backward(root, t)
+    end = max(t, net.free, pcie.free)
+    if end > t and last_rs is not None:  # the tail: collectives still running after the last compute
+        per_unit[last_rs[0]].exposed_s += end - t
+    return end, compute_s, net
+
+
+
+
+__all__ = ["Collective", "UnitTime", "StepTime", "estimate_step_time", "unit_collectives", "hardware_of", "KINDS"]
