@@ -6,7 +6,7 @@ under a memory budget, from MemTracker (memory), RuntimeEstimator and SACEstimat
 (operator benchmarks) run under FakeTensorMode. planc's search here is restricted to the
 same decision: one checkpoint mode per block (none / selective / full), the rest of the plan
 fixed (one unit per block, reshard true, one replica, no offload, implicit prefetch), with
-planc's memory model and its provisional cost.
+planc's memory model and its step-time model.
 
 Both run on the same model (the seed transformer in a small CPU-sized config) and the same
 byte budgets; each uses its own memory model, so the report gives each tool's baseline
@@ -25,8 +25,9 @@ import warnings
 import torch
 
 from planc import zoo
+from planc.estimate.hardware import hardware
 from planc.model.graph import ModelGraph
-from planc.suggest.cost import HARDWARE, CostContext
+from planc.suggest.cost import context
 from planc.suggest.evaluate import Evaluator
 from planc.suggest.search import exact_peak
 from planc.suggest.solve import Global, build, solve
@@ -43,7 +44,7 @@ def build_model():
 def _h100_roofline():
     """torch's roofline cost model asks CUDA for the device's peak FLOPs and DRAM bandwidth;
     on this CPU-only machine, answer with an H100 SXM's (989 dense bf16 TFLOP/s, 3.35 TB/s),
-    the numbers planc's provisional cost uses, so both sides price time alike."""
+    the peak numbers of planc's h100 profile, so both sides price compute alike."""
     from unittest import mock
 
     import torch.utils._runtime_estimation as est
@@ -98,7 +99,7 @@ def planc_ckpt_only(budgets_bytes):
     warnings.simplefilter("ignore")
     graph = ModelGraph.from_module(build_model())
     ev = Evaluator(graph, "benchmarks.sac_compare:build_model", max(WORLD, 1), (BATCH, SEQ))
-    ctx = CostContext(graph, WORLD, BATCH * SEQ, HARDWARE["h100"])
+    ctx = context(graph, WORLD, (BATCH, SEQ), hardware("h100"))
     sp = build(ev, Global(1, 1, 0, False), ctx)
     keep = [i for i, (m, r) in enumerate(sp.combos) if r is True]
     import numpy as np
@@ -114,7 +115,7 @@ def planc_ckpt_only(budgets_bytes):
             continue
         c = sp.candidate(choice)
         out["decisions"][str(b)] = {"modes": list(c.checkpoint), "peak_bytes": exact_peak(ev, c)[0],
-                                    "recompute_s_provisional": float(sp.seconds(choice) - sp.base_time)}
+                                    "recompute_s": float(sp.seconds(choice) - sp.base_time)}
     del np
     return out
 

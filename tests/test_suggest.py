@@ -20,10 +20,11 @@ from goldens import check_golden
 import planc
 from planc import cli, zoo
 from planc.compiler import CompiledPlan
+from planc.estimate.hardware import hardware
 from planc.estimate.memory import estimate
 from planc.lang.fmt import format_plan
 from planc.model.graph import ModelGraph
-from planc.suggest.cost import HARDWARE, CostContext, cost
+from planc.suggest.cost import CostContext, context, cost
 from planc.suggest.evaluate import Evaluator, compress
 from planc.suggest.search import exact_peak, suggest
 from planc.suggest.solve import build, exhaustive, globals_for, solve
@@ -51,7 +52,7 @@ def evaluator(name: str) -> Evaluator:
 
 
 def ctx(ev: Evaluator) -> CostContext:
-    return CostContext(ev.graph, WORLD, SHAPE[0] * SHAPE[1], HARDWARE["h100"])
+    return context(ev.graph, WORLD, SHAPE, hardware("h100"))
 
 
 def shipped(name: str) -> CompiledPlan:
@@ -102,7 +103,7 @@ def test_linear_model_against_the_memory_model_on_uniform_choices(name):
     model exactly; the others within 10% (block profiles, kept parameters; the winner is
     always re-estimated by the memory model before it is written)."""
     ev = evaluator(name)
-    g = globals_for(ev, HARDWARE["h100"])[0]
+    g = globals_for(ev, hardware("h100"))[0]
     sp = build(ev, g, ctx(ev))
     for ci in range(len(sp.combos)):
         choice = [ci] * sp.n_units
@@ -130,7 +131,7 @@ def test_milp_equals_exhaustive_search(name):
     """Optimality gap 0: on every global choice and at budgets across the range, HiGHS finds
     the step time exhaustive enumeration of the same model finds (or both find nothing)."""
     ev = evaluator(name)
-    for g in globals_for(ev, HARDWARE["h100"]):
+    for g in globals_for(ev, hardware("h100")):
         sp = build(ev, g, ctx(ev))
         peaks = sorted({sp.peak(list(ch)) for ch in itertools.product(range(len(sp.combos)), repeat=sp.n_units)})
         for budget in (peaks[0] - 1, peaks[0], peaks[len(peaks) // 3], peaks[len(peaks) // 2], peaks[-1]):

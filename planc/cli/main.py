@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--world-size", type=_world_size, required=True, metavar="N")
     g.add_argument("--budget", required=True, metavar="BYTES", help="per-rank memory budget, e.g. 40GiB")
     g.add_argument("--input-shape", required=True, metavar="BxS", help="token ids per rank, batch x sequence")
-    g.add_argument("--hardware", default="h100", help="hardware profile: h100, h200, a100, b200 (default h100)")
+    g.add_argument("--hardware", metavar="NAME|FILE", default="h100",
+                   help="hardware profile: h100, h200, a100, b200 or a TOML/JSON file (docs/time-model.md; default h100)")
     g.add_argument("--optimizer", choices=("adamw", "adamw_fused", "adam", "adam_fused", "sgd", "none"), default="adamw")
     g.add_argument("-o", "--output", metavar="FILE", help="write the plan here (default: stdout)")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

@@ -45,22 +45,27 @@ class _Progress:
 
 def main(args) -> int:
     """`planc suggest` (arguments declared in `planc.cli.main.build_parser`)."""
-    from planc.suggest.cost import HARDWARE
+    from planc.estimate.hardware import HardwareError, hardware
+    from planc.estimate.trace import TraceError
     from planc.suggest.search import suggest
     budget = _budget(args.budget)
     shape = parse_shape(args.input_shape)
     if shape is None or len(shape) != 2:
         raise UsageError("--input-shape is batch x sequence of token ids per rank, e.g. 2x4096")
-    if args.hardware not in HARDWARE:
-        raise UsageError(f"--hardware {args.hardware}: known profiles are {', '.join(sorted(HARDWARE))}")
+    try:
+        hw = hardware(args.hardware)  # a built-in profile's name or a TOML/JSON file (docs/time-model.md)
+    except HardwareError as err:
+        raise UsageError(f"--hardware {args.hardware}: {err}") from err
     try:
         graph = ModelCache().graph(args.model)
     except ModelLoadError as err:
         raise UsageError(f"--model {args.model}: {err}") from err
     progress = _Progress(not args.quiet and sys.stderr.isatty())  # a bar only where someone watches
     try:
-        result = suggest(graph, args.model, args.world_size, budget, shape, hardware=args.hardware,
+        result = suggest(graph, args.model, args.world_size, budget, shape, hardware=hw,
                          optimizer=args.optimizer, budget_text=args.budget.strip(), progress=progress)
+    except TraceError as err:
+        raise UsageError(f"--input-shape {args.input_shape}: the model did not run on it: {str(err).splitlines()[0]}") from err
     except ValueError as err:  # no block chain in the model
         _report([Diagnostic(code="P951", severity="error", message=f"cannot search plans for `{args.model}`: {err}",
                             span=None, help=("write the plan by hand; `planc tree --model ...` "

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from planc.estimate import memory as mem_model
+from planc.estimate.hardware import hardware as hardware_of
 from planc.estimate.trace import TraceError, trace_for
 from planc.quantities import show_bytes as format_bytes
-from planc.suggest.cost import HARDWARE, CostContext, cost
+from planc.suggest.cost import context, cost
 from planc.suggest.evaluate import Evaluator, compress
 from planc.suggest.solve import Subproblem, build, globals_for, min_peak_choice, solve, surely_infeasible
 from planc.suggest.space import Candidate, expect_line
@@ -69,16 +70,16 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
         graph: the model graph (with its model, for the trace).
         budget: per-rank bytes the estimated peak must not exceed.
         shape: (batch, sequence) of token ids per rank.
-        hardware: a profile of `planc.suggest.cost.HARDWARE`.
+        hardware: a profile name or file (`planc.estimate.hardware`), or a `Hardware`.
         progress: called with (done, total) global choices as the search goes.
-        cost_fn: `cost(program, context) -> seconds` (default the provisional one).
+        cost_fn: `cost(program, context) -> seconds` (default planc's step-time model).
     """
     t0, c0 = time.perf_counter(), time.process_time()
     if budget_text is None:  # a size the `expect` line can spell exactly (whole KiB at least)
         budget, budget_text = budget_spelling(budget)
-    hw = HARDWARE[hardware]
+    hw = hardware_of(hardware)
     ev = Evaluator(graph, model_ref, world, tuple(shape), optimizer)
-    ctx = CostContext(graph, world, shape[0] * shape[1], hw)
+    ctx = context(graph, world, tuple(shape), hw, optimizer)
     t_trace, c_trace = time.perf_counter() - t0, time.process_time() - c0
     subs: list[Subproblem] = [build(ev, g, ctx, cost_fn) for g in globals_for(ev, hw)]
     t_build = time.perf_counter() - t0 - t_trace
@@ -208,16 +209,23 @@ def _solve_fitting(ev, sp, budget, ctx, cost_fn, *, verify: bool, tries: int = 6
     return None
 
 
+def hw_text(hardware) -> str:
+    """The profile and its stated efficiency, as the header names them."""
+    hw = hardware_of(hardware)
+    return f"{hw.name}, {hw.efficiency:.0%} of peak FLOP/s achieved"
+
+
 def render(ev: Evaluator, best: Option, others: list[Option], budget: int, budget_text: str, shape, hardware: str,
            optimizer: str) -> str:
     c = best.candidate
     header = [
-        f"Suggested by `planc suggest` for {ev.model_ref or 'the model'} on {ev.world} ranks ({hardware}), "
+        f"Suggested by `planc suggest` for {ev.model_ref or 'the model'} on {ev.world} ranks ({hardware_of(hardware).name}), "
         f"input {'x'.join(map(str, shape))} per rank, {optimizer},",
         f"per-rank budget {budget_text}. Estimates (planc's models, not measurements):",
         f"  peak {format_bytes(best.peak)} per rank at {best.where}: the binding constraint, "
         f"{format_bytes(budget - best.peak)} under the budget",
-        f"  step time {best.seconds * 1e3:.3g} ms (PROVISIONAL cost: planc/suggest/cost.py)",
+        f"  step time {best.seconds * 1e3:.3g} ms (planc's step-time model, docs/time-model.md; "
+        f"{hw_text(hardware)})",
         f"  choice: {c.describe()}",
         *[f"Note: {n}" for n in dict.fromkeys(ev.notes)],
         "Next best (linear-model peaks):",
