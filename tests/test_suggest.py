@@ -174,15 +174,22 @@ def test_suggested_plan_checks_clean_fits_and_is_not_slower_than_shipped(name, l
         assert cost(compiled.program, ctx(ev)) <= cost(ship.program, ctx(ev)) * (1 + 1e-9)
 
 
-def test_suggested_plan_fits_per_simulation():
-    """The loose seed suggestion, measured in a fake 8-rank process group (FSDPMemTracker)."""
+@pytest.mark.parametrize("name,level", [(n, lv) for n in sorted(SHIPPED) for lv in ("tight", "medium", "loose")])
+def test_suggested_plan_fits_per_simulation(name, level):
+    """Each zoo suggestion, measured in a fake 8-rank process group (FSDPMemTracker), fits too."""
     from planc.analysis.simulate import simulate, zoo_inputs
-    ev = evaluator("seed_transformer_tiny")
-    budget = _budgets("seed_transformer_tiny")["loose"]
-    result = suggest(ev.graph, "planc.zoo:seed_transformer_tiny", WORLD, budget, SHAPE)
-    assert not result.best.candidate.offload  # a CPU-only simulation cannot tell host from device memory
-    sim = simulate(planc.loads(result.text), zoo.seed_transformer_tiny, WORLD, inputs=zoo_inputs(SHAPE))
-    assert sim.peak <= budget, (sim.peak, sim.moment, result.best.peak)
+    ev = evaluator(name)
+    budget = _budgets(name)[level] // 1024 * 1024
+    result = suggest(ev.graph, f"planc.zoo:{name}", WORLD, budget, SHAPE)
+    sim = simulate(planc.loads(result.text), getattr(zoo, name), WORLD, inputs=zoo_inputs(SHAPE))
+    if result.best.candidate.offload:
+        # a CPU-only simulation counts offloaded (host) state as device memory: it may only exceed
+        # the estimate by what is offloaded, never be below the analytic peak's device part
+        assert sim.peak >= result.best.peak, (sim.peak, result.best.peak)
+    else:
+        assert sim.peak <= budget, (sim.peak, sim.moment, result.best.peak)
+        # the memory model is byte-exact on 8 of the 9 and 2 KiB over on the loose MoE (an all-gather at the tail)
+        assert sim.peak <= result.best.peak, (sim.peak, sim.moment, result.best.peak)
 
 
 def test_budget_nothing_fits_is_p950_with_the_smallest_peak():
