@@ -71,12 +71,12 @@ def apply_and_measure(rank: int, world: int, cases) -> dict:
         per_unit = {u.name: local_storage_bytes(model, u.params) for u in applied.compiled.units}
         torch.manual_seed(1)
         inputs = (zoo.example_input(model, *SHAPE),)
-        m = measure_real(model, inputs)
+        m = measure_real(model, inputs, loss_context=applied.loss_parallel)
         # the same step with gloo's input-cloning reduce-scatter replaced by all-reduce + slice
         torch.manual_seed(0)
         model = zoo.ZOO[builder]()
-        planc.apply(model, planc.loads(text, filename=name))
-        fixed = measure_real(model, inputs, nccl_like_reduce_scatter=True)
+        again = planc.apply(model, planc.loads(text, filename=name))
+        fixed = measure_real(model, inputs, nccl_like_reduce_scatter=True, loss_context=again.loss_parallel)
         out[name] = {"units": per_unit, "peak": m.peak, "breakdown": m.breakdown, "moment": m.moment,
                      "peak_nccl_like": fixed.peak}
     return out

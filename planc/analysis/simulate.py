@@ -15,6 +15,7 @@ inflates the optimizer-step peak 6-40x.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from copy import deepcopy
 from dataclasses import dataclass, field
@@ -218,14 +219,14 @@ def simulate(plan, build: Callable[[], nn.Module], world: int, *, rank: int = 0,
             model = build()
         compiled = plan if isinstance(plan, planc.CompiledPlan) else planc.compile(plan, model, world)
         mesh = build_mesh(compiled.mesh, world, "cpu")  # NOTE: outside fake mode
-        apply(model, compiled.plan, mesh=mesh)
+        applied = apply(model, compiled.plan, mesh=mesh)
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             model.to_empty(device="cpu")
             if callable(getattr(model, "tie_weights", None)):
                 model.tie_weights()
             example = Example.of(inputs(model) if callable(inputs) else (inputs or ()))
             example = example.map(fake.from_tensor)
-            return _measure(model, example, optimizer, steps, loss, clip)
+            return _measure(model, example, optimizer, steps, loss, clip, applied.loss_parallel)
     finally:
         dist.destroy_process_group()
 
@@ -253,10 +254,12 @@ def zoo_inputs(input_shape: tuple[int, int] | None = None) -> Callable[[nn.Modul
 
 def measure_real(model: nn.Module, inputs, optimizer: str = "adamw", steps: int = 2,
                  nccl_like_reduce_scatter: bool = False, loss: LossFn | None = None,
-                 clip: float | None = 1.0) -> Measurement:
+                 clip: float | None = 1.0, loss_context=contextlib.nullcontext) -> Measurement:
     """The same measurement on a live (really sharded, real-tensor) model in a real process group.
 
     Args:
+        loss_context: the loss and backward run inside it (`AppliedPlan.loss_parallel` for a
+            plan with `loss_parallel`).
         nccl_like_reduce_scatter: replace FSDP's reduce-scatter with an in-place all-reduce and
             a slice (same values). Stock gloo clones the whole reduce-scatter input and frees
             the clone when its work object dies, which inflates and blurs CPU peaks; NCCL does
@@ -265,7 +268,7 @@ def measure_real(model: nn.Module, inputs, optimizer: str = "adamw", steps: int 
     _skip_sharding_propagation()
     if nccl_like_reduce_scatter:
         use_all_reduce_slice(model)
-    return _measure(model, Example.of(inputs), optimizer, steps, loss, clip)
+    return _measure(model, Example.of(inputs), optimizer, steps, loss, clip, loss_context)
 
 
 def use_all_reduce_slice(model: nn.Module) -> None:
@@ -288,8 +291,9 @@ def use_all_reduce_slice(model: nn.Module) -> None:
 
 
 def _measure(model: nn.Module, example: Example, optimizer: str, steps: int, loss: LossFn | None,
-             clip: float | None) -> Measurement:
-    """Run `steps` training steps under the tracker; the last one is measured."""
+             clip: float | None, loss_context=contextlib.nullcontext) -> Measurement:
+    """Run `steps` training steps under the tracker; the last one is measured. The loss and
+    backward run inside `loss_context()` (`AppliedPlan.loss_parallel`: vocabulary-sharded logits)."""
     opt = _optimizer(model, optimizer)
     tracker = _tracker_class()(model, opt)
     tracker.track_inputs((example.args, example.kwargs))
@@ -299,10 +303,11 @@ def _measure(model: nn.Module, example: Example, optimizer: str, steps: int, los
             tracker.recording = step == steps - 1
             tracker.reset_mod_stats()  # the tracker refuses a second iteration otherwise
             pred = model(*example.args, **example.kwargs)
-            value = step_loss(pred, example)
-            del pred  # as torchtitan's step: the output is not kept during backward
-            value.backward()
-            del value
+            with loss_context():
+                value = step_loss(pred, example)
+                del pred  # as torchtitan's step: the output is not kept during backward
+                value.backward()
+                del value
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip,
                                                foreach=True)
