@@ -146,7 +146,7 @@ def record_collectives(plan, build: Callable[[], nn.Module], world: int, *,
             model = build()
         compiled = plan if isinstance(plan, planc.CompiledPlan) else planc.compile(plan, model, world)
         mesh = build_mesh(compiled.mesh, world, "cpu")
-        apply(model, compiled.plan, mesh=mesh)
+        applied = apply(model, compiled.plan, mesh=mesh)
         names = {tuple(id(model.get_submodule(p)) if p else id(model) for p in op.modules): op.name
                  for op in compiled.program.units}
         recorder = _Recorder()
@@ -159,10 +159,11 @@ def record_collectives(plan, build: Callable[[], nn.Module], world: int, *,
             step_loss = loss or default_loss(model)
             with _attributed(recorder, names), recorder:
                 pred = model(*example.args, **example.kwargs)
-                value = step_loss(pred, example)
-                del pred
-                recorder.phase = "backward"
-                value.backward()
+                with applied.loss_parallel():  # vocabulary-sharded logits (`loss_parallel`), as a training loop's
+                    value = step_loss(pred, example)
+                    del pred
+                    recorder.phase = "backward"
+                    value.backward()
         return recorder.found
     finally:
         dist.destroy_process_group()
