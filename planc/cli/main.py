@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hardware", metavar="NAME|FILE", default="h100",
                    help="hardware profile: h100, h200, a100, b200 or a TOML/JSON file (docs/time-model.md; default h100)")
     g.add_argument("--optimizer", choices=("adamw", "adamw_fused", "adam", "adam_fused", "sgd", "none"), default="adamw")
+    g.add_argument("--tensor-parallel", metavar="PLAN|hf",
+                   help="also search tensor-parallel degrees with these `parallel` rules: those of a plan file, or "
+                        "`hf` for the model's Hugging Face base_model_tp_plan (docs/suggest.md)")
+    g.add_argument("--tensor", metavar="T,T,...",
+                   help="tensor-parallel degrees to search with --tensor-parallel (default: 1, 2, 4, 8 "
+                        "dividing the world, at most the GPUs per node)")
     g.add_argument("-o", "--output", metavar="FILE", help="write the plan here (default: stdout)")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=suggest.main)

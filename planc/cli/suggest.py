@@ -43,11 +43,47 @@ class _Progress:
             self.bar.close()
 
 
+def _degrees(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        out = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        out = []
+    if not out or any(t < 1 for t in out):
+        raise UsageError(f"--tensor {text}: expected tensor-parallel degrees such as 1,2,4,8")
+    return out
+
+
+def _rules(source: str, graph) -> tuple[str, ...]:
+    """The `parallel` statements of `--tensor-parallel`: a plan file's, or `hf` (the model's Hugging Face plan)."""
+    if source == "hf":
+        from planc.importers.hf_tp import tensor_statements
+        found = tensor_statements(graph.model) if graph.model is not None else None
+        if found is None or not [line for line in found.lines if not line.startswith("#")]:
+            raise UsageError("--tensor-parallel hf: the model has no Hugging Face tensor-parallel plan "
+                             "(base_model_tp_plan); pass a plan file with `parallel` statements")
+        return tuple(line for line in found.lines if not line.startswith("#"))
+    from planc.suggest.space import parallel_rules
+    try:
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as err:
+        raise UsageError(f"--tensor-parallel {source}: cannot read: {err.strerror}") from err
+    rules, errors = parallel_rules(text, source)
+    if errors:
+        raise UsageError(f"--tensor-parallel {source}: the plan does not parse: {errors[0].message} "
+                         f"(`planc check {source}` says where)")
+    if not rules:
+        raise UsageError(f"--tensor-parallel {source}: the plan has no `parallel` statements")
+    return rules
+
+
 def main(args) -> int:
     """`planc suggest` (arguments declared in `planc.cli.main.build_parser`)."""
     from planc.estimate.hardware import HardwareError, hardware
     from planc.estimate.trace import TraceError
-    from planc.suggest.search import suggest
+    from planc.suggest.search import NoDegree, suggest
     budget = _budget(args.budget)
     shape = parse_shape(args.input_shape)
     if shape is None or len(shape) != 2:
@@ -60,12 +96,23 @@ def main(args) -> int:
         graph = ModelCache().graph(args.model)
     except ModelLoadError as err:
         raise UsageError(f"--model {args.model}: {err}") from err
+    tensors = _degrees(args.tensor)
+    if tensors is not None and args.tensor_parallel is None:
+        raise UsageError("--tensor needs --tensor-parallel PLAN|hf: the `parallel` rules to apply at each degree")
+    rules = _rules(args.tensor_parallel, graph) if args.tensor_parallel is not None else None
     progress = _Progress(not args.quiet and sys.stderr.isatty())  # a bar only where someone watches
     try:
         result = suggest(graph, args.model, args.world_size, budget, shape, hardware=hw,
-                         optimizer=args.optimizer, budget_text=args.budget.strip(), progress=progress)
+                         optimizer=args.optimizer, budget_text=args.budget.strip(), progress=progress,
+                         parallel=rules, tensors=tensors)
     except TraceError as err:
         raise UsageError(f"--input-shape {args.input_shape}: the model did not run on it: {str(err).splitlines()[0]}") from err
+    except NoDegree as err:
+        _report([Diagnostic(code="P952", severity="error", message=f"cannot search tensor-parallel plans for `{args.model}`: "
+                            f"{err}", span=None,
+                            help=("pass degrees the rules hold at (`--tensor 1,2`), or fix the `parallel` rules; "
+                                  "`planc check` on a plan with them says why",))])
+        return EXIT_ERRORS
     except ValueError as err:  # no block chain in the model
         _report([Diagnostic(code="P951", severity="error", message=f"cannot search plans for `{args.model}`: {err}",
                             span=None, help=("write the plan by hand; `planc tree --model ...` "
@@ -80,7 +127,8 @@ def main(args) -> int:
             code="P950", severity="error", message=f"no plan in the search space fits {show_bytes(budget)} per rank "
             f"on {args.world_size} ranks with input {args.input_shape}",
             span=None,
-            help=(f"the smallest estimated peak planc found is {show_bytes(s.peak)} ({s.candidate.describe()}); "
+            help=(f"the smallest estimated peak planc found is {show_bytes(s.peak)} "
+                  f"({f'tensor {result.tensor}, ' if result.degrees else ''}{s.candidate.describe()}); "
                   "raise --budget to at least that, add ranks, or shorten the input",),
             notes=tuple(result.notes))])
         return EXIT_ERRORS

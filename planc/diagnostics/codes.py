@@ -354,6 +354,13 @@ CODES: dict[str, Code] = {
     "P951": Code("model has no block chain", "`planc suggest` searches plans for models built as a chain of "
                  "blocks of one class (`layers.*`, `blocks.*`). This model has no list of two or more such "
                  "blocks; write its plan by hand (`planc tree --model ...` shows the module tree)."),
+    "P952": Code("no tensor-parallel degree can be searched", "`planc suggest --tensor-parallel RULES --tensor T,...` "
+                 "adds the `parallel` rules at each degree T, and every degree asked for was skipped: the rules fail "
+                 "planc's static checks there (heads or features not divisible by T, P410-P422), T does not divide "
+                 "the world, or the model did not run as one tensor rank. The message says why per degree; include "
+                 "degree 1 (the 1-D search) or degrees the rules hold at.\n\n"
+                 "    planc suggest --model planc.zoo:llama_tiny --world-size 8 --budget 1MiB --input-shape 2x16 \\\n"
+                 "        --tensor-parallel plans/zoo-llama-tp.plan --tensor 1,2"),
     # --- notes (P9xx)
     "P902": Code("root reshards after forward by default", "`defaults` apply to the root unit too. "
                  "`reshard after_forward = true` there frees the root's parameters after forward, although "

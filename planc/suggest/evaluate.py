@@ -42,6 +42,14 @@ from planc.model.graph import ModelGraph
 from planc.suggest.space import CHECKPOINT_MODES, Candidate, Chain, find_chain, plan_text, unit_blocks
 
 
+class RulesRejected(ValueError):
+    """The `parallel` rules fail planc's static checks at this tensor-parallel degree."""
+
+    def __init__(self, errors):
+        self.errors = errors
+        super().__init__("; ".join(f"{d.code}: {d.message}" for d in errors))
+
+
 @dataclass(frozen=True)
 class BlockProfile:
     """Live bytes of one block run alone, per checkpoint mode (see the module docstring)."""
@@ -167,6 +175,8 @@ class Evaluator:
     world: int
     shape: tuple[int, ...]
     optimizer: str = "adamw"
+    tensor: int = 1                    # tensor-parallel degree (1: 1-D plans)
+    parallel: tuple[str, ...] = ()     # the `parallel` statements added when tensor > 1 (plan text)
     chain: Chain = field(init=False)
     _compiled: dict = field(default_factory=dict, init=False)
     _windows: dict = field(default_factory=dict, init=False)
@@ -176,6 +186,9 @@ class Evaluator:
         self.chain = find_chain(self.graph)
         self.inputs = default_input(self.graph.model, self.shape)
         base = self.compiled(Candidate(checkpoint=("none",) * self.chain.n, reshard=(True,) * self.chain.n))
+        errors = [d for d in base.diagnostics if d.severity == "error"]
+        if errors:  # the `parallel` rules do not hold at this degree (heads not divisible, ...)
+            raise RulesRejected(errors)
         self.atom_program = base.program
         captured: dict = {}
         handles = []
@@ -192,7 +205,7 @@ class Evaluator:
         try:
             with _quiet_fake_tensor_logs(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                trace = fake_trace(base, self.inputs)
+                trace = fake_trace(base, self.inputs, tp=self.tensor)
         finally:
             for h in handles:
                 h.remove()
@@ -201,8 +214,13 @@ class Evaluator:
         self.block_profile = [self.profiles[signatures[p]] for p in self.chain.blocks]
 
     # ----------------------------------------------------------------- candidates
+    @property
+    def dp_world(self) -> int:
+        """Data-parallel ranks: the world over the tensor-parallel degree."""
+        return self.world // self.tensor
+
     def text(self, c: Candidate, header=(), expects=()) -> str:
-        return plan_text(self.chain, self.model_ref, c, list(header), list(expects))
+        return plan_text(self.chain, self.model_ref, c, list(header), list(expects), self.tensor, self.parallel)
 
     def compiled(self, c: Candidate) -> CompiledPlan:
         key = (c.merge, c.replicate, c.prefetch, c.offload, c.checkpoint, c.reshard)

@@ -11,7 +11,7 @@ from planc.estimate.hardware import hardware as hardware_of
 from planc.estimate.trace import TraceError, trace_for
 from planc.quantities import show_bytes as format_bytes
 from planc.suggest.cost import context, cost
-from planc.suggest.evaluate import Evaluator, compress
+from planc.suggest.evaluate import Evaluator, RulesRejected, compress
 from planc.suggest.solve import Subproblem, build, globals_for, min_peak_choice, solve, surely_infeasible
 from planc.suggest.space import Candidate, expect_line
 
@@ -41,6 +41,9 @@ class Suggestion:
     seconds: float
     stats: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)   # what the search left out, and why
+    tensor: int = 1                              # the winner's tensor-parallel degree
+    degrees: list = field(default_factory=list)  # (degree, Option | None, what happened) per degree searched
+    evaluator: Evaluator | None = field(default=None, repr=False)
 
 
 def exact_peak(ev: Evaluator, c: Candidate) -> tuple[int, str]:
@@ -50,7 +53,7 @@ def exact_peak(ev: Evaluator, c: Candidate) -> tuple[int, str]:
     if not any(m != "none" for m in c.checkpoint):
         trace = None
     else:
-        trace = compress(trace_for(compiled, ev.inputs))
+        trace = compress(trace_for(compiled, ev.inputs, None, ev.tensor))
     if trace is None:
         from planc.suggest.evaluate import remap
         program = compiled.program
@@ -60,10 +63,20 @@ def exact_peak(ev: Evaluator, c: Candidate) -> tuple[int, str]:
     return peak.total, peak.label
 
 
+class NoDegree(Exception):
+    """Every tensor-parallel degree asked for was skipped (the message says why, per degree)."""
+
+
+def default_degrees(world: int, hardware) -> list[int]:
+    """The tensor-parallel degrees searched by default: 1, 2, 4, 8 dividing `world`, within a node."""
+    node = hardware_of(hardware).gpus_per_node
+    return [t for t in (1, 2, 4, 8) if world % t == 0 and t <= node]
+
+
 def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[int, ...], *,
             hardware: str = "h100", optimizer: str = "adamw", budget_text: str | None = None,
             progress: Callable[[int, int], None] | None = None, alternatives: int = 3,
-            cost_fn=cost) -> Suggestion:
+            cost_fn=cost, parallel: tuple[str, ...] | None = None, tensors: list[int] | None = None) -> Suggestion:
     """Search the space of planc/suggest/space.py for `graph` at `world` ranks.
 
     Args:
@@ -73,12 +86,66 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
         hardware: a profile name or file (`planc.estimate.hardware`), or a `Hardware`.
         progress: called with (done, total) global choices as the search goes.
         cost_fn: `cost(program, context) -> seconds` (default planc's step-time model).
+        parallel: `parallel` statements (plan text, one statement each): with them the search
+            runs once per tensor-parallel degree in `tensors` (default `default_degrees`), the
+            mesh gaining `tensor = t` and the statements added; degree 1 is the 1-D search. A
+            degree the rules fail planc's checks at is skipped with a note. Each degree keeps
+            the tokens per rank: the data-parallel input is batch x t (a tensor group shares
+            it), so every degree trains world x batch sequences per step.
     """
-    t0, c0 = time.perf_counter(), time.process_time()
     if budget_text is None:  # a size the `expect` line can spell exactly (whole KiB at least)
         budget, budget_text = budget_spelling(budget)
+    if not parallel:
+        return _suggest_one(graph, model_ref, world, budget, shape, hardware=hardware, optimizer=optimizer,
+                            budget_text=budget_text, progress=progress, alternatives=alternatives, cost_fn=cost_fn)
+    degrees = sorted(set(tensors or default_degrees(world, hardware)))
+    results: list[tuple[int, Suggestion | None, str]] = []
+    for t in degrees:
+        if world % t:
+            results.append((t, None, f"does not divide {world} ranks"))
+            continue
+        t_shape = (shape[0] * t, *shape[1:])
+        try:
+            r = _suggest_one(graph, model_ref, world, budget, t_shape, hardware=hardware, optimizer=optimizer,
+                             budget_text=budget_text, progress=progress, alternatives=alternatives, cost_fn=cost_fn,
+                             tensor=t, parallel=tuple(parallel) if t > 1 else ())
+        except RulesRejected as err:
+            first = err.errors[0]
+            results.append((t, None, f"rejected by planc's checks: {first.code} {first.message}"))
+            continue
+        except TraceError as err:
+            if t == 1:
+                raise
+            results.append((t, None, f"the model did not run as one tensor rank: {str(err).splitlines()[0][:160]}"))
+            continue
+        results.append((t, r, "" if r.best is not None else
+                        f"nothing fits the budget (smallest peak found {format_bytes(r.smallest.peak)})"))
+    fitting = [(t, r) for t, r, _ in results if r is not None and r.best is not None]
+    if not fitting:  # the smallest peak over the degrees, for P950
+        tried = [r for _, r, _ in results if r is not None]
+        if not tried:
+            raise NoDegree("no tensor-parallel degree could be searched: "
+                             + "; ".join(f"tensor {t}: {why}" for t, _, why in results))
+        out = min(tried, key=lambda r: r.smallest.peak)
+    else:
+        out = min((r for _, r in fitting), key=lambda r: r.best.seconds)
+    out.degrees = [(t, r.best if r is not None else None, why) for t, r, why in results]
+    out.searched = sum(r.searched for _, r, _ in results if r is not None)
+    out.pruned = sum(r.pruned for _, r, _ in results if r is not None)
+    if out.best is not None:
+        ev = out.evaluator
+        out.text = render(ev, out.best, out.alternatives, out.budget, budget_text, ev.shape, hardware, optimizer,
+                          degrees=out.degrees, shape_1d=shape)
+    return out
+
+
+def _suggest_one(graph, model_ref: str | None, world: int, budget: int, shape: tuple[int, ...], *,
+                 hardware, optimizer: str, budget_text: str, progress, alternatives: int, cost_fn,
+                 tensor: int = 1, parallel: tuple[str, ...] = ()) -> Suggestion:
+    """The search at one tensor-parallel degree (1: 1-D plans); `shape` is the data-parallel input."""
+    t0, c0 = time.perf_counter(), time.process_time()
     hw = hardware_of(hardware)
-    ev = Evaluator(graph, model_ref, world, tuple(shape), optimizer)
+    ev = Evaluator(graph, model_ref, world, tuple(shape), optimizer, tensor, tuple(parallel))
     ctx = context(graph, world, tuple(shape), hw, optimizer)
     t_trace, c_trace = time.perf_counter() - t0, time.process_time() - c0
     subs: list[Subproblem] = [build(ev, g, ctx, cost_fn) for g in globals_for(ev, hw)]
@@ -155,7 +222,7 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
              "verify_s": total - t_trace - t_build - t_solve, "total_s": total,
              "trace_cpu_s": c_trace, "search_cpu_s": c_search, "total_cpu_s": time.process_time() - c0}
     return Suggestion(best, others, smallest, text, budget, searched, pruned, time.perf_counter() - t0, stats,
-                      list(dict.fromkeys(ev.notes)))
+                      list(dict.fromkeys(ev.notes)), tensor, [], ev)
 
 
 def _canonical(sp, choice: list[int], bound: float) -> list[int]:
@@ -216,20 +283,39 @@ def hw_text(hardware) -> str:
 
 
 def render(ev: Evaluator, best: Option, others: list[Option], budget: int, budget_text: str, shape, hardware: str,
-           optimizer: str) -> str:
+           optimizer: str, degrees=(), shape_1d=None) -> str:
+    """The plan text with its header; `degrees` (tensor-parallel searches) lists each degree's best."""
     c = best.candidate
+    shown = "x".join(map(str, shape))
+    if ev.tensor > 1:
+        base = shape_1d or (shape[0] // ev.tensor, *shape[1:])
+        inp = (f"input {shown} per tensor group of {ev.tensor} ranks (the {'x'.join(map(str, base))} per rank asked for: "
+               f"every degree trains {ev.world * base[0]} sequences a step), {optimizer},")
+    else:
+        inp = f"input {shown} per rank, {optimizer},"
+    tp_line = [f"  tensor parallelism: tensor = {ev.tensor}, the `parallel` statements below"] if ev.tensor > 1 else []
+    first = f"Suggested by `planc suggest` for {ev.model_ref or 'the model'} on {ev.world} ranks ({hardware_of(hardware).name}),"
     header = [
-        f"Suggested by `planc suggest` for {ev.model_ref or 'the model'} on {ev.world} ranks ({hardware_of(hardware).name}), "
-        f"input {'x'.join(map(str, shape))} per rank, {optimizer},",
+        *([f"{first} {inp}"] if ev.tensor == 1 else [first, inp]),
         f"per-rank budget {budget_text}. Estimates (planc's models, not measurements):",
         f"  peak {format_bytes(best.peak)} per rank at {best.where}: the binding constraint, "
         f"{format_bytes(budget - best.peak)} under the budget",
         f"  step time {best.seconds * 1e3:.3g} ms (planc's step-time model, docs/time-model.md; "
         f"{hw_text(hardware)})",
         f"  choice: {c.describe()}",
+        *tp_line,
         *[f"Note: {n}" for n in dict.fromkeys(ev.notes)],
-        "Next best (linear-model peaks):",
     ]
+    if degrees:
+        header.append("Tensor-parallel degrees searched (each degree's best, costed as a whole program):")
+        for t, o, why in degrees:
+            if o is None:
+                header.append(f"  tensor {t}: skipped, {why}")
+            else:
+                mark = " (this plan)" if t == ev.tensor else f" (+{(o.seconds / best.seconds - 1) * 100:.1f}%)"
+                header.append(f"  tensor {t}: {o.seconds * 1e3:.3g} ms{mark}, peak {format_bytes(o.peak)}: "
+                              f"{o.candidate.describe()}")
+    header.append("Next best (linear-model peaks):")
     for o in others:
         header.append(f"  {o.seconds * 1e3:.3g} ms (+{(o.seconds / best.seconds - 1) * 100:.1f}%), "
                       f"peak ~{format_bytes(o.peak)}: {o.candidate.describe()}")

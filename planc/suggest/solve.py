@@ -105,15 +105,16 @@ def globals_for(ev: Evaluator, hardware, merges=None, prefetches=(0, 1), offload
     # while a unit's bf16 all-gather stays within MERGE_LIMIT
     biggest = max(ev.chain.block_params) * 2
     merges = merges or [m for m in (1, 2, 4) if m == 1 or (m <= n // 2 and m * biggest <= MERGE_LIMIT)]
-    node = min(hardware.gpus_per_node, ev.world // 2)
-    reps = [r for r in (1, 2, 4, 8, 16) if ev.world % r == 0 and r < ev.world and (r == 1 or ev.world // r >= node)]
+    dp = ev.dp_world  # with a tensor axis, the replicate x shard ranks (a node holds gpus_per_node / tensor)
+    node = min(max(1, hardware.gpus_per_node // ev.tensor), dp // 2)
+    reps = [r for r in (1, 2, 4, 8, 16) if r == 1 or (dp % r == 0 and r < dp and dp // r >= node)]
     return [Global(m, r, p, o) for m, r, p, o in itertools.product(merges, reps, prefetches, offloads)]
 
 
 def reshard_options(ev: Evaluator, g: Global, hardware) -> list[bool | int]:
-    shard = ev.world // g.replicate
+    shard = ev.dp_world // g.replicate
     opts: list[bool | int] = [True, False]
-    node = hardware.gpus_per_node
+    node = max(1, hardware.gpus_per_node // ev.tensor)
     if g.replicate > 1 and shard > node and shard % node == 0:
         opts.append(node)
     return opts
@@ -124,7 +125,8 @@ def variant(program: Program, blocks: set[str], modules: list[str], *, replicate
     """`program` (replicate 1, nothing offloaded or checkpointed, reshard true) with every block
     unit (names in `blocks`, block modules `modules`) changed: what compiling the uniform
     candidate gives, for the cost (tests/test_suggest.py checks the cost is the same)."""
-    mesh = program.mesh if replicate == 1 else Mesh.data_parallel(replicate, None)
+    mesh = program.mesh if replicate == 1 else Mesh(tuple(replace(a, size=replicate) if a.role == "replicate" else a
+                                                          for a in program.mesh.axes))
     ops = [Checkpoint(m, mode, None) for m in modules] if mode != "none" else []
     for op in program.ops:
         if isinstance(op, FullyShard) and op.name in blocks:

@@ -188,13 +188,18 @@ def _reshard_value(r: bool | int):
     return r
 
 
-def plan_statements(chain: Chain, model_ref: str | None, c: Candidate) -> list[list[str]]:
-    """The plan's statements as groups of lines (a blank line between groups), no header, no expects."""
+def plan_statements(chain: Chain, model_ref: str | None, c: Candidate, tensor: int = 1,
+                    parallel: tuple[str, ...] = ()) -> list[list[str]]:
+    """The plan's statements as groups of lines (a blank line between groups), no header, no expects.
+
+    With `tensor` > 1 the mesh gains a tensor axis of that size and the `parallel` statements
+    (plan text, one statement each) follow the units."""
     groups: list[list[str]] = []
     if model_ref:
         groups.append([printer.head(st.ModelStmt(span=_NOWHERE, ref=model_ref))])
     mesh = st.MeshStmt(span=_NOWHERE, dims=(st.MeshDim(span=_NOWHERE, name="replicate", size=c.replicate),
-                                            st.MeshDim(span=_NOWHERE, name="shard", size=None)))
+                                            st.MeshDim(span=_NOWHERE, name="shard", size=None),
+                                            *([st.MeshDim(span=_NOWHERE, name="tensor", size=tensor)] if tensor > 1 else [])))
     groups.append([printer.head(mesh)])
     defaults = [_option("precision", param="bf16", reduce="fp32", cast_inputs=False), _option("reshard", after_forward=True)]
     if c.prefetch:  # every unit gathers the next N as it starts (the root the first block units)
@@ -244,7 +249,17 @@ def plan_statements(chain: Chain, model_ref: str | None, c: Candidate) -> list[l
         b += n_run
     if checkpoints:
         groups.append([printer.statement(s) for s in checkpoints])
+    if tensor > 1 and parallel:
+        groups.append(list(parallel))
     return groups
+
+
+def parallel_rules(text: str, file: str) -> tuple[tuple[str, ...], list]:
+    """The `parallel` statements of a plan's text, each printed as one statement, and the parse errors."""
+    from planc.lang.parse import parse_text
+    stmts, _, diags = parse_text(text, file)
+    errors = [d for d in diags if d.severity == "error"]
+    return tuple(printer.statement(s) for s in stmts if isinstance(s, st.ParallelStmt)), errors
 
 
 def expect_line(budget_text: str, budget: float, world: int, shape: tuple[int, ...]) -> str:
@@ -254,9 +269,9 @@ def expect_line(budget_text: str, budget: float, world: int, shape: tuple[int, .
 
 
 def plan_text(chain: Chain, model_ref: str | None, c: Candidate, header: list[str] = (),
-              expects: list[str] = ()) -> str:
+              expects: list[str] = (), tensor: int = 1, parallel: tuple[str, ...] = ()) -> str:
     """The candidate as plan text in `planc fmt`'s layout (header lines are comments)."""
-    groups = plan_statements(chain, model_ref, c)
+    groups = plan_statements(chain, model_ref, c, tensor, parallel)
     if header:
         groups[0] = [f"# {h}" if h else "#" for h in header] + groups[0]
     if expects:
