@@ -7,8 +7,8 @@ when the compile has them, so no check tests `graph is None` itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
 
 from planc.diagnostics import Diagnostic
 from planc.lang import syntax as st
@@ -32,6 +32,16 @@ class Context:
     # memory metrics, if any: (metric, world, input shape) -> bytes; raises `TraceError` when
     # the model cannot run on that input
     metrics: Callable[[str, int | None, tuple[int, ...] | None], float | None] | None = None
+    # what several checks derive from the same inputs, computed once per context (see `memo`);
+    # `dataclasses.replace` starts a fresh one
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def memo(self, key: str, build: Callable[[], Any]) -> Any:
+        """`build()` once per context under `key`: a value several checks read (they never mutate it)."""
+        memo = self._memo
+        if key not in memo:
+            memo[key] = build()
+        return memo[key]
 
     @property
     def mesh_sizes(self) -> tuple[int, int] | None:

@@ -33,29 +33,36 @@ def check_ignored_precision(ctx: Context) -> Iterator[Diagnostic]:
                   ("cast it in the model's forward, or do not ignore it",), severity="warning")
 
 
-def _precision(u: Unit) -> Precision:
-    """The unit's precision with FSDP2's defaults applied (planc/lower: the one place they live)."""
-    return policy_of(u).precision
+def _precision(u: Unit, cache: dict[int, Precision] | None = None) -> Precision:
+    """The unit's precision with FSDP2's defaults applied (planc/lower: the one place they live);
+    with `cache` (unit id -> precision, one context's units), each unit's policy is built once."""
+    if cache is None:
+        return policy_of(u).precision
+    found = cache.get(id(u))
+    if found is None:
+        found = cache[id(u)] = policy_of(u).precision
+    return found
 
 
-def _dtype(u: Unit, model_dtype: torch.dtype) -> torch.dtype:
-    return _precision(u).compute_dtype(model_dtype)
+def _dtype(u: Unit, model_dtype: torch.dtype, cache: dict[int, Precision] | None = None) -> torch.dtype:
+    return _precision(u, cache).compute_dtype(model_dtype)
 
 
 def check_precision(ctx: Context) -> Iterator[Diagnostic]:
     """P304: an inner unit computing in another dtype than the unit around it, unbridged."""
     g = ctx.graph
     model_dtype = next(iter(g.params.values())).dtype if g.params else torch.float32
+    cache = _precisions(ctx)
     found = []
     for u in ctx.inner_units():
         outer = _outer(ctx, u)
         if outer is None:
             continue
-        du, do = _dtype(u, model_dtype), _dtype(outer, model_dtype)
+        du, do = _dtype(u, model_dtype, cache), _dtype(outer, model_dtype, cache)
         if du == do:
             continue
         gaps = []
-        if not _precision(u).casts_inputs:
+        if not _precision(u, cache).casts_inputs:
             gaps.append(f"its inputs arrive in {DTYPE_NAMES[do]} but it computes in {DTYPE_NAMES[du]}")
         if u["output_dtype"] != do:
             gaps.append(f"its outputs return in {DTYPE_NAMES[u['output_dtype'] or du]} to {{outer}} "
@@ -77,6 +84,11 @@ def check_precision(ctx: Context) -> Iterator[Diagnostic]:
     yield from _sibling_precision(ctx, model_dtype)
 
 
+def _precisions(ctx: Context) -> dict[int, Precision]:
+    """Unit id -> its precision, filled as the checks here ask (the context holds the units)."""
+    return ctx.memo("precision.units", dict)
+
+
 def _outer(ctx: Context, u: Unit) -> Unit | None:
     """The unit around `u`: the one that manages the parent of its first module."""
     parent = next(ctx.graph.ancestors(u.modules[0]), None)
@@ -86,14 +98,15 @@ def _outer(ctx: Context, u: Unit) -> Unit | None:
 def _sibling_precision(ctx: Context, model_dtype: torch.dtype) -> Iterator[Diagnostic]:
     """P304 between neighbours: a unit's outputs feed the next unit in model order."""
     g = ctx.graph
+    cache = _precisions(ctx)
     inner = sorted(ctx.inner_units(), key=lambda u: g.pre(u.modules[0]))
     found = []
     for a, b in zip(inner, inner[1:]):
         if _outer(ctx, a) is not _outer(ctx, b) or any(g.is_within(m, n) for m in b.modules for n in a.modules):
             continue  # not neighbours at one level: nesting is checked above
-        sent = a["output_dtype"] or _dtype(a, model_dtype)
-        computes = _dtype(b, model_dtype)
-        if sent != computes and not _precision(b).casts_inputs:
+        sent = a["output_dtype"] or _dtype(a, model_dtype, cache)
+        computes = _dtype(b, model_dtype, cache)
+        if sent != computes and not _precision(b, cache).casts_inputs:
             setting = b.settings["cast_inputs"] if b.settings["cast_inputs"].span else b.settings["param_dtype"]
             found.append(((setting.span or b.span, DTYPE_NAMES[sent], DTYPE_NAMES[computes]), (a.name, b.name)))
     for (span, sent, computes), pairs in by_key(found).items():

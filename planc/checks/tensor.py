@@ -67,13 +67,58 @@ def tp_size(ctx: Context, world: int | None = None) -> int | None:
 
 def styled(ctx: Context) -> dict[str, Setting]:
     """module -> style setting, in module (pre-)order; empty without a tensor axis, or when the
-    mesh cannot fill the world size (P401 says so; a check on top would only echo it)."""
+    mesh cannot fill the world size (P401 says so; a check on top would only echo it).
+    Computed once per context (every check here reads it; none mutates it)."""
+    return ctx.memo("tensor.styled", lambda: _styled(ctx))
+
+
+def _styled(ctx: Context) -> dict[str, Setting]:
     mesh = ctx.res.mesh
     if mesh.tensor_dim is None or not ctx.res.parallel:
         return {}
     if ctx.world_size is not None and mesh.sizes(ctx.world_size) is None:
         return {}
     return {p: ctx.res.parallel[p] for p in sorted(ctx.res.parallel, key=ctx.graph.pre)}
+
+
+class _View:
+    """What several checks derive from `styled(ctx)`, once per context (`_view`): the styled
+    modules in module order with their pre-order numbers and subtree ends (for bisect), their
+    parents, and per-module flags of the style (each distinct style judged once)."""
+
+    def __init__(self, ctx: Context, styles: dict[str, Setting]):
+        graph = ctx.graph
+        self.styles = styles
+        self.order = list(styles)
+        self.pres = [graph.pre(p) for p in self.order]
+        self.ends = [pre + graph.subtree_size(p) for pre, p in zip(self.pres, self.order)]
+        self.parents = [_parent(p) for p in self.order]
+        # the module object splittable by torch (an nn.Linear or nn.Embedding), a Linear
+        modules = [graph.module(p) for p in self.order]
+        self.splittable = [isinstance(m, (nn.Linear, nn.Embedding)) for m in modules]
+        self.linear = [isinstance(m, nn.Linear) for m in modules]
+        judged: dict[int, tuple[bool, bool, bool]] = {}
+        self.producer, self.reads_last, self.prepares = [], [], []
+        for setting in styles.values():
+            style = setting.value
+            flags = judged.get(id(style))
+            if flags is None:
+                flags = judged[id(style)] = (
+                    _producer(style),
+                    style.kind == "rowwise" and _is_last(_first(style.input_layouts, Layout("shard", -1))),
+                    style.kind in ("prepare_input", "prepare"))
+            self.producer.append(flags[0])
+            self.reads_last.append(flags[1])
+            self.prepares.append(flags[2])
+        # a rowwise Linear reading `Shard(-1)` (P422's subject, one of P416's consumers)
+        self.rowwise_reader = [r and lin for r, lin in zip(self.reads_last, self.linear)]
+        # a style that takes a `Shard(-1)` activation: a rowwise Linear reading `Shard(-1)` or an
+        # explicit `prepare_input` / `prepare`
+        self.consumer = [pr or rr for pr, rr in zip(self.prepares, self.rowwise_reader)]
+
+
+def _view(ctx: Context) -> _View:
+    return ctx.memo("tensor.view", lambda: _View(ctx, styled(ctx)))
 
 
 def pattern(path: str) -> str:
@@ -160,6 +205,10 @@ def _is_embedding(module: nn.Module) -> bool:
 
 def _vocabulary(ctx: Context) -> tuple[str, int] | None:
     """(path, size) of the model's first `nn.Embedding` (the input embedding), if any."""
+    return ctx.memo("tensor.vocabulary", lambda: _first_embedding(ctx))
+
+
+def _first_embedding(ctx: Context) -> tuple[str, int] | None:
     for path in ctx.graph.modules:
         module = ctx.graph.module(path)
         if isinstance(module, nn.Embedding):
@@ -206,25 +255,48 @@ def check_tensor_last(ctx: Context) -> Iterator[Diagnostic]:
 # ===================================================================== P411 / P412: heads
 
 
-def _split_attention(ctx: Context, styles: dict[str, Setting]) -> dict[str, tuple[tuple[int, int], Setting]]:
+def _split_attention(ctx: Context) -> dict[str, tuple[tuple[int, int], Setting]]:
     """Attention module -> (its heads, the first split style inside it), for attention modules
-    holding a colwise / rowwise module (the innermost attention module above each)."""
+    holding a colwise / rowwise module (the innermost attention module above each). Once per context."""
+    return ctx.memo("tensor.split_attention", lambda: _find_split_attention(ctx, styled(ctx)))
+
+
+def _find_split_attention(ctx: Context, styles: dict[str, Setting]) -> dict[str, tuple[tuple[int, int], Setting]]:
     found: dict[str, tuple[tuple[int, int], Setting]] = {}
-    for path, setting in styles.items():
-        if setting.value.kind not in SPLIT:
-            continue
-        for anc in ctx.graph.ancestors(path):
-            if anc in found:
+    heads_of: dict[str, tuple[int, int] | None] = {}  # each module read once
+    nearest: dict[str, str | None] = {}  # module -> the innermost attention module at or above it
+
+    def attention_above(path: str) -> str | None:
+        walked = []
+        while True:
+            if path in nearest:
+                near = nearest[path]
                 break
-            heads = attention_heads(ctx.graph.module(anc))
+            heads = heads_of[path] = attention_heads(ctx.graph.module(path))
             if heads is not None:
-                found[anc] = (heads, setting)
+                near = path
                 break
+            walked.append(path)
+            if not path:
+                near = None
+                break
+            path = _parent(path)
+        for p in walked:
+            nearest[p] = near
+        nearest[path] = near
+        return near
+
+    for path, setting in styles.items():
+        if setting.value.kind not in SPLIT or not path:
+            continue  # (the root has no attention module above it)
+        attn = attention_above(_parent(path))
+        if attn is not None and attn not in found:
+            found[attn] = (heads_of[attn], setting)
     return found
 
 
-def _bad_attention(ctx: Context, styles, tp: int) -> dict[str, tuple[tuple[int, int], Setting]]:
-    return {a: v for a, v in _split_attention(ctx, styles).items() if v[0][0] % tp or v[0][1] % tp}
+def _bad_attention(ctx: Context, tp: int) -> dict[str, tuple[tuple[int, int], Setting]]:
+    return {a: v for a, v in _split_attention(ctx).items() if v[0][0] % tp or v[0][1] % tp}
 
 
 def check_heads(ctx: Context) -> Iterator[Diagnostic]:
@@ -234,7 +306,7 @@ def check_heads(ctx: Context) -> Iterator[Diagnostic]:
     if not styles or not tp or tp == 1:
         return
     query, kv = [], []
-    for attn, ((q, k), setting) in _bad_attention(ctx, styles, tp).items():
+    for attn, ((q, k), setting) in _bad_attention(ctx, tp).items():
         if q % tp:
             query.append(((setting.span, q), attn))
         if k % tp:
@@ -279,23 +351,25 @@ def check_split_sizes(ctx: Context) -> Iterator[Diagnostic]:
     styles, tp = styled(ctx), tp_size(ctx)
     if not styles:
         return
-    bad_attention = _bad_attention(ctx, styles, tp) if tp else {}
-    dtensor_fed = _dtensor_fed(styles)
+    bad_attention = _bad_attention(ctx, tp) if tp else {}
+    dtensor_fed = _dtensor_fed(_view(ctx))
     vocab = _vocabulary(ctx)
+    view = _view(ctx)
     uneven, vocab_uneven, not_logits = [], [], []
-    for path, setting in styles.items():
+    for i, (path, setting) in enumerate(styles.items()):
         style = setting.value
-        module = ctx.graph.module(path)
-        if style.kind not in SPLIT or not isinstance(module, (nn.Linear, nn.Embedding)):
+        if style.kind not in SPLIT or not view.splittable[i]:
             continue
+        module = ctx.graph.module(path)
         if style.loss_parallel:
             if isinstance(module, nn.Linear) and vocab is not None and module.out_features != vocab[1]:
                 not_logits.append(((setting.span, module.out_features, *vocab), path))
             elif tp and isinstance(module, nn.Linear) and module.out_features % tp:
                 vocab_uneven.append(((setting.span, module.out_features), path))
             continue
-        if not tp or tp == 1 or any(ctx.graph.is_within(path, a) for a in bad_attention):
-            continue  # P411 / P412 already say it
+        if not tp or tp == 1 or (bad_attention and (path in bad_attention or any(
+                a in bad_attention for a in ctx.graph.ancestors(path)))):
+            continue  # P411 / P412 already say it (`path` is within a bad attention module)
         # NOTE (torch 2.13, 2 gloo ranks): uneven shards of a weight are fine (an Embedding's
         # vocabulary rowwise, a colwise layer gathered with `output replicate`); what fails is a
         # rowwise Linear rebuilding its input with `DTensor.from_local`, which assumes equal
@@ -303,11 +377,11 @@ def check_split_sizes(ctx: Context) -> Iterator[Diagnostic]:
         # colwise layer that hands it uneven local shards.
         # A colwise layer with `local_output false` hands on a DTensor, which knows its true
         # global shape: no `from_local` then, and its rowwise siblings are fine too.
-        if style.kind == "rowwise" and isinstance(module, nn.Linear):
-            if _parent(path) in dtensor_fed:
+        if style.kind == "rowwise" and view.linear[i]:
+            if view.parents[i] in dtensor_fed:
                 continue
             size, what = module.in_features, "in-features"
-        elif style.kind == "colwise" and _producer(style) and style.use_local_output is not False:
+        elif style.kind == "colwise" and view.producer[i] and style.use_local_output is not False:
             size, what = ((module.embedding_dim, "embedding dim") if _is_embedding(module)
                           else (module.out_features, "out-features"))
         else:
@@ -333,13 +407,12 @@ def check_split_sizes(ctx: Context) -> Iterator[Diagnostic]:
                       "give this module `output replicate` or a rowwise consumer",))
 
 
-def _dtensor_fed(styles: dict[str, Setting]) -> set[str]:
+def _dtensor_fed(view: _View) -> set[str]:
     """Modules whose colwise children all hand on DTensors (`local_output false`): a rowwise
     child of theirs reads no local shards."""
     local: dict[str, bool] = {}
-    for path, setting in styles.items():
-        if _producer(setting.value):
-            parent = _parent(path)
+    for setting, producer, parent in zip(view.styles.values(), view.producer, view.parents):
+        if producer:
             local[parent] = local.get(parent, False) or setting.value.use_local_output is not False
     return {parent for parent, any_local in local.items() if not any_local}
 
@@ -374,15 +447,6 @@ def _producer(style: TensorStyle) -> bool:
     return style.kind == "colwise" and not style.loss_parallel and _is_last(output_layout(style))
 
 
-def _consumer(ctx: Context, path: str, style: TensorStyle) -> bool:
-    """A style that takes a `Shard(-1)` activation: a rowwise Linear (input `Shard(-1)`) or an
-    explicit `prepare_input` / `prepare`."""
-    if style.kind in ("prepare_input", "prepare"):
-        return True
-    return (style.kind == "rowwise" and isinstance(ctx.graph.module(path), nn.Linear)
-            and _is_last(_first(style.input_layouts, Layout("shard", -1))))
-
-
 def check_colwise_consumed(ctx: Context) -> Iterator[Diagnostic]:
     """P416 (warning): every colwise output left sharded on the features has a consumer.
 
@@ -395,30 +459,33 @@ def check_colwise_consumed(ctx: Context) -> Iterator[Diagnostic]:
     if not styles:
         return
     graph = ctx.graph
-    order = list(styles)
-    pres = [graph.pre(p) for p in order]
+    view = _view(ctx)
+    order, pres, ends, parents, producer = view.order, view.pres, view.ends, view.parents, view.producer
     vocab = _vocabulary(ctx)
     found = []
-    for path, setting in styles.items():
-        if not _producer(setting.value) or not isinstance(graph.module(path), (nn.Linear, nn.Embedding)):
+    for i, (path, setting) in enumerate(styles.items()):
+        if not producer[i] or not view.splittable[i]:
             continue
         verdict, scope, first = None, "", None
+        pre, end, parent = pres[i], ends[i], parents[i]
         for anc in graph.ancestors(path):
             above = styles.get(anc)
             if above is not None and above.value.kind in ("prepare_output", "prepare"):
                 verdict = True
                 break
-            lo, hi = graph.pre(anc), graph.pre(anc) + graph.subtree_size(anc)
+            lo = graph.pre(anc)
+            hi = lo + graph.subtree_size(anc)
             for k in range(bisect.bisect_left(pres, lo), bisect.bisect_left(pres, hi)):
-                q = order[k]
-                if q == anc or graph.is_within(q, path) or graph.is_within(path, q) or _producer(styles[q].value):
+                q_pre = pres[k]
+                # q is anc, within path, or path within q; or another producer
+                if q_pre == lo or pre <= q_pre < end or q_pre <= pre < ends[k] or producer[k]:
                     continue
-                if not (pres[k] > graph.pre(path) or _parent(q) == _parent(path)):
+                if not (q_pre > pre or parents[k] == parent):
                     continue
-                if _consumer(ctx, q, styles[q].value):
+                if view.consumer[k]:
                     verdict = True
                     break
-                first = first or q
+                first = first or order[k]
             if verdict or first is not None:
                 scope = anc
                 break
@@ -449,27 +516,27 @@ def check_rowwise_fed(ctx: Context) -> Iterator[Diagnostic]:
     if not styles:
         return
     graph = ctx.graph
-    order = list(styles)
-    pres = [graph.pre(p) for p in order]
+    view = _view(ctx)
+    order, pres, ends, parents, producer = view.order, view.pres, view.ends, view.parents, view.producer
     found = []
-    for path, setting in styles.items():
-        style = setting.value
-        if not (style.kind == "rowwise" and isinstance(graph.module(path), nn.Linear)
-                and _is_last(_first(style.input_layouts, Layout("shard", -1)))):
+    for i, (path, setting) in enumerate(styles.items()):
+        if not view.rowwise_reader[i]:
             continue
         fed, first = False, None
+        pre, end, parent = pres[i], ends[i], parents[i]
         for anc in graph.ancestors(path):
-            lo, hi = graph.pre(anc), graph.pre(anc) + graph.subtree_size(anc)
+            lo = graph.pre(anc)
+            hi = lo + graph.subtree_size(anc)
             for k in range(bisect.bisect_left(pres, lo), bisect.bisect_left(pres, hi)):
-                q = order[k]
-                if q == anc or graph.is_within(q, path) or graph.is_within(path, q):
+                q_pre = pres[k]
+                if q_pre == lo or pre <= q_pre < end or q_pre <= pre < ends[k]:  # anc, within path, path within it
                     continue
-                if not (pres[k] < graph.pre(path) or _parent(q) == _parent(path)):
+                if not (q_pre < pre or parents[k] == parent):
                     continue
-                if _producer(styles[q].value):
+                if producer[k]:
                     fed = True
                     break
-                first = first or q
+                first = first or order[k]
             if fed or first is not None:
                 break
         if not fed:
@@ -489,21 +556,32 @@ def _sequence_regions(ctx: Context, styles: dict[str, Setting]) -> dict[str, Set
     with `output shard(1)` (the stream starts there) and the grandparent of any other module
     with `output shard(1)` (a block's last projection: its block's caller holds the result)."""
     regions: dict[str, Setting] = {}
+    judged: dict[int, tuple[bool, bool]] = {}  # each distinct style read once
     for path, setting in styles.items():
         style = setting.value
         if not path:
             continue
-        if style.kind == "sequence" or SEQ in (style.input_layouts or ()) \
-                or any(lay == SEQ for _, lay in style.input_kwarg_layouts):
+        flags = judged.get(id(style))
+        if flags is None:
+            flags = judged[id(style)] = (
+                style.kind == "sequence" or SEQ in (style.input_layouts or ())
+                or any(lay == SEQ for _, lay in style.input_kwarg_layouts),
+                SEQ in (style.output_layouts or ()))
+        if flags[0]:
             regions.setdefault(_parent(path), setting)
-        if SEQ in (style.output_layouts or ()):
+        if flags[1]:
             region = _parent(path) if _is_embedding(ctx.graph.module(path)) else _parent(_parent(path))
             regions.setdefault(region, setting)
     return regions
 
 
 def _sequence_norms(ctx: Context, styles: dict[str, Setting]) -> list[tuple[str, Setting]]:
-    """(norm, the style to point at) for each norm with weights in a sequence region that is not `sequence`."""
+    """(norm, the style to point at) for each norm with weights in a sequence region that is not `sequence`
+    (`styles` is `styled(ctx)`; once per context)."""
+    return ctx.memo("tensor.sequence_norms", lambda: _find_sequence_norms(ctx, styles))
+
+
+def _find_sequence_norms(ctx: Context, styles: dict[str, Setting]) -> list[tuple[str, Setting]]:
     out = []
     for region, cause in _sequence_regions(ctx, styles).items():
         for child in ctx.graph.children(region):

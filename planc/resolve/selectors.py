@@ -60,10 +60,18 @@ class _Walk:
 
     def _step(self, node: str, seg: st.Segment) -> list[str]:
         g = self.graph
-        kids = list(zip(g.child_names(node), g.children(node)))
+        names, children = g.child_names(node), g.children(node)
         if seg.alternatives:
-            return [p for n, p in kids if any(_name_matches(a, n) for a in seg.alternatives)]
-        hits = [p for n, p in kids if seg.pattern == "*" or _name_matches(seg.pattern, n)]
+            if not any("*" in a for a in seg.alternatives):  # plain names: a set lookup per child
+                wanted = set(seg.alternatives)
+                return [p for n, p in zip(names, children) if n in wanted]
+            return [p for n, p in zip(names, children) if any(_name_matches(a, n) for a in seg.alternatives)]
+        if seg.pattern == "*":
+            hits = list(children)
+        elif "*" not in seg.pattern:  # a plain name: at most one child has it
+            hits = [children[names.index(seg.pattern)]] if seg.pattern in names else []
+        else:
+            hits = [p for n, p in zip(names, children) if _name_matches(seg.pattern, n)]
         if seg.index is not None or seg.is_slice:
             return [c for h in hits for c in _slice_children(g.children(h), seg)]
         return hits
