@@ -30,7 +30,10 @@ import pathlib
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
+    import tomli as tomllib  # type: ignore[no-redef]
 
 
 @dataclass(frozen=True)
