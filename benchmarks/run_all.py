@@ -86,6 +86,13 @@ BENCHMARKS = [
         ("worst_ratio_error", "worst |analytic / measured - 1| (target <= 0.03)"),
         ("within_3_percent", "every case within 3%"),
     ]),
+    ("time_validation.py", "step-time model: collective bytes per unit vs a fake-process-group step, FLOPs vs FlopCounterMode", [
+        ("plans", "shipped plans checked (tiny configs, rank 0 of 8)"),
+        ("plans_equal", "plans whose collectives equal the model's, per unit, kind, phase, bytes and ranks"),
+        ("flop_models", "tiny models whose FLOPs were counted"),
+        ("flop_models_equal", "of which the fake trace's FLOPs equal FlopCounterMode on the real CPU step"),
+        ("wall_s", "wall clock (s)"),
+    ]),
     ("time_model.py", "step-time estimate vs published torchtitan throughput (estimate / published, nothing fitted)", [
         ("ratio_min", "smallest estimate / published"),
         ("ratio_max", "largest estimate / published"),

@@ -61,7 +61,7 @@ def main() -> None:
         "choice": result.best.candidate.describe() if result.best else None,
         "peak_bytes": result.best.peak if result.best else None,
         "smallest_peak_bytes": result.smallest.peak if result.smallest else None,
-        "step_seconds_provisional": round(result.best.seconds, 4) if result.best else None,
+        "step_seconds": round(result.best.seconds, 4) if result.best else None,
         "load_average": os.getloadavg()[0],
     }
     print(json.dumps(out))
