@@ -34,7 +34,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORLD, SHAPE = 8, (2, 16)
 SHIPPED = {"seed_transformer_tiny": "seed.plan", "gpt_tiny": "gpt.plan", "moe_transformer_tiny": "moe.plan"}
 # Hugging Face models with a shipped plan, at their tiny configs (transformers is a test extra)
-HF = {"hf:llama-tiny": "llama.plan", "hf:mixtral-tiny": "mixtral.plan"}
+HF = {"hf:llama-tiny": "llama.plan", "hf:mixtral-tiny": "mixtral.plan", "hf:gpt2-tiny": "gpt2.plan", "hf:bert-tiny": "bert.plan"}
 _EV: dict = {}
 
 
