@@ -66,7 +66,6 @@ What is modelled (torch 2.13 FSDP2; docs/time-model.md says it at length):
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -74,6 +73,7 @@ import torch
 
 from planc.estimate.hardware import Hardware
 from planc.estimate.hardware import hardware as hardware_of
+from planc.estimate.memory import shard_numel  # FSDP2's padded chunk, one definition
 from planc.lower.lowering import tensor_dims
 from planc.lower.program import FullyShard, Program
 
@@ -83,14 +83,6 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce", "host_to_device", "device
 
 def _itemsize(dtype: torch.dtype) -> int:
     return dtype.itemsize
-
-
-def _padded(shape: tuple[int, ...], shard: int, dim: int = 0) -> int:
-    """Elements per rank of one parameter: `dim` padded to a multiple of `shard` (FSDP2's chunking)."""
-    if not shape:
-        return 1
-    rest = math.prod(shape) // shape[dim] if shape[dim] else 0
-    return -(-shape[dim] // shard) * rest
 
 
 @dataclass(frozen=True)
@@ -166,7 +158,7 @@ def unit_collectives(program: Program, graph, world: int) -> list[list[Collectiv
             shape = tuple(info.shape)
             if name in tp_dims:  # FSDP shards the tensor-parallel local shard
                 shape = tuple(-(-n // tp) if d == tp_dims[name] else n for d, n in enumerate(shape))
-            per_rank = _padded(shape, shard, placed.get(name, 0))
+            per_rank = shard_numel(shape, shard, placed.get(name, 0))
             ag += per_rank * shard * _itemsize(precision.compute_dtype(info.dtype))
             sharded += per_rank * _itemsize(info.dtype)
             if info.requires_grad:
@@ -563,7 +555,7 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     on_device = on_host = 0
     shard = sizes.get("shard", 1)
     for u in units:
-        n = sum(_padded(tuple(graph.params[name].shape), shard) * _itemsize(graph.params[name].dtype)
+        n = sum(shard_numel(tuple(graph.params[name].shape), shard) * _itemsize(graph.params[name].dtype)
                 for name in u.params if graph.params[name].requires_grad) * OPTIMIZER_BYTES.get(optimizer, 7) // tp
         if u.policy.offload.enabled:
             on_host += n
