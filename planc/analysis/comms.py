@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from planc.estimate.trace import Example, LossFn, default_loss
+from planc.estimate.trace import LossFn, default_loss
 
 # c10d op -> (kind, index of the tensor whose bytes are the nccl-tests size)
 _OPS = {
@@ -136,7 +136,7 @@ def record_collectives(plan, build: Callable[[], nn.Module], world: int, *,
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import planc
-    from planc.analysis.simulate import _skip_sharding_propagation, init_fake
+    from planc.analysis.simulate import _skip_sharding_propagation, fake_step_inputs, init_fake
     from planc.backends.runtime import apply, build_mesh
 
     _skip_sharding_propagation()
@@ -151,11 +151,7 @@ def record_collectives(plan, build: Callable[[], nn.Module], world: int, *,
                  for op in compiled.program.units}
         recorder = _Recorder()
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-            model.to_empty(device="cpu")
-            if callable(getattr(model, "tie_weights", None)):
-                model.tie_weights()
-            example = Example.of(inputs(model) if callable(inputs) else (inputs or ()))
-            example = example.map(fake.from_tensor)
+            example = fake_step_inputs(model, inputs, fake)
             step_loss = loss or default_loss(model)
             with _attributed(recorder, names), recorder:
                 pred = model(*example.args, **example.kwargs)

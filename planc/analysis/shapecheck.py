@@ -377,7 +377,7 @@ def _check_as(plan, build, world: int, rank: int, input_shape, inputs, loss, opt
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import planc
-    from planc.analysis.simulate import init_fake, zoo_inputs
+    from planc.analysis.simulate import fake_step_inputs, init_fake, zoo_inputs
     from planc.backends.runtime import apply, build_mesh, run
     from planc.lower.lowering import tensor_dims
 
@@ -415,11 +415,7 @@ def _check_as(plan, build, world: int, rank: int, input_shape, inputs, loss, opt
             return [_safely(step.apply_failure, err)], uneven
         paths = {id(m): p for p, m in model.named_modules()}
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-            model.to_empty(device="cpu")
-            if callable(getattr(model, "tie_weights", None)):
-                model.tie_weights()
-            make = inputs or zoo_inputs(input_shape or default_input_shape(tp))
-            example = Example.of(make(model)).map(fake.from_tensor)
+            example = fake_step_inputs(model, inputs or zoo_inputs(input_shape or default_input_shape(tp)), fake)
             return _run(step, applied, example, loss, optimizer, paths), uneven
     finally:
         dist.destroy_process_group()

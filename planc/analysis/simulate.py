@@ -183,6 +183,15 @@ def init_fake(world: int, rank: int = 0) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
 
 
+def fake_step_inputs(model: nn.Module, inputs, fake) -> Example:
+    """Inside FakeTensorMode `fake`: storage for a meta-sharded `model` (ties restored) and its
+    step's inputs (`inputs(model)`, or the args themselves) as fake tensors."""
+    model.to_empty(device="cpu")
+    if callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()
+    return Example.of(inputs(model) if callable(inputs) else (inputs or ())).map(fake.from_tensor)
+
+
 def simulate(plan, build: Callable[[], nn.Module], world: int, *, rank: int = 0,
              inputs: Callable[[nn.Module], tuple] | tuple | None = None, optimizer: str = "adamw",
              steps: int = 2, loss: LossFn | None = None, clip: float | None = 1.0) -> Measurement:
@@ -221,11 +230,7 @@ def simulate(plan, build: Callable[[], nn.Module], world: int, *, rank: int = 0,
         mesh = build_mesh(compiled.mesh, world, "cpu")  # NOTE: outside fake mode
         applied = apply(model, compiled.plan, mesh=mesh)
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
-            model.to_empty(device="cpu")
-            if callable(getattr(model, "tie_weights", None)):
-                model.tie_weights()
-            example = Example.of(inputs(model) if callable(inputs) else (inputs or ()))
-            example = example.map(fake.from_tensor)
+            example = fake_step_inputs(model, inputs, fake)
             return _measure(model, example, optimizer, steps, loss, clip, applied.loss_parallel)
     finally:
         dist.destroy_process_group()
