@@ -288,7 +288,8 @@ def _cast(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, tree)
 
 
-def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None = None, tp: int = 1) -> Trace:
+def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None = None, tp: int = 1,
+               repeat: bool = False) -> Trace:
     """Run one forward and backward on fake CPU tensors and record the events of the step.
 
     The step is a training step: `loss(output, example)` (default `default_loss`: the LM
@@ -302,6 +303,9 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
         tp: tensor-parallel degree: with `parallel` statements and tp > 1, the step of one
             tensor rank (local parameter shapes, each style's gathers and scatters:
             `planc/estimate/tensor_local.py`).
+        repeat: trace runs of identical blocks as four blocks and write the others out
+            (`planc/estimate/repeat.py`: the same events, checked on the trace; in full when
+            the check or the short step fails).
 
     Returns:
         The trace: unit hooks and live non-parameter bytes after every op.
@@ -405,6 +409,12 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
     for p in model.parameters():
         if p.requires_grad:
             handles.append(p.register_post_accumulate_grad_hook(grad_done))
+    runs = []
+    if repeat:
+        from planc.estimate import repeat as repeated
+        runs = repeated.find_runs(compiled)
+        repeated.shorten(model, runs)
+        post_done.update(repeated.elided_units(runs))  # they never run: no end-of-backward reduce
 
     example = Example.of(inputs)
     with fake_mode:
@@ -441,9 +451,17 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
             if root is not None:
                 post_backward(root, final=True)
             events.append(Event("end_backward", live=mode.live, grads=mode.grads))
+    except Exception:
+        if not runs:
+            raise
+        events = None  # the model's forward does not take the short container: in full
     finally:
         for h in handles + layout_handles:
             h.remove()
+    if runs:
+        events = repeated.restore(events, runs, units) if events is not None else None
+        if events is None:
+            return fake_trace(compiled, inputs, loss, tp)
     on = f" (one of {tp} tensor-parallel ranks, its local shapes)" if tp > 1 else ""
     return Trace(events, input_bytes, f"live tensors of one forward and backward{on} on fake CPU tensors, each "
                  f"unit's precision and checkpointing applied; {loss_name(model, labels, loss)}")
@@ -492,8 +510,10 @@ def _quiet_fake_tensor_logs():
             lg.disabled = was
 
 
-def trace_for(compiled, inputs: "tuple | dict | Example | None", loss: LossFn | None = None, tp: int = 1) -> Trace:
-    """The (cached) trace of one step of `compiled` with `inputs` and `loss`, on one of `tp` tensor ranks."""
+def trace_for(compiled, inputs: "tuple | dict | Example | None", loss: LossFn | None = None, tp: int = 1,
+              repeat: bool = False) -> Trace:
+    """The (cached) trace of one step of `compiled` with `inputs` and `loss`, on one of `tp` tensor
+    ranks; `repeat`: see `fake_trace` (the same events, so one cache entry serves both)."""
     cache = _TRACES.setdefault(compiled.graph, {})
     example = None if inputs is None else Example.of(inputs)
     key = (_step_key(compiled), None if example is None else example.key(), loss, tp)
@@ -503,7 +523,7 @@ def trace_for(compiled, inputs: "tuple | dict | Example | None", loss: LossFn | 
         else:
             try:
                 with _quiet_fake_tensor_logs():
-                    cache[key] = fake_trace(compiled, example, loss, tp)
+                    cache[key] = fake_trace(compiled, example, loss, tp, repeat)
             except Exception as err:  # any model code can fail on unexpected inputs
                 shapes = " and ".join("x".join(map(str, t.shape)) for t in example.tensors())
                 rank = f" as one of {tp} tensor-parallel ranks (local shapes)" if tp > 1 and key[0][3] else ""

@@ -205,7 +205,7 @@ class Evaluator:
         try:
             with _quiet_fake_tensor_logs(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                trace = fake_trace(base, self.inputs, tp=self.tensor)
+                trace = fake_trace(base, self.inputs, tp=self.tensor, repeat=True)
         finally:
             for h in handles:
                 h.remove()

@@ -53,7 +53,7 @@ def exact_peak(ev: Evaluator, c: Candidate) -> tuple[int, str]:
     if not any(m != "none" for m in c.checkpoint):
         trace = None
     else:
-        trace = compress(trace_for(compiled, ev.inputs, None, ev.tensor))
+        trace = compress(trace_for(compiled, ev.inputs, None, ev.tensor, repeat=True))
     if trace is None:
         from planc.suggest.evaluate import remap
         program = compiled.program

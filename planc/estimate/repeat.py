@@ -1,0 +1,166 @@
+"""Repeated blocks in a traced step: run four of a run of identical blocks, write out the rest.
+
+A 126-block model traced on fake tensors spends nearly all its time in 122 blocks that do
+exactly what their neighbours do. Within a run of identical blocks (same class, parameter
+and buffer shapes, same unit policy, checkpointing and tensor-parallel styles, each block
+one unit of its own), block k+1's events are block k's with every live byte moved by the
+same amount: what one block keeps from forward for backward. So the step is traced with the
+run cut to its first two and last two blocks (`shorten`), and the events of the blocks left
+out are written back (`restore`) as copies of the second block's, moved by that amount,
+with the moments after them moved by what the copies keep.
+
+`restore` checks the assumption on the trace itself: the second and third traced blocks
+(neighbours in the short step) must differ in forward and in backward by one constant live
+amount and no gradient bytes; when they do not, it returns None and the caller traces the
+full step. tests/test_trace_repeat.py checks that restored traces equal full ones event for
+event.
+
+The container must be a plain `nn.ModuleList` or `nn.ModuleDict` that the model's forward
+iterates; a forward that indexes it by position (`self.layers[i]` for `i in
+range(config.n_layers)`) fails on the short container, and the caller traces in full.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from planc.estimate.trace import Event
+
+MIN_RUN = 5  # blocks: the two first, the two last, and at least one written out
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive identical children of one container, each one unit."""
+
+    container: str               # the ModuleList / ModuleDict path
+    keys: tuple[str, ...]        # the children's names in the container, in order
+    units: tuple[int, ...]       # each child's unit index in the program
+
+    @property
+    def kept(self) -> tuple[str, ...]:
+        return (*self.keys[:2], *self.keys[-2:])
+
+
+def _signature(compiled, path: str, unit) -> tuple | None:
+    """What a block's traced events depend on (None: it may not be written out as a copy)."""
+    from planc.lower.program import Checkpoint, Parallelize
+    graph, program = compiled.graph, compiled.program
+    mod = graph.model.get_submodule(path)
+    prefix = path + "."
+    inside = lambda p: p == path or p.startswith(prefix)  # noqa: E731
+    rel = lambda p: p[len(path):]  # noqa: E731
+    if tuple(unit.modules) != (path,) or not all(p.startswith(prefix) for p in unit.params):
+        return None
+    if any(not u.is_root and u is not unit and any(inside(m) for m in u.modules) for u in program.units):
+        return None  # a unit inside the block
+    if any(a != c and (inside(a) or inside(c)) for a, c in graph.aliases.items()):
+        return None  # tied to something else
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in mod.named_parameters())
+    if tuple(sorted(rel(p) for p in unit.params)) != tuple(sorted("." + n for n, *_ in params)):
+        return None
+    buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in mod.named_buffers())
+    checkpoints = tuple(sorted((rel(op.module), op.mode) for op in program.of_type(Checkpoint) if inside(op.module)))
+    styles = tuple(sorted((rel(op.module), repr(op.style)) for op in program.of_type(Parallelize) if inside(op.module)))
+    ignored = tuple(sorted(rel(p) for p in compiled.resolution.ignored if inside(p)))
+    return type(mod), params, buffers, unit.policy.precision, checkpoints, styles, ignored
+
+
+def find_runs(compiled, min_run: int = MIN_RUN) -> list[Run]:
+    """The runs of at least `min_run` identical single-block units (see the module docstring)."""
+    graph, units = compiled.graph, compiled.program.units
+    unit_of = {u.modules[0]: i for i, u in enumerate(units) if not u.is_root and len(u.modules) == 1}
+    runs: list[Run] = []
+    for parent in dict.fromkeys(path.rpartition(".")[0] for path in unit_of if "." in path):
+        box = graph.model.get_submodule(parent)
+        if type(box) not in (nn.ModuleList, nn.ModuleDict):
+            continue
+        groups: list[list[tuple[str, int, tuple | None]]] = [[]]
+        for key in box._modules:
+            i = unit_of.get(f"{parent}.{key}")
+            sig = _signature(compiled, f"{parent}.{key}", units[i]) if i is not None else None
+            if sig is None or (groups[-1] and groups[-1][-1][2] != sig):
+                groups.append([])
+            if sig is not None:
+                groups[-1].append((key, i, sig))
+        runs += [Run(parent, tuple(k for k, _, _ in g), tuple(i for _, i, _ in g)) for g in groups if len(g) >= min_run]
+    return runs
+
+
+def shorten(model: nn.Module, runs: list[Run]) -> None:
+    """Cut each run in `model` (a throwaway copy) to its kept blocks (the same module objects)."""
+    by_container: dict[str, set[str]] = {}
+    for run in runs:
+        by_container.setdefault(run.container, set()).update(set(run.keys) - set(run.kept))
+    for path, dropped in by_container.items():
+        box = model.get_submodule(path)
+        kept = [(k, m) for k, m in box._modules.items() if k not in dropped]
+        short = nn.ModuleList([m for _, m in kept]) if isinstance(box, nn.ModuleList) else nn.ModuleDict(kept)
+        parent, _, name = path.rpartition(".")
+        model.get_submodule(parent)._modules[name] = short
+
+
+def elided_units(runs: list[Run]) -> set[int]:
+    """The unit indices of the blocks `shorten` leaves out."""
+    return {u for run in runs for u in run.units[2:-2]}
+
+
+def _index(events: list[Event], kind: str, unit: int) -> int | None:
+    return next((k for k, e in enumerate(events) if e.kind == kind and e.unit == unit), None)
+
+
+def _shift(segment: list[Event], base: list[Event], names: dict, unit_map: dict) -> tuple[int, int] | None:
+    """The constant (live, grads) difference of `segment` over `base`, if they are copies."""
+    if len(segment) != len(base):
+        return None
+    diffs = set()
+    for a, b in zip(segment, base):
+        if a.kind != b.kind or unit_map.get(b.unit, b.unit) != a.unit or names.get(b.where, b.where) != a.where:
+            return None
+        if (b.params is None) != (a.params is None) or (b.params is not None and
+                                                        tuple(names.get(p, p) for p in b.params) != a.params):
+            return None
+        diffs.add((a.live - b.live, a.grads - b.grads))
+    return diffs.pop() if len(diffs) == 1 else None
+
+
+def _copy(segment: list[Event], names: dict, unit_map: dict, live: int) -> list[Event]:
+    out = []
+    for e in segment:
+        params = None if e.params is None else tuple(names.get(p, p) for p in e.params)
+        out.append(replace(e, unit=unit_map.get(e.unit, e.unit), live=e.live + live, where=names.get(e.where, e.where),
+                           params=params))
+    return out
+
+
+def restore(events: list[Event], runs: list[Run], units) -> list[Event] | None:
+    """The full step's events from the short step's (None: the blocks are not copies; trace in full)."""
+    for run in runs:
+        u = run.units
+        n_out = len(u) - 4
+        a, b, c = _index(events, "fwd_pre", u[1]), _index(events, "fwd_pre", u[-2]), _index(events, "fwd_pre", u[-1])
+        p, q, s = _index(events, "bwd_pre", u[-2]), _index(events, "bwd_pre", u[1]), _index(events, "bwd_pre", u[0])
+        if None in (a, b, c, p, q, s) or not a < b < c <= p < q < s:
+            return None
+
+        def renaming(src: int, dst: int) -> tuple[dict, dict]:
+            names = {units[src].name: units[dst].name, **dict(zip(units[src].params, units[dst].params))}
+            return names, {src: dst}
+        fwd, bwd = events[a:b], events[q:s]
+        d_fwd = _shift(events[b:c], fwd, *renaming(u[1], u[-2]))
+        d_bwd = _shift(events[p:q], bwd, *renaming(u[1], u[-2]))
+        if d_fwd is None or d_bwd is None or d_fwd != d_bwd or d_fwd[1] != 0:
+            return None
+        delta = d_fwd[0]
+        extra = n_out * delta
+        out = events[:b]
+        for k in range(n_out):  # positions 2 .. len-3, each holding k + 1 more blocks' state than the second
+            out += _copy(fwd, *renaming(u[1], u[2 + k]), live=(k + 1) * delta)
+        out += [replace(e, live=e.live + extra) for e in events[b:q]]
+        for k in reversed(range(n_out)):
+            out += _copy(bwd, *renaming(u[1], u[2 + k]), live=(k + 1) * delta)
+        out += events[q:]
+        events = out
+    return events
