@@ -136,3 +136,38 @@ def test_blocks_that_are_not_copies_are_traced_in_full(monkeypatch):
     compiled, full, short = both(llama(7), "model x:y\nmesh (shard = *)\nunit layers.*\n")
     assert seen == [None]
     assert short.events == full.events
+
+
+# ----------------------------------------------------------------- the compute profile
+def profiles(model, shape=(2, 16)):
+    from planc.estimate.flops import _PROFILES, step_profile
+    graph = ModelGraph.from_module(model)
+    full = step_profile(graph, input_shape=shape, dtype=torch.bfloat16)
+    _PROFILES.pop(graph)
+    return graph, full, step_profile(graph, input_shape=shape, dtype=torch.bfloat16, repeat=True)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: llama(9),
+    lambda: zoo.gpt(dataclasses.replace(zoo.GPT_TINY_CONFIG, n_layers=6)),
+    lambda: zoo.moe_transformer(dataclasses.replace(zoo.MOE_TINY_CONFIG, n_layers=6)),
+    lambda: Indexed(),
+], ids=["llama", "gpt", "moe", "indexed"])
+def test_restored_profile_equals_the_full_profile(make):
+    graph, full, short = profiles(make())
+    assert repeat.module_runs(graph.model, graph.aliases)
+    assert short == full
+
+
+def test_restored_profile_of_hugging_face_llama():
+    pytest.importorskip("transformers")
+    from planc.model import hf
+    config = hf.load_config(hf.config_path("llama-tiny"))
+    config.num_hidden_layers = 6
+    with torch.device("meta"):
+        model = hf.model_class(config)._from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    graph, full, short = profiles(model)
+    # FlopCounterMode's module tracker gives every layer's attention backward to the last
+    # layer's attention here, so the blocks differ and the profile is taken in full
+    assert full.backward["model.layers.5.self_attn"] != full.backward.get("model.layers.4.self_attn", 0)
+    assert short == full

@@ -229,7 +229,8 @@ _PROFILES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 def step_profile(graph, inputs=None, *, input_shape: tuple[int, ...] | None = None,
-                 loss: LossFn | None = None, dtype: torch.dtype | None = None) -> StepProfile | None:
+                 loss: LossFn | None = None, dtype: torch.dtype | None = None,
+                 repeat: bool = False) -> StepProfile | None:
     """The (cached) compute profile of one step of `graph`'s model; None without an input.
 
     Args:
@@ -239,6 +240,8 @@ def step_profile(graph, inputs=None, *, input_shape: tuple[int, ...] | None = No
         loss: the step's loss (default: `planc.estimate.trace.default_loss`).
         dtype: run the step with floating-point parameters in this dtype (some kernels, such as
             grouped matmuls of MoE experts, only take bf16); FLOPs and shapes do not depend on it.
+        repeat: profile runs of identical blocks as four blocks and write the others out
+            (`planc/estimate/repeat.py`: the same profile, checked on it; in full otherwise).
 
     Raises:
         TraceError: the model did not run on these inputs.
@@ -261,15 +264,29 @@ def step_profile(graph, inputs=None, *, input_shape: tuple[int, ...] | None = No
             params=tuple(n for n, info in graph.params.items() if info.dtype.is_floating_point),
             policy=types.SimpleNamespace(precision=Precision(param_dtype=dtype))),)
         plain = types.SimpleNamespace(graph=graph, program=types.SimpleNamespace(units=cast))
-        model = fake_model(plain, fake_mode)
-        with fake_mode:
-            fake = example.map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
-            try:
-                prof = count_step(model, fake, loss)
-            except Exception as err:  # any model code can fail on unexpected inputs
-                shapes = " and ".join("x".join(map(str, t.shape)) for t in example.tensors())
-                raise TraceError(f"the model did not run on inputs of shape {shapes}: "
-                                 f"{type(err).__name__}: {err}") from err
+        prof = None
+        if repeat:  # runs of identical blocks traced as four (planc/estimate/repeat.py)
+            from planc.estimate import repeat as repeated
+            runs = repeated.module_runs(graph.model, graph.aliases)
+            if runs:
+                model = fake_model(plain, fake_mode)
+                repeated.shorten(model, runs)
+                with fake_mode:
+                    fake = example.map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+                    try:
+                        prof = repeated.restore_profile(count_step(model, fake, loss), runs)
+                    except Exception:  # the forward does not take the short container: in full
+                        prof = None
+        if prof is None:
+            model = fake_model(plain, fake_mode)
+            with fake_mode:
+                fake = example.map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+                try:
+                    prof = count_step(model, fake, loss)
+                except Exception as err:  # any model code can fail on unexpected inputs
+                    shapes = " and ".join("x".join(map(str, t.shape)) for t in example.tensors())
+                    raise TraceError(f"the model did not run on inputs of shape {shapes}: "
+                                     f"{type(err).__name__}: {err}") from err
         prof.source = "FlopCounterMode over one forward, loss and backward on fake CPU tensors"
         cache[key] = prof
     return cache[key]

@@ -96,8 +96,10 @@ def shorten(model: nn.Module, runs: list[Run]) -> None:
         by_container.setdefault(run.container, set()).update(set(run.keys) - set(run.kept))
     for path, dropped in by_container.items():
         box = model.get_submodule(path)
-        kept = [(k, m) for k, m in box._modules.items() if k not in dropped]
-        short = nn.ModuleList([m for _, m in kept]) if isinstance(box, nn.ModuleList) else nn.ModuleDict(kept)
+        short = type(box)()
+        for k, m in box._modules.items():  # the kept children keep their names: module paths do not change
+            if k not in dropped:
+                short.add_module(k, m)
         parent, _, name = path.rpartition(".")
         model.get_submodule(parent)._modules[name] = short
 
@@ -164,3 +166,117 @@ def restore(events: list[Event], runs: list[Run], units) -> list[Event] | None:
         out += events[q:]
         events = out
     return events
+
+
+# ----------------------------------------------------------------- the compute profile
+def module_runs(model: nn.Module, aliases: dict, min_run: int = MIN_RUN) -> list[Run]:
+    """Runs of identical children (class, parameter and buffer shapes) of the outermost
+    ModuleList / ModuleDict containers, for `planc.estimate.flops.step_profile` (no units)."""
+    runs: list[Run] = []
+    boxes = [p for p, m in model.named_modules() if type(m) in (nn.ModuleList, nn.ModuleDict) and p]
+    boxes = [p for p in boxes if not any(p.startswith(q + ".") for q in boxes)]
+    tied = {n for a, c in aliases.items() if a != c for n in (a, c)}
+    for parent in boxes:
+        groups: list[list[tuple[str, tuple | None]]] = [[]]
+        for key, mod in model.get_submodule(parent)._modules.items():
+            names = [f"{parent}.{key}.{n}" for n, _ in mod.named_parameters()]
+            sig = None if mod is None or tied.intersection(names) else (
+                type(mod), tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in mod.named_parameters()),
+                tuple((n, tuple(b.shape), b.dtype) for n, b in mod.named_buffers()))
+            if sig is None or (groups[-1] and groups[-1][-1][1] != sig):
+                groups.append([])
+            if sig is not None:
+                groups[-1].append((key, sig))
+        runs += [Run(parent, tuple(k for k, _ in g), ()) for g in groups if len(g) >= min_run]
+    return runs
+
+
+def _renamer(src: str, dst: str):
+    def rename(path: str) -> str:
+        return dst + path[len(src):] if path == src or path.startswith(src + ".") else path
+    return rename
+
+
+def _stretch(seq: list, start_prefix: str, stop_prefix: str, key=lambda x: x) -> tuple[int, int] | None:
+    """[i, j): from the first item under `start_prefix` to the first under `stop_prefix` after it."""
+    under = lambda item, p: key(item) == p or key(item).startswith(p + ".")  # noqa: E731
+    i = next((k for k, x in enumerate(seq) if under(x, start_prefix)), None)
+    if i is None:
+        return None
+    j = next((k for k in range(i, len(seq)) if under(seq[k], stop_prefix)), None)
+    return None if j is None else (i, j)
+
+
+def restore_profile(prof, runs: list[Run]):
+    """The full model's `StepProfile` from the short model's (None: the blocks are not copies)."""
+    import dataclasses
+    prof = dataclasses.replace(prof)
+    tables = ("forward", "recomputed", "recompute_full", "recompute_selective", "backward", "inputs", "outputs")
+    for run in runs:
+        path = [f"{run.container}.{k}" for k in run.keys]
+        c0, c1, c2, c3 = path[0], path[1], path[-2], path[-1]
+        n_out = len(path) - 4
+        to2 = _renamer(c1, c2)
+        under1 = lambda p, c1=c1: p == c1 or p.startswith(c1 + ".")  # noqa: E731
+        for name in tables:  # the second, third and last blocks alike (the first may differ)
+            t = getattr(prof, name)
+            for other in (c2, c3):
+                rename = _renamer(c1, other)
+                if {rename(k): v for k, v in t.items() if under1(k)} != {k: v for k, v in t.items() if k == other or
+                                                                           k.startswith(other + ".")}:
+                    return None
+        fwd = _stretch(prof.forward_segments, c1, c2, key=lambda s: s[0])
+        fwd2 = _stretch(prof.forward_segments, c2, c3, key=lambda s: s[0])
+        bwd = _stretch(prof.backward_segments, c1, c0, key=lambda s: s[0])
+        bwd2 = _stretch(prof.backward_segments, c2, c1, key=lambda s: s[0])
+        order, order2 = _stretch(prof.order, c1, c2), _stretch(prof.order, c2, c3)
+        if None in (fwd, fwd2, bwd, bwd2, order, order2):
+            return None
+        for (a, b), (a2, b2), seq in ((fwd, fwd2, prof.forward_segments), (bwd, bwd2, prof.backward_segments),
+                                      (order, order2, prof.order)):
+            items = seq[a:b]
+            if [(to2(x[0]), x[1]) if isinstance(x, tuple) else to2(x) for x in items] != seq[a2:b2]:
+                return None
+        span1 = {k: v for k, v in prof.spans.items() if under1(k)}
+        shift = {prof.spans[to2(k)][0] - v[0] for k, v in span1.items() if to2(k) in prof.spans}
+        shift |= {prof.spans[to2(k)][1] - v[1] for k, v in span1.items() if to2(k) in prof.spans}
+        shift |= {prof.stops[to2(k)] - v for k, v in prof.stops.items() if under1(k) and to2(k) in prof.stops}
+        if len(shift) != 1 or len(span1) != sum(1 for k in prof.spans if k == c2 or k.startswith(c2 + ".")):
+            return None
+        step = shift.pop()
+        start = prof.spans[c2][0]
+        copies = [_renamer(c1, p) for p in path[2:-2]]
+        for name in tables:
+            t = getattr(prof, name)
+            items = [(k, v) for k, v in t.items() if under1(k)]
+            setattr(prof, name, {**t, **{r(k): v for r in copies for k, v in items}})
+        # what a checkpointed ancestor of the run recomputes: the copies too (its early stop is
+        # after the run; within it, the profile is not written out)
+        full1 = sum(v for k, v in prof.forward.items() if under1(k))
+        sel1 = sum(v for k, v in prof.recomputed.items() if under1(k))
+        end2 = prof.spans[c2][1]
+        for anc in {k for k in prof.spans if k == "" or c1.startswith(k + ".")}:
+            if prof.stops[anc] < end2 and prof.stops[anc] >= start:
+                return None
+            if prof.stops[anc] >= end2:
+                prof.recompute_full = {**prof.recompute_full, anc: prof.recompute_full[anc] + n_out * full1}
+                prof.recompute_selective = {**prof.recompute_selective,
+                                            anc: prof.recompute_selective[anc] + n_out * sel1}
+        spans = {k: (a + n_out * step if a >= start else a, b + n_out * step if b > start else b)
+                 for k, (a, b) in prof.spans.items()}
+        stops = {k: v + n_out * step if v >= start else v for k, v in prof.stops.items()}
+        for n, r in enumerate(copies, start=1):
+            spans.update({r(k): (a + n * step, b + n * step) for k, (a, b) in span1.items()})
+            stops.update({r(k): v + n * step for k, v in prof.stops.items() if under1(k)})
+        prof.spans, prof.stops = spans, stops
+        a, b = fwd
+        seg = prof.forward_segments[a:b]
+        prof.forward_segments = [*prof.forward_segments[:b], *[(r(p), f) for r in copies for p, f in seg],
+                                 *prof.forward_segments[b:]]
+        a, b = _stretch(prof.backward_segments, c1, c0, key=lambda s: s[0])
+        seg = prof.backward_segments[a:b]
+        prof.backward_segments = [*prof.backward_segments[:a], *[(r(p), f) for r in reversed(copies) for p, f in seg],
+                                  *prof.backward_segments[a:]]
+        a, b = order
+        prof.order = [*prof.order[:b], *[r(p) for r in copies for p in prof.order[a:b]], *prof.order[b:]]
+    return prof

@@ -37,7 +37,7 @@ def context(graph, world: int, shape: tuple[int, ...], hardware: Hardware, optim
     import torch
 
     from planc.estimate.flops import step_profile
-    profile = step_profile(graph, input_shape=tuple(shape), dtype=torch.bfloat16)
+    profile = step_profile(graph, input_shape=tuple(shape), dtype=torch.bfloat16, repeat=True)
     return CostContext(graph, world, shape[0] * shape[1], hardware, profile, optimizer)
 
 
