@@ -12,7 +12,7 @@ from planc.estimate.trace import TraceError, trace_for
 from planc.quantities import show_bytes as format_bytes
 from planc.suggest.cost import context, cost
 from planc.suggest.evaluate import Evaluator, RulesRejected, compress
-from planc.suggest.solve import Subproblem, build, globals_for, min_peak_choice, solve, surely_infeasible
+from planc.suggest.solve import Subproblem, build, globals_for, lower_bound, min_peak_choice, solve, surely_infeasible
 from planc.suggest.space import Candidate, expect_line
 
 
@@ -61,6 +61,9 @@ def exact_peak(ev: Evaluator, c: Candidate) -> tuple[int, str]:
     r = ev._replay(compiled.program, trace, _Replay=mem_model._Replay)
     peak = max(r.timeline, key=lambda m: m.total)
     return peak.total, peak.label
+
+
+ALTERNATIVE_S = 1.0  # seconds HiGHS may take on a global choice that cannot win (an alternative)
 
 
 class NoDegree(Exception):
@@ -150,7 +153,10 @@ def _suggest_one(graph, model_ref: str | None, world: int, budget: int, shape: t
     t_trace, c_trace = time.perf_counter() - t0, time.process_time() - c0
     subs: list[Subproblem] = [build(ev, g, ctx, cost_fn) for g in globals_for(ev, hw)]
     t_build = time.perf_counter() - t0 - t_trace
-    bound = {id(sp): sp.base_time + float(sp.time.min(axis=1).sum()) for sp in subs}
+    # each global choice's linear relaxation bounds its time from below: solved in that order, a
+    # choice whose bound is not below the best found cannot win; it is solved (with a time limit:
+    # its incumbent is good enough to list) only while alternatives are wanted
+    bound = {id(sp): float("inf") if surely_infeasible(sp, budget) else lower_bound(sp, budget) for sp in subs}
     subs.sort(key=lambda sp: bound[id(sp)])
     found: list[Option] = []
     best: Option | None = None
@@ -158,14 +164,12 @@ def _suggest_one(graph, model_ref: str | None, world: int, budget: int, shape: t
     for k, sp in enumerate(subs):
         if progress:
             progress(k, len(subs))
-        if best is not None and bound[id(sp)] >= best.seconds and len(found) > alternatives:
-            pruned += 1
-            continue
-        if surely_infeasible(sp, budget):
+        losing = best is not None and bound[id(sp)] >= best.seconds
+        if bound[id(sp)] == float("inf") or (losing and len(found) > alternatives):
             pruned += 1
             continue
         searched += 1
-        option = _solve_fitting(ev, sp, budget, ctx, cost_fn, verify=False)
+        option = _solve_fitting(ev, sp, budget, ctx, cost_fn, verify=False, time_limit=ALTERNATIVE_S if losing else None)
         if option is None:
             continue
         found.append(option)
@@ -229,11 +233,22 @@ def _canonical(sp, choice: list[int], bound: float) -> list[int]:
     """The same choices moved within runs of equal blocks so that the non-default ones come last
     (a MILP's ties are arbitrary; a plan reads better as runs), kept only if the model agrees
     it is no slower and still fits."""
-    keyed = sorted(choice, key=lambda c: (sp.combos[c][0] != "none", sp.combos[c][1] is not True, str(sp.combos[c])))
     if len({tuple(sp.d_kept[u]) for u in range(len(choice))}) > 2:
         return choice
-    if sp.peak(keyed) <= bound and sp.seconds(keyed) <= sp.seconds(choice) * (1 + 1e-9):
-        return keyed
+    tries = [sorted(choice, key=lambda c: (sp.combos[c][0] != "none", sp.combos[c][1] is not True, str(sp.combos[c])))]
+    # else the reshard choices sorted within each run of one checkpoint mode (default last, then first)
+    for last in (True, False):
+        keyed, k = [], 0
+        while k < len(choice):
+            j = k
+            while j < len(choice) and sp.combos[choice[j]][0] == sp.combos[choice[k]][0]:
+                j += 1
+            keyed += sorted(choice[k:j], key=lambda c: ((sp.combos[c][1] is not True) == last, str(sp.combos[c][1])))
+            k = j
+        tries.append(keyed)
+    for keyed in tries:
+        if sp.peak(keyed) <= bound and sp.seconds(keyed) <= sp.seconds(choice) * (1 + 1e-9):
+            return keyed
     return choice
 
 
@@ -251,11 +266,12 @@ def _global(c: Candidate):
     return Global(c.merge, c.replicate, c.prefetch, c.offload)
 
 
-def _solve_fitting(ev, sp, budget, ctx, cost_fn, *, verify: bool, tries: int = 6) -> Option | None:
+def _solve_fitting(ev, sp, budget, ctx, cost_fn, *, verify: bool, tries: int = 6,
+                   time_limit: float | None = None) -> Option | None:
     """The MILP's best choice for `sp`; with `verify`, re-estimated and the bound lowered until it fits."""
     bound = budget
     for _ in range(tries):
-        choice = solve(sp, bound)
+        choice = solve(sp, bound, time_limit=time_limit)
         if choice is None:
             return None
         choice = _canonical(sp, choice, bound)

@@ -195,9 +195,9 @@ def build(ev: Evaluator, g: Global, ctx: CostContext, cost_fn=cost) -> Subproble
     return Subproblem(g, combos, time, base_cost, rows, d_kept, d_local)
 
 
-def solve(sp: Subproblem, budget: float, exclude: list[list[int]] = ()) -> list[int] | None:
-    """The fastest choice per unit whose linear-model peak is at most `budget` (None: none fits)."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
+def _programme(sp: Subproblem, budget: float, exclude: list[list[int]] = ()):
+    """The MILP's arrays for `scipy.optimize.milp` (None: a window with no choice exceeds the budget)."""
+    from scipy.optimize import Bounds, LinearConstraint
     from scipy.sparse import coo_matrix
     nu, nc = sp.time.shape
     nx = nu * nc
@@ -244,14 +244,43 @@ def solve(sp: Subproblem, budget: float, exclude: list[list[int]] = ()) -> list[
     integrality = np.concatenate([np.ones(nx), np.zeros(nu + 1)])
     bounds = Bounds(np.concatenate([np.zeros(nx), np.full(nu + 1, -np.inf)]),
                     np.concatenate([np.ones(nx), np.full(nu + 1, np.inf)]))
-    with _quiet_stdout():
-        res = milp(c=np.concatenate([sp.time.reshape(-1) * scale, np.zeros(nu + 1)]), integrality=integrality, bounds=bounds,
-                   constraints=LinearConstraint(a, np.array(lo, float), np.array(hi, float)),
-                   options={"disp": False, "mip_rel_gap": 0.0})
-    if res.status != 0 or res.x is None:
+    return dict(c=np.concatenate([sp.time.reshape(-1) * scale, np.zeros(nu + 1)]), integrality=integrality,
+                bounds=bounds, constraints=LinearConstraint(a, np.array(lo, float), np.array(hi, float))), scale
+
+
+def solve(sp: Subproblem, budget: float, exclude: list[list[int]] = (), time_limit: float | None = None) -> list[int] | None:
+    """The fastest choice per unit whose linear-model peak is at most `budget` (None: none fits).
+
+    With `time_limit` (seconds), the best choice HiGHS has found by then (not always the
+    fastest: `suggest` asks so only for alternatives that cannot be the winner)."""
+    from scipy.optimize import milp
+    built = _programme(sp, budget, exclude)
+    if built is None:
         return None
-    x = np.round(res.x[:nx]).reshape(nu, nc)
+    args, _ = built
+    options = {"disp": False, "mip_rel_gap": 0.0, **({"time_limit": time_limit} if time_limit else {})}
+    with _quiet_stdout():
+        res = milp(**args, options=options)
+    if res.x is None or res.status not in (0, 1):
+        return None
+    nu, nc = sp.time.shape
+    x = np.round(res.x[:nu * nc]).reshape(nu, nc)
     return [int(np.argmax(x[u])) for u in range(nu)]
+
+
+def lower_bound(sp: Subproblem, budget: float) -> float:
+    """The linear relaxation's optimum: no choice of `sp` that fits `budget` is faster (inf: none fits)."""
+    from scipy.optimize import milp
+    built = _programme(sp, budget)
+    if built is None:
+        return float("inf")
+    args, scale = built
+    args["integrality"] = np.zeros_like(args["integrality"])
+    with _quiet_stdout():
+        res = milp(**args, options={"disp": False})
+    if res.status != 0 or res.fun is None:
+        return float("inf")
+    return sp.base_time + float(res.fun) / scale
 
 
 @contextlib.contextmanager
