@@ -26,7 +26,7 @@ from planc.lang.fmt import format_plan
 from planc.model.graph import ModelGraph
 from planc.suggest.cost import CostContext, context, cost
 from planc.suggest.evaluate import Evaluator, compress
-from planc.suggest.search import exact_peak, suggest
+from planc.suggest.search import budget_spelling, exact_peak, suggest
 from planc.suggest.solve import build, exhaustive, globals_for, solve
 from planc.suggest.space import Candidate, find_chain, unit_blocks
 
@@ -34,30 +34,58 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORLD, SHAPE = 8, (2, 16)
 SHIPPED = {"seed_transformer_tiny": "seed.plan", "gpt_tiny": "gpt.plan", "moe_transformer_tiny": "moe.plan"}
 # Hugging Face models with a shipped plan, at their tiny configs (transformers is a test extra)
-HF = {"hf:llama-tiny": "llama.plan", "hf:mixtral-tiny": "mixtral.plan", "hf:gpt2-tiny": "gpt2.plan", "hf:bert-tiny": "bert.plan"}
+HF = {"hf:llama-tiny": "llama.plan", "hf:mixtral-tiny": "mixtral.plan", "hf:gpt2-tiny": "gpt2.plan", "hf:bert-tiny": "bert.plan",
+      "hf:t5-tiny": "t5.plan"}
+# other shipped plans' models: torchtitan's own Llama 3 (torchtitan is an extra)
+OTHER = {"planc.model.torchtitan:llama3_debugmodel": "torchtitan_llama3.plan"}
+# models that do not take one tensor of token ids: the input factory `planc suggest --inputs` is given
+FACTORY = {"hf:t5-tiny": "tests.step_inputs:t5_inputs"}
 _EV: dict = {}
 
 
 def evaluator(name: str) -> Evaluator:
     if name not in _EV:
-        if name.startswith("hf:"):
-            pytest.importorskip("transformers")
+        if name.startswith("hf:") or name in OTHER:
+            pytest.importorskip("transformers" if name.startswith("hf:") else "torchtitan")
             from planc.model.build import build_model
             graph = ModelGraph.from_module(build_model(name))
-            _EV[name] = Evaluator(graph, name, WORLD, SHAPE)
+            _EV[name] = Evaluator(graph, name, WORLD, shape_of(name), inputs=example(name, graph.model))
         else:
             graph = ModelGraph.from_module(zoo.ZOO[name]())
             _EV[name] = Evaluator(graph, f"planc.zoo:{name}", WORLD, SHAPE)
     return _EV[name]
 
 
+def example(name: str, model=None):
+    """The step's inputs of `name` from its `FACTORY` (one draw per model: only shapes matter); None: token ids."""
+    if name not in FACTORY:
+        return None
+    key = ("inputs", name)
+    if key not in _EV:
+        from planc.model.build import load_callable
+        _EV[key] = load_callable(FACTORY[name])(model if model is not None else evaluator(name).graph.model)
+    return _EV[key]
+
+
+def shape_of(name: str):
+    """`suggest`'s shape argument: token ids of SHAPE, or None where the model takes `example(name)`."""
+    return None if name in FACTORY else SHAPE
+
+
 def ctx(ev: Evaluator) -> CostContext:
-    return context(ev.graph, WORLD, SHAPE, hardware("h100"))
+    return context(ev.graph, WORLD, None if ev.model_ref in FACTORY else SHAPE, hardware("h100"),
+                   inputs=example(ev.model_ref) if ev.model_ref in FACTORY else None)
 
 
 def shipped(name: str) -> CompiledPlan:
     ev = evaluator(name)
-    return CompiledPlan(planc.load(ROOT / "plans" / {**SHIPPED, **HF}[name]), ev.graph, WORLD, check_memory=False)
+    return CompiledPlan(planc.load(ROOT / "plans" / {**SHIPPED, **HF, **OTHER}[name]), ev.graph, WORLD, check_memory=False)
+
+
+def peak_of(compiled: CompiledPlan, name: str) -> int:
+    """The memory model's peak of `compiled` on `name`'s inputs."""
+    inputs = example(name)
+    return estimate(compiled, WORLD, input_shape=None if inputs is not None else SHAPE, inputs=inputs).peak.total
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -146,18 +174,19 @@ def test_milp_equals_exhaustive_search(name):
 
 def _budgets(name: str) -> dict[str, int]:
     """Tight (just above the smallest peak found), medium (the shipped plan's peak), loose (twice that)."""
-    ship = estimate(shipped(name), WORLD, input_shape=SHAPE).peak.total
-    nothing = suggest(evaluator(name).graph, evaluator(name).model_ref, WORLD, 1, SHAPE)
+    ship = peak_of(shipped(name), name)
+    nothing = suggest(evaluator(name).graph, evaluator(name).model_ref, WORLD, 1, shape_of(name), inputs=example(name))
     smallest = nothing.smallest.peak
     return {"tight": int(smallest * 1.05), "medium": max(ship, int(smallest * 1.1)), "loose": 2 * ship}
 
 
-@pytest.mark.parametrize("name,level", [(n, lv) for n in [*sorted(SHIPPED), *sorted(HF)] for lv in ("tight", "medium", "loose")])
+@pytest.mark.parametrize("name,level", [(n, lv) for n in [*sorted(SHIPPED), *sorted(HF), *sorted(OTHER)]
+                                        for lv in ("tight", "medium", "loose")])
 def test_suggested_plan_checks_clean_fits_and_is_not_slower_than_shipped(name, level, tmp_path):
     ev = evaluator(name)
     budget = _budgets(name)[level]
     budget = budget // 1024 * 1024
-    result = suggest(ev.graph, ev.model_ref, WORLD, budget, SHAPE)
+    result = suggest(ev.graph, ev.model_ref, WORLD, budget, shape_of(name), inputs=example(name), inputs_name=FACTORY.get(name))
     assert result.best is not None, result.smallest
     text = result.text
     assert format_plan(text) == text
@@ -166,11 +195,14 @@ def test_suggested_plan_checks_clean_fits_and_is_not_slower_than_shipped(name, l
     compiled = CompiledPlan(planc.load(path), ev.graph, WORLD)  # memory expects checked
     assert not compiled.errors, [d.message for d in compiled.errors]
     assert not [d for d in compiled.diagnostics if d.severity == "warning"], [d.message for d in compiled.diagnostics]
-    est = estimate(compiled, WORLD, input_shape=SHAPE)
-    assert est.peak.total <= budget == result.budget
-    assert est.peak.total == result.best.peak
+    if name in FACTORY:  # the `expect` line has no `input =` (token ids only): the header says how to check it
+        assert f"--inputs {FACTORY[name]}" in text
+        assert f"expect memory.peak <= {budget_spelling(budget)[1]} at world = 8\n" in text
+    peak = peak_of(compiled, name)
+    assert peak <= budget == result.budget
+    assert peak == result.best.peak
     ship = shipped(name)
-    if estimate(ship, WORLD, input_shape=SHAPE).peak.total <= budget:
+    if peak_of(ship, name) <= budget:
         assert cost(compiled.program, ctx(ev)) <= cost(ship.program, ctx(ev)) * (1 + 1e-9)
 
 
