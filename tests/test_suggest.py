@@ -206,14 +206,21 @@ def test_suggested_plan_checks_clean_fits_and_is_not_slower_than_shipped(name, l
         assert cost(compiled.program, ctx(ev)) <= cost(ship.program, ctx(ev)) * (1 + 1e-9)
 
 
-@pytest.mark.parametrize("name,level", [(n, lv) for n in sorted(SHIPPED) for lv in ("tight", "medium", "loose")])
+SIMULATED = [*sorted(SHIPPED), "hf:t5-tiny", *sorted(OTHER)]
+
+
+@pytest.mark.parametrize("name,level", [(n, lv) for n in SIMULATED for lv in ("tight", "medium", "loose")])
 def test_suggested_plan_fits_per_simulation(name, level):
-    """Each zoo suggestion, measured in a fake 8-rank process group (FSDPMemTracker), fits too."""
+    """Each suggestion (the zoo's, T5's with its input factory, torchtitan's Llama 3), measured in a
+    fake 8-rank process group (FSDPMemTracker), fits too."""
     from planc.analysis.simulate import simulate, zoo_inputs
+    from planc.model.build import build_model
     ev = evaluator(name)
     budget = _budgets(name)[level] // 1024 * 1024
-    result = suggest(ev.graph, f"planc.zoo:{name}", WORLD, budget, SHAPE)
-    sim = simulate(planc.loads(result.text), getattr(zoo, name), WORLD, inputs=zoo_inputs(SHAPE))
+    result = suggest(ev.graph, ev.model_ref, WORLD, budget, shape_of(name), inputs=example(name))
+    build = getattr(zoo, name) if name in SHIPPED else (lambda: build_model(name, device="meta"))
+    inputs = example(name) if name in FACTORY else zoo_inputs(SHAPE)
+    sim = simulate(planc.loads(result.text), build, WORLD, inputs=inputs)
     if result.best.candidate.offload:
         # a CPU-only simulation counts offloaded (host) state as device memory: it may only exceed
         # the estimate by what is offloaded, never be below the analytic peak's device part
@@ -242,6 +249,36 @@ def test_model_without_blocks_is_p951():
         code = cli.main(["suggest", "-q", "--model", "torch.nn:Linear", "--world-size", "8",
                          "--budget", "1GiB", "--input-shape", "2x16"])
     assert code in (1, 2) and "Traceback" not in out.getvalue()
+
+
+def test_encoder_decoder_on_token_ids_is_p953_naming_inputs():
+    """T5 takes decoder ids too: on `--input-shape` alone the search cannot run the model, and says
+    so (P953, suggesting `--inputs`), not a raw transformers message under P951."""
+    pytest.importorskip("transformers")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = cli.main(["suggest", "-q", "--model", "hf:t5-tiny", "--world-size", "8", "--budget", "1GiB",
+                         "--input-shape", "2x16"])
+    text = out.getvalue()
+    assert code == 1 and "Traceback" not in text and "P951" not in text
+    assert "error[P953]" in text and "--input-shape 2x16" in text and "--inputs MODULE:FN" in text
+
+
+def test_cli_inputs_factory(tmp_path):
+    """`--inputs` (T5's encoder and decoder ids): the plan's header names the factory and its
+    shapes; `--inputs` with `--input-shape` is a usage error, as for `planc explain`."""
+    pytest.importorskip("transformers")
+    out, buf = tmp_path / "t5.plan", io.StringIO()
+    args = ["suggest", "-q", "--model", "hf:t5-tiny", "--world-size", "8", "--budget", "4MiB",
+            "--inputs", "tests.step_inputs:t5_inputs"]
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        code = cli.main([*args, "-o", str(out)])
+        twice = cli.main([*args, "--input-shape", "2x16"])
+    assert code == 0, buf.getvalue()
+    text = out.read_text()
+    assert "inputs `tests.step_inputs:t5_inputs` (input_ids 2x32, decoder_input_ids 2x16) per rank" in text
+    assert "expect memory.peak <= 4MiB at world = 8\n" in text
+    assert twice == 2 and "--inputs and --input-shape name the inputs twice; give one" in buf.getvalue()
 
 
 def test_cli_writes_the_plan(tmp_path):
