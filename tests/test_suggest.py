@@ -1,6 +1,7 @@
 """`planc suggest`: the search space, the one-trace evaluator, the solver, and the plans it writes.
 
-On every shipped zoo model (tiny configs, 8 ranks) at a tight, a medium and a loose budget
+On every shipped plan's model (the zoo's and Hugging Face tiny configs, T5 with its input
+factory, torchtitan's Llama 3; 8 ranks) at a tight, a medium and a loose budget
 the suggested plan checks clean (its `expect memory.peak` line included, by the memory
 model's own trace), fits, and is never estimated slower than the shipped hand-written plan
 when that one fits the same budget. The MILP equals exhaustive search on the same linear
