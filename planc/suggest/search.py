@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -55,7 +56,9 @@ def exact_peak(ev: Evaluator, c: Candidate) -> tuple[int, str]:
     if not any(m != "none" for m in c.checkpoint):
         trace = None
     else:
-        trace = compress(trace_for(compiled, ev.inputs, None, ev.tensor))
+        with warnings.catch_warnings():  # torch's, on the model's own code (the Evaluator's trace mutes them too)
+            warnings.simplefilter("ignore")
+            trace = compress(trace_for(compiled, ev.inputs, None, ev.tensor))
     if trace is None:
         from planc.suggest.evaluate import remap
         program = compiled.program
