@@ -11,6 +11,7 @@ model (optimality gap 0). A budget nothing fits is a P950 with the smallest peak
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import itertools
 import pathlib
@@ -173,8 +174,10 @@ def test_milp_equals_exhaustive_search(name):
             assert sp.seconds(got) == pytest.approx(want[0], rel=1e-12, abs=0), (g, budget)
 
 
+@functools.cache
 def _budgets(name: str) -> dict[str, int]:
-    """Tight (just above the smallest peak found), medium (the shipped plan's peak), loose (twice that)."""
+    """Tight (just above the smallest peak found), medium (the shipped plan's peak), loose (twice that);
+    once per model (the three-budget and the simulation tests share them)."""
     ship = peak_of(shipped(name), name)
     nothing = suggest(evaluator(name).graph, evaluator(name).model_ref, WORLD, 1, shape_of(name), inputs=example(name))
     smallest = nothing.smallest.peak
