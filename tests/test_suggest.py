@@ -1,6 +1,7 @@
 """`planc suggest`: the search space, the one-trace evaluator, the solver, and the plans it writes.
 
-On every shipped zoo model (tiny configs, 8 ranks) at a tight, a medium and a loose budget
+On every shipped plan's model (the zoo's and Hugging Face tiny configs, T5 with its input
+factory, torchtitan's Llama 3; 8 ranks) at a tight, a medium and a loose budget
 the suggested plan checks clean (its `expect memory.peak` line included, by the memory
 model's own trace), fits, and is never estimated slower than the shipped hand-written plan
 when that one fits the same budget. The MILP equals exhaustive search on the same linear
@@ -10,6 +11,7 @@ model (optimality gap 0). A budget nothing fits is a P950 with the smallest peak
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import itertools
 import pathlib
@@ -26,7 +28,7 @@ from planc.lang.fmt import format_plan
 from planc.model.graph import ModelGraph
 from planc.suggest.cost import CostContext, context, cost
 from planc.suggest.evaluate import Evaluator, compress
-from planc.suggest.search import exact_peak, suggest
+from planc.suggest.search import budget_spelling, exact_peak, suggest
 from planc.suggest.solve import build, exhaustive, globals_for, solve
 from planc.suggest.space import Candidate, find_chain, unit_blocks
 
@@ -34,30 +36,58 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 WORLD, SHAPE = 8, (2, 16)
 SHIPPED = {"seed_transformer_tiny": "seed.plan", "gpt_tiny": "gpt.plan", "moe_transformer_tiny": "moe.plan"}
 # Hugging Face models with a shipped plan, at their tiny configs (transformers is a test extra)
-HF = {"hf:llama-tiny": "llama.plan", "hf:mixtral-tiny": "mixtral.plan", "hf:gpt2-tiny": "gpt2.plan", "hf:bert-tiny": "bert.plan"}
+HF = {"hf:llama-tiny": "llama.plan", "hf:mixtral-tiny": "mixtral.plan", "hf:gpt2-tiny": "gpt2.plan", "hf:bert-tiny": "bert.plan",
+      "hf:t5-tiny": "t5.plan"}
+# other shipped plans' models: torchtitan's own Llama 3 (torchtitan is an extra)
+OTHER = {"planc.model.torchtitan:llama3_debugmodel": "torchtitan_llama3.plan"}
+# models that do not take one tensor of token ids: the input factory `planc suggest --inputs` is given
+FACTORY = {"hf:t5-tiny": "tests.step_inputs:t5_inputs"}
 _EV: dict = {}
 
 
 def evaluator(name: str) -> Evaluator:
     if name not in _EV:
-        if name.startswith("hf:"):
-            pytest.importorskip("transformers")
+        if name.startswith("hf:") or name in OTHER:
+            pytest.importorskip("transformers" if name.startswith("hf:") else "torchtitan")
             from planc.model.build import build_model
             graph = ModelGraph.from_module(build_model(name))
-            _EV[name] = Evaluator(graph, name, WORLD, SHAPE)
+            _EV[name] = Evaluator(graph, name, WORLD, shape_of(name), inputs=example(name, graph.model))
         else:
             graph = ModelGraph.from_module(zoo.ZOO[name]())
             _EV[name] = Evaluator(graph, f"planc.zoo:{name}", WORLD, SHAPE)
     return _EV[name]
 
 
+def example(name: str, model=None):
+    """The step's inputs of `name` from its `FACTORY` (one draw per model: only shapes matter); None: token ids."""
+    if name not in FACTORY:
+        return None
+    key = ("inputs", name)
+    if key not in _EV:
+        from planc.model.build import load_callable
+        _EV[key] = load_callable(FACTORY[name])(model if model is not None else evaluator(name).graph.model)
+    return _EV[key]
+
+
+def shape_of(name: str):
+    """`suggest`'s shape argument: token ids of SHAPE, or None where the model takes `example(name)`."""
+    return None if name in FACTORY else SHAPE
+
+
 def ctx(ev: Evaluator) -> CostContext:
-    return context(ev.graph, WORLD, SHAPE, hardware("h100"))
+    return context(ev.graph, WORLD, None if ev.model_ref in FACTORY else SHAPE, hardware("h100"),
+                   inputs=example(ev.model_ref) if ev.model_ref in FACTORY else None)
 
 
 def shipped(name: str) -> CompiledPlan:
     ev = evaluator(name)
-    return CompiledPlan(planc.load(ROOT / "plans" / {**SHIPPED, **HF}[name]), ev.graph, WORLD, check_memory=False)
+    return CompiledPlan(planc.load(ROOT / "plans" / {**SHIPPED, **HF, **OTHER}[name]), ev.graph, WORLD, check_memory=False)
+
+
+def peak_of(compiled: CompiledPlan, name: str) -> int:
+    """The memory model's peak of `compiled` on `name`'s inputs."""
+    inputs = example(name)
+    return estimate(compiled, WORLD, input_shape=None if inputs is not None else SHAPE, inputs=inputs).peak.total
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED))
@@ -144,20 +174,23 @@ def test_milp_equals_exhaustive_search(name):
             assert sp.seconds(got) == pytest.approx(want[0], rel=1e-12, abs=0), (g, budget)
 
 
+@functools.cache
 def _budgets(name: str) -> dict[str, int]:
-    """Tight (just above the smallest peak found), medium (the shipped plan's peak), loose (twice that)."""
-    ship = estimate(shipped(name), WORLD, input_shape=SHAPE).peak.total
-    nothing = suggest(evaluator(name).graph, evaluator(name).model_ref, WORLD, 1, SHAPE)
+    """Tight (just above the smallest peak found), medium (the shipped plan's peak), loose (twice that);
+    once per model (the three-budget and the simulation tests share them)."""
+    ship = peak_of(shipped(name), name)
+    nothing = suggest(evaluator(name).graph, evaluator(name).model_ref, WORLD, 1, shape_of(name), inputs=example(name))
     smallest = nothing.smallest.peak
     return {"tight": int(smallest * 1.05), "medium": max(ship, int(smallest * 1.1)), "loose": 2 * ship}
 
 
-@pytest.mark.parametrize("name,level", [(n, lv) for n in [*sorted(SHIPPED), *sorted(HF)] for lv in ("tight", "medium", "loose")])
+@pytest.mark.parametrize("name,level", [(n, lv) for n in [*sorted(SHIPPED), *sorted(HF), *sorted(OTHER)]
+                                        for lv in ("tight", "medium", "loose")])
 def test_suggested_plan_checks_clean_fits_and_is_not_slower_than_shipped(name, level, tmp_path):
     ev = evaluator(name)
     budget = _budgets(name)[level]
     budget = budget // 1024 * 1024
-    result = suggest(ev.graph, ev.model_ref, WORLD, budget, SHAPE)
+    result = suggest(ev.graph, ev.model_ref, WORLD, budget, shape_of(name), inputs=example(name), inputs_name=FACTORY.get(name))
     assert result.best is not None, result.smallest
     text = result.text
     assert format_plan(text) == text
@@ -166,25 +199,33 @@ def test_suggested_plan_checks_clean_fits_and_is_not_slower_than_shipped(name, l
     compiled = CompiledPlan(planc.load(path), ev.graph, WORLD)  # memory expects checked
     assert not compiled.errors, [d.message for d in compiled.errors]
     assert not [d for d in compiled.diagnostics if d.severity == "warning"], [d.message for d in compiled.diagnostics]
-    est = estimate(compiled, WORLD, input_shape=SHAPE)
-    assert est.peak.total <= budget == result.budget
-    assert est.peak.total == result.best.peak
+    if name in FACTORY:  # the `expect` line has no `input =` (token ids only): the header says how to check it
+        assert f"--inputs {FACTORY[name]}" in text
+        assert f"expect memory.peak <= {budget_spelling(budget)[1]} at world = 8\n" in text
+    peak = peak_of(compiled, name)
+    assert peak <= budget == result.budget
+    assert peak == result.best.peak
     ship = shipped(name)
-    if estimate(ship, WORLD, input_shape=SHAPE).peak.total <= budget:
+    if peak_of(ship, name) <= budget:
         assert cost(compiled.program, ctx(ev)) <= cost(ship.program, ctx(ev)) * (1 + 1e-9)
 
 
-@pytest.mark.parametrize("name,level", [(n, lv) for n in [*sorted(SHIPPED), *sorted(HF)] for lv in ("tight", "medium", "loose")])
+SIMULATED = [*sorted(SHIPPED), *sorted(HF), *sorted(OTHER)]
+
+
+@pytest.mark.parametrize("name,level", [(n, lv) for n in SIMULATED for lv in ("tight", "medium", "loose")])
 def test_suggested_plan_fits_per_simulation(name, level):
-    """Each suggestion, measured in a fake 8-rank process group (FSDPMemTracker), fits too."""
+    """Each suggestion (the zoo's, the Hugging Face models' with T5's input factory, torchtitan's
+    Llama 3), measured in a fake 8-rank process group (FSDPMemTracker), fits too."""
     from planc.analysis.simulate import simulate, zoo_inputs
     from planc.estimate.memory import unit_memory
     from planc.model.build import build_model
     ev = evaluator(name)
     budget = _budgets(name)[level] // 1024 * 1024
-    result = suggest(ev.graph, ev.model_ref, WORLD, budget, SHAPE)
-    build = (lambda: build_model(name)) if name.startswith("hf:") else getattr(zoo, name)
-    sim = simulate(planc.loads(result.text), build, WORLD, inputs=zoo_inputs(SHAPE))
+    result = suggest(ev.graph, ev.model_ref, WORLD, budget, shape_of(name), inputs=example(name))
+    build = getattr(zoo, name) if name in SHIPPED else (lambda: build_model(name, device="meta"))
+    inputs = example(name) if name in FACTORY else zoo_inputs(SHAPE)
+    sim = simulate(planc.loads(result.text), build, WORLD, inputs=inputs)
     # a CPU-only simulation counts offloaded state (sharded parameters, gradients and optimizer
     # state on the host) as device memory: take it out, as a GPU would hold it elsewhere
     program = ev.compiled(result.best.candidate).program
@@ -213,6 +254,36 @@ def test_model_without_blocks_is_p951():
         code = cli.main(["suggest", "-q", "--model", "torch.nn:Linear", "--world-size", "8",
                          "--budget", "1GiB", "--input-shape", "2x16"])
     assert code in (1, 2) and "Traceback" not in out.getvalue()
+
+
+def test_encoder_decoder_on_token_ids_is_p953_naming_inputs():
+    """T5 takes decoder ids too: on `--input-shape` alone the search cannot run the model, and says
+    so (P953, suggesting `--inputs`), not a raw transformers message under P951."""
+    pytest.importorskip("transformers")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = cli.main(["suggest", "-q", "--model", "hf:t5-tiny", "--world-size", "8", "--budget", "1GiB",
+                         "--input-shape", "2x16"])
+    text = out.getvalue()
+    assert code == 1 and "Traceback" not in text and "P951" not in text
+    assert "error[P953]" in text and "--input-shape 2x16" in text and "--inputs MODULE:FN" in text
+
+
+def test_cli_inputs_factory(tmp_path):
+    """`--inputs` (T5's encoder and decoder ids): the plan's header names the factory and its
+    shapes; `--inputs` with `--input-shape` is a usage error, as for `planc explain`."""
+    pytest.importorskip("transformers")
+    out, buf = tmp_path / "t5.plan", io.StringIO()
+    args = ["suggest", "-q", "--model", "hf:t5-tiny", "--world-size", "8", "--budget", "4MiB",
+            "--inputs", "tests.step_inputs:t5_inputs"]
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        code = cli.main([*args, "-o", str(out)])
+        twice = cli.main([*args, "--input-shape", "2x16"])
+    assert code == 0, buf.getvalue()
+    text = out.read_text()
+    assert "inputs `tests.step_inputs:t5_inputs` (input_ids 2x32, decoder_input_ids 2x16) per rank" in text
+    assert "expect memory.peak <= 4MiB at world = 8\n" in text
+    assert twice == 2 and "--inputs and --input-shape name the inputs twice; give one" in buf.getvalue()
 
 
 def test_cli_writes_the_plan(tmp_path):

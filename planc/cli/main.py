@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", required=True, metavar="MODULE:CALLABLE")
     g.add_argument("--world-size", type=_world_size, required=True, metavar="N")
     g.add_argument("--budget", required=True, metavar="BYTES", help="per-rank memory budget, e.g. 40GiB")
-    g.add_argument("--input-shape", required=True, metavar="BxS", help="token ids per rank, batch x sequence")
+    g.add_argument("--input-shape", metavar="BxS", help="token ids per rank, batch x sequence")
+    g.add_argument("--inputs", metavar="MODULE:FN", help="instead of --input-shape: input factory, fn(model) -> args "
+                   "tuple, kwargs dict or Example, the step's inputs per rank (e.g. an encoder-decoder's decoder ids)")
     g.add_argument("--hardware", metavar="NAME|FILE", default="h100",
                    help="hardware profile: h100, h200, a100, b200 or a TOML/JSON file (docs/time-model.md; default h100)")
     g.add_argument("--optimizer", choices=("adamw", "adamw_fused", "adam", "adam_fused", "sgd", "none"), default="adamw")

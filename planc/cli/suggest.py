@@ -1,11 +1,11 @@
-"""`planc suggest --model M --world-size N --budget 40GiB --input-shape BxS`: the fastest plan that fits."""
+"""`planc suggest --model M --world-size N --budget 40GiB --input-shape BxS|--inputs MOD:FN`: the fastest plan that fits."""
 
 from __future__ import annotations
 
 import sys
 
 from planc.cli.common import EXIT_ERRORS, EXIT_OK, EXIT_USAGE, ModelCache, UsageError, use_color
-from planc.cli.explain import parse_shape
+from planc.cli.explain import _call, _step_functions, parse_shape
 from planc.diagnostics import Diagnostic, render
 from planc.model.build import ModelLoadError
 
@@ -85,8 +85,14 @@ def main(args) -> int:
     from planc.estimate.trace import TraceError
     from planc.suggest.search import NoDegree, suggest
     budget = _budget(args.budget)
-    shape = parse_shape(args.input_shape)
-    if shape is None or len(shape) != 2:
+    factory, _ = _step_functions(args)  # `--inputs`: an input factory, called with the model below
+    if factory is not None and args.input_shape is not None:
+        raise UsageError("--inputs and --input-shape name the inputs twice; give one")
+    if factory is None and args.input_shape is None:
+        raise UsageError("give the input per rank: --input-shape BxS (token ids), or --inputs MODULE:FN (an input "
+                         "factory, for models that take other inputs)")
+    shape = parse_shape(args.input_shape) if factory is None else None
+    if factory is None and (shape is None or len(shape) != 2):
         raise UsageError("--input-shape is batch x sequence of token ids per rank, e.g. 2x4096")
     try:
         hw = hardware(args.hardware)  # a built-in profile's name or a TOML/JSON file (docs/time-model.md)
@@ -100,13 +106,26 @@ def main(args) -> int:
     if tensors is not None and args.tensor_parallel is None:
         raise UsageError("--tensor needs --tensor-parallel PLAN|hf: the `parallel` rules to apply at each degree")
     rules = _rules(args.tensor_parallel, graph) if args.tensor_parallel is not None else None
+    if rules is not None and factory is not None:
+        raise UsageError("--tensor-parallel takes --input-shape: each degree scales the batch of token ids (its tensor "
+                         "group shares one input); an --inputs factory's inputs cannot be scaled")
+    example = _call(factory, graph.model, "--inputs") if factory is not None else None
+    given = f"--inputs {args.inputs}" if factory is not None else f"--input-shape {args.input_shape}"
     progress = _Progress(not args.quiet and sys.stderr.isatty())  # a bar only where someone watches
     try:
         result = suggest(graph, args.model, args.world_size, budget, shape, hardware=hw,
                          optimizer=args.optimizer, budget_text=args.budget.strip(), progress=progress,
-                         parallel=rules, tensors=tensors)
+                         parallel=rules, tensors=tensors, inputs=example, inputs_name=args.inputs)
     except TraceError as err:
-        raise UsageError(f"--input-shape {args.input_shape}: the model did not run on it: {str(err).splitlines()[0]}") from err
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        fix = ("check that the factory returns what the model's forward takes (a tuple of positional arguments, "
+               "a dict of keywords or an `Example`)" if factory is not None else
+               "`--input-shape BxS` feeds token ids of batch B and sequence S; a model that takes other inputs "
+               "(an encoder-decoder's decoder ids, images) needs `--inputs MODULE:FN`, a factory that returns "
+               "them (docs/suggest.md), and a sequence the model refuses needs a shorter S")
+        _report([Diagnostic(code="P953", severity="error", message=f"cannot search plans for `{args.model}` with "
+                            f"`{given}`: {why}", span=None, help=(fix,))])
+        return EXIT_ERRORS
     except NoDegree as err:
         _report([Diagnostic(code="P952", severity="error", message=f"cannot search tensor-parallel plans for `{args.model}`: "
                             f"{err}", span=None,
@@ -125,7 +144,7 @@ def main(args) -> int:
         from planc.quantities import show_bytes
         _report([Diagnostic(
             code="P950", severity="error", message=f"no plan in the search space fits {show_bytes(budget)} per rank "
-            f"on {args.world_size} ranks with input {args.input_shape}",
+            f"on {args.world_size} ranks with {f'input {args.input_shape}' if factory is None else given}",
             span=None,
             help=(f"the smallest estimated peak planc found is {show_bytes(s.peak)} "
                   f"({f'tensor {result.tensor}, ' if result.degrees else ''}{s.candidate.describe()}); "

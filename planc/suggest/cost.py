@@ -31,14 +31,21 @@ class CostContext:
     optimizer: str = "adamw"
 
 
-def context(graph, world: int, shape: tuple[int, ...], hardware: Hardware, optimizer: str = "adamw") -> CostContext:
-    """The context for `graph` at `world` ranks and a (batch, seq) `shape`: the step profiled once,
-    in bf16 (the precision the suggested plans compute in)."""
+def context(graph, world: int, shape: tuple[int, ...] | None, hardware: Hardware, optimizer: str = "adamw",
+            inputs=None) -> CostContext:
+    """The context for `graph` at `world` ranks and a (batch, seq) `shape` of token ids, or the
+    model's `inputs` (a tuple, dict or `Example`, as `planc explain --inputs` takes them): the
+    step profiled once, in bf16 (the precision the suggested plans compute in)."""
     import torch
 
     from planc.estimate.flops import step_profile
-    profile = step_profile(graph, input_shape=tuple(shape), dtype=torch.bfloat16, repeat=True)
-    return CostContext(graph, world, shape[0] * shape[1], hardware, profile, optimizer)
+    if inputs is not None:
+        profile = step_profile(graph, inputs, dtype=torch.bfloat16, repeat=True)
+        tokens = (profile.tokens or 0) if profile is not None else 0
+    else:
+        profile = step_profile(graph, input_shape=tuple(shape), dtype=torch.bfloat16, repeat=True)
+        tokens = shape[0] * shape[1]
+    return CostContext(graph, world, tokens, hardware, profile, optimizer)
 
 
 def estimate(program: Program, context: CostContext):

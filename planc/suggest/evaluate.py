@@ -177,6 +177,7 @@ class Evaluator:
     optimizer: str = "adamw"
     tensor: int = 1                    # tensor-parallel degree (1: 1-D plans)
     parallel: tuple[str, ...] = ()     # the `parallel` statements added when tensor > 1 (plan text)
+    inputs: object = None              # the step's inputs (tuple, dict or Example); None: token ids of `shape`
     chain: Chain = field(init=False)
     _compiled: dict = field(default_factory=dict, init=False)
     _windows: dict = field(default_factory=dict, init=False)
@@ -184,7 +185,8 @@ class Evaluator:
 
     def __post_init__(self):
         self.chain = find_chain(self.graph)
-        self.inputs = default_input(self.graph.model, self.shape)
+        if self.inputs is None:
+            self.inputs = default_input(self.graph.model, self.shape)
         base = self.compiled(Candidate(checkpoint=("none",) * self.chain.n, reshard=(True,) * self.chain.n))
         errors = [d for d in base.diagnostics if d.severity == "error"]
         if errors:  # the `parallel` rules do not hold at this degree (heads not divisible, ...)
@@ -284,7 +286,7 @@ class Evaluator:
     def exact(self, c: Candidate):
         """The memory model's estimate of `c` (its own trace, checkpointing applied)."""
         compiled = self.compiled(c)
-        return mem_model.estimate(compiled, self.world, optimizer=self.optimizer, input_shape=self.shape)
+        return mem_model.estimate(compiled, self.world, optimizer=self.optimizer, inputs=self.inputs)
 
 
 @dataclass(frozen=True)

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from planc.estimate import memory as mem_model
 from planc.estimate.hardware import hardware as hardware_of
-from planc.estimate.trace import TraceError, trace_for
+from planc.estimate.trace import Example, TraceError, default_input, trace_for
 from planc.quantities import show_bytes as format_bytes
 from planc.suggest.cost import context, cost
 from planc.suggest.evaluate import Evaluator, RulesRejected, compress
 from planc.suggest.solve import Subproblem, build, globals_for, lower_bound, min_peak_choice, solve, surely_infeasible
-from planc.suggest.space import Candidate, expect_line
+from planc.suggest.space import Candidate, expect_line, find_chain
 
 
 @dataclass
@@ -53,7 +56,9 @@ def exact_peak(ev: Evaluator, c: Candidate) -> tuple[int, str]:
     if not any(m != "none" for m in c.checkpoint):
         trace = None
     else:
-        trace = compress(trace_for(compiled, ev.inputs, None, ev.tensor, repeat=True))
+        with warnings.catch_warnings():  # torch's, on the model's own code (the Evaluator's trace mutes them too)
+            warnings.simplefilter("ignore")
+            trace = compress(trace_for(compiled, ev.inputs, None, ev.tensor, repeat=True))
     if trace is None:
         from planc.suggest.evaluate import remap
         program = compiled.program
@@ -76,16 +81,22 @@ def default_degrees(world: int, hardware) -> list[int]:
     return [t for t in (1, 2, 4, 8) if world % t == 0 and t <= node]
 
 
-def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[int, ...], *,
+def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[int, ...] | None, *,
             hardware: str = "h100", optimizer: str = "adamw", budget_text: str | None = None,
             progress: Callable[[int, int], None] | None = None, alternatives: int = 3,
-            cost_fn=cost, parallel: tuple[str, ...] | None = None, tensors: list[int] | None = None) -> Suggestion:
+            cost_fn=cost, parallel: tuple[str, ...] | None = None, tensors: list[int] | None = None,
+            inputs=None, inputs_name: str | None = None) -> Suggestion:
     """Search the space of planc/suggest/space.py for `graph` at `world` ranks.
 
     Args:
         graph: the model graph (with its model, for the trace).
         budget: per-rank bytes the estimated peak must not exceed.
-        shape: (batch, sequence) of token ids per rank.
+        shape: (batch, sequence) of token ids per rank; None with `inputs`.
+        inputs: the step's inputs per rank instead of token ids (a tuple, a kwargs dict or an
+            `Example`, as an input factory of `planc explain --inputs` returns them: T5's decoder
+            ids, images). The plan's `expect` line then has no `input =` (it names token ids
+            only): the header says so and how to check the bound with the inputs.
+        inputs_name: what the header calls `inputs` (the factory, `pkg.module:fn`).
         hardware: a profile name or file (`planc.estimate.hardware`), or a `Hardware`.
         progress: called with (done, total) global choices as the search goes.
         cost_fn: `cost(program, context) -> seconds` (default planc's step-time model).
@@ -98,9 +109,14 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
     """
     if budget_text is None:  # a size the `expect` line can spell exactly (whole KiB at least)
         budget, budget_text = budget_spelling(budget)
+    if (shape is None) == (inputs is None):
+        raise TypeError("suggest: give `shape` (token ids) or `inputs`, not both")
     if not parallel:
         return _suggest_one(graph, model_ref, world, budget, shape, hardware=hardware, optimizer=optimizer,
-                            budget_text=budget_text, progress=progress, alternatives=alternatives, cost_fn=cost_fn)
+                            budget_text=budget_text, progress=progress, alternatives=alternatives, cost_fn=cost_fn,
+                            inputs=inputs, inputs_name=inputs_name)
+    if inputs is not None:  # each degree scales the batch of token ids (below); arbitrary inputs cannot be
+        raise TypeError("suggest: the tensor-parallel search takes `shape` (token ids), not `inputs`")
     degrees = sorted(set(tensors or default_degrees(world, hardware)))
     results: list[tuple[int, Suggestion | None, str]] = []
     for t in degrees:
@@ -142,14 +158,26 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
     return out
 
 
-def _suggest_one(graph, model_ref: str | None, world: int, budget: int, shape: tuple[int, ...], *,
+def _suggest_one(graph, model_ref: str | None, world: int, budget: int, shape: tuple[int, ...] | None, *,
                  hardware, optimizer: str, budget_text: str, progress, alternatives: int, cost_fn,
-                 tensor: int = 1, parallel: tuple[str, ...] = ()) -> Suggestion:
-    """The search at one tensor-parallel degree (1: 1-D plans); `shape` is the data-parallel input."""
+                 tensor: int = 1, parallel: tuple[str, ...] = (), inputs=None, inputs_name: str | None = None
+                 ) -> Suggestion:
+    """The search at one tensor-parallel degree (1: 1-D plans); `shape` (or `inputs`) is the data-parallel input."""
     t0, c0 = time.perf_counter(), time.process_time()
     hw = hardware_of(hardware)
-    ev = Evaluator(graph, model_ref, world, tuple(shape), optimizer, tensor, tuple(parallel))
-    ctx = context(graph, world, tuple(shape), hw, optimizer)
+    shape = None if shape is None else tuple(shape)
+    if inputs is not None:
+        inputs = Example.of(inputs)
+    find_chain(graph)  # ValueError (no block chain) before the model runs
+    try:
+        ev = Evaluator(graph, model_ref, world, shape, optimizer, tensor, tuple(parallel), inputs)
+    except (RulesRejected, TraceError):
+        raise
+    except Exception as err:  # the model's own code, run on fake tensors, can fail on these inputs
+        example = Example.of(inputs if inputs is not None else default_input(graph.model, shape))
+        raise TraceError(f"the model did not run on inputs of shape {describe_inputs(example)}: "
+                         f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
+    ctx = context(graph, world, shape, hw, optimizer, inputs=inputs)
     t_trace, c_trace = time.perf_counter() - t0, time.process_time() - c0
     subs: list[Subproblem] = [build(ev, g, ctx, cost_fn) for g in globals_for(ev, hw)]
     t_build = time.perf_counter() - t0 - t_trace
@@ -220,7 +248,7 @@ def _suggest_one(graph, model_ref: str | None, world: int, budget: int, shape: t
     others.sort(key=lambda o: o.seconds)
     text = None
     if best is not None:
-        text = render(ev, best, others, budget, budget_text, shape, hardware, optimizer)
+        text = render(ev, best, others, budget, budget_text, shape, hardware, optimizer, inputs_name=inputs_name)
     total = time.perf_counter() - t0
     stats = {"trace_s": t_trace, "build_s": t_build, "solve_s": t_solve,
              "verify_s": total - t_trace - t_build - t_solve, "total_s": total,
@@ -298,12 +326,24 @@ def hw_text(hardware) -> str:
     return f"{hw.name}, {hw.efficiency:.0%} of peak FLOP/s achieved"
 
 
+def describe_inputs(example: Example) -> str:
+    """An example's tensors by shape, keywords named: `2x16`, `input_ids 2x32, decoder_input_ids 2x16`."""
+    def shape(t):
+        return "x".join(map(str, t.shape)) or "scalar"
+    parts = [shape(t) for t in Example(example.args).tensors()]
+    parts += [f"{k} {shape(v)}" for k, v in example.kwargs.items() if isinstance(v, torch.Tensor)]
+    return ", ".join(parts) or "no tensors"
+
+
 def render(ev: Evaluator, best: Option, others: list[Option], budget: int, budget_text: str, shape, hardware: str,
-           optimizer: str, degrees=(), shape_1d=None) -> str:
+           optimizer: str, degrees=(), shape_1d=None, inputs_name: str | None = None) -> str:
     """The plan text with its header; `degrees` (tensor-parallel searches) lists each degree's best."""
     c = best.candidate
-    shown = "x".join(map(str, shape))
-    if ev.tensor > 1:
+    given = shape is None  # the step's inputs came from an input factory, not `input = BxS` token ids
+    shown = "x".join(map(str, shape)) if not given else describe_inputs(Example.of(ev.inputs))
+    if given:
+        inp = f"inputs {f'`{inputs_name}` ' if inputs_name else ''}({shown}) per rank, {optimizer},"
+    elif ev.tensor > 1:
         base = shape_1d or (shape[0] // ev.tensor, *shape[1:])
         inp = (f"input {shown} per tensor group of {ev.tensor} ranks (the {'x'.join(map(str, base))} per rank asked for: "
                f"every degree trains {ev.world * base[0]} sequences a step), {optimizer},")
@@ -337,6 +377,14 @@ def render(ev: Evaluator, best: Option, others: list[Option], budget: int, budge
                       f"peak ~{format_bytes(o.peak)}: {o.candidate.describe()}")
     if not others:
         header.append("  none: no other global choice fits")
-    expects = ["# the budget, checked by `planc check` (re-run `planc suggest` when it fails)",
-               expect_line(budget_text, float(budget), ev.world, tuple(shape))]
+    if given:
+        check = (f"planc explain PLAN --world-size {ev.world} --inputs {inputs_name}" if inputs_name
+                 else f"planc.estimate.memory.estimate(compiled, {ev.world}, inputs=...)")
+        expects = ["# the budget without activations, checked by `planc check` (an `expect` line's `input =` is",
+                   "# token ids only, and this model's step takes other inputs); the peak with them, as above:",
+                   f"#   {check}",
+                   expect_line(budget_text, float(budget), ev.world, None)]
+    else:
+        expects = ["# the budget, checked by `planc check` (re-run `planc suggest` when it fails)",
+                   expect_line(budget_text, float(budget), ev.world, tuple(shape))]
     return ev.text(c, header, expects)

@@ -262,10 +262,11 @@ def parallel_rules(text: str, file: str) -> tuple[tuple[str, ...], list]:
     return tuple(printer.statement(s) for s in stmts if isinstance(s, st.ParallelStmt)), errors
 
 
-def expect_line(budget_text: str, budget: float, world: int, shape: tuple[int, ...]) -> str:
+def expect_line(budget_text: str, budget: float, world: int, shape: tuple[int, ...] | None) -> str:
+    """`expect memory.peak <= BUDGET at world = N, input = BxS` (no `input =` when `shape` is None)."""
     return printer.head(st.ExpectMetric(span=_NOWHERE, metric="memory.peak", metric_span=_NOWHERE, op="<=",
                                         value=st.Number(span=_NOWHERE, value=budget, text=budget_text, is_bytes=True),
-                                        world=world, input_shape=tuple(shape)))
+                                        world=world, input_shape=None if shape is None else tuple(shape)))
 
 
 def plan_text(chain: Chain, model_ref: str | None, c: Candidate, header: list[str] = (),
