@@ -70,13 +70,18 @@ def test_other_zoo_models(make, body):
     assert short.events == full.events
 
 
-def test_hugging_face_llama():
+def hf_llama(layers: int) -> nn.Module:
+    """transformers' LlamaForCausalLM at the shipped tiny config with `layers` decoder layers, on meta."""
     pytest.importorskip("transformers")
     from planc.model import hf
     config = hf.load_config(hf.config_path("llama-tiny"))
-    config.num_hidden_layers = 6
+    config.num_hidden_layers = layers
     with torch.device("meta"):
-        model = hf.model_class(config)._from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        return hf.model_class(config)._from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def test_hugging_face_llama():
+    model = hf_llama(6)
     compiled, full, short = both(model, planc.load(ROOT / "plans" / "llama.plan").sources[0][1])
     assert repeat.find_runs(compiled)
     assert short.events == full.events
@@ -160,12 +165,7 @@ def test_restored_profile_equals_the_full_profile(make):
 
 
 def test_restored_profile_of_hugging_face_llama():
-    pytest.importorskip("transformers")
-    from planc.model import hf
-    config = hf.load_config(hf.config_path("llama-tiny"))
-    config.num_hidden_layers = 6
-    with torch.device("meta"):
-        model = hf.model_class(config)._from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = hf_llama(6)
     graph, full, short = profiles(model)
     # FlopCounterMode's module tracker gives every layer's attention backward to the last
     # layer's attention here, so the blocks differ and the profile is taken in full
