@@ -273,7 +273,7 @@ def restore_profile(prof, runs: list[Run]):
         seg = prof.forward_segments[a:b]
         prof.forward_segments = [*prof.forward_segments[:b], *[(r(p), f) for r in copies for p, f in seg],
                                  *prof.forward_segments[b:]]
-        a, b = _stretch(prof.backward_segments, c1, c0, key=lambda s: s[0])
+        a, b = bwd  # the backward segments are unchanged so far
         seg = prof.backward_segments[a:b]
         prof.backward_segments = [*prof.backward_segments[:a], *[(r(p), f) for r in reversed(copies) for p, f in seg],
                                   *prof.backward_segments[a:]]
