@@ -16,6 +16,7 @@ from ui_models import long_names
 
 import planc
 from planc.lang.parse import loads_with_diagnostics
+from planc.lang.transform import MAX_INT
 from planc.limits import MAX_RANKS
 from planc.model.graph import ModelGraph
 
@@ -58,7 +59,8 @@ def test_huge_rank_counts_are_refused_not_worked_on(graph, replicate, shard, at_
             f"unit ** {{ reshard after_forward = {reshard} }}\n"
             f"expect memory.peak <= 1GiB at world = {at_world}\n")
     plan, diags = loads_with_diagnostics(text, "<fuzz>")
-    too_big = [n > MAX_RANKS for n in (replicate, shard, at_world)]
+    # rank counts past MAX_RANKS, and any integer literal past MAX_INT (the `reshard` value), are P103
+    too_big = [n > MAX_RANKS for n in (replicate, shard, at_world)] + [reshard > MAX_INT]
     if plan is None or any(d.is_error for d in diags):  # a literal past the limit: the parser's P103
         assert_well_formed(diags, {"<fuzz>": text}, "<fuzz>")
         assert any(too_big) and any(d.code == "P103" for d in diags)
