@@ -16,7 +16,8 @@ from planc.diagnostics import Diagnostic, PlanError, sort_diagnostics
 from planc.lang import syntax as st
 from planc.lang.parse import load
 from planc.limits import rank_count
-from planc.lower.lowering import lower
+from planc.lower.job import Job
+from planc.lower.lowering import lower_job
 from planc.lower.program import Program
 from planc.model.graph import ModelGraph, paused_gc
 from planc.resolve.ir import Resolution, Unit
@@ -89,10 +90,11 @@ class CompiledPlan:
         return found
 
     @cached_property
-    def program(self) -> Program:
-        """The lowered program every backend runs (`planc/lower/`).
+    def job(self) -> Job:
+        """The lowered job every backend interprets (`planc/lower/job.py`): views, parts,
+        schedule, step ops.
 
-        Only a plan without errors lowers to a meaningful program: callers check `ok` (or
+        Only a plan without errors lowers to a meaningful job: callers check `ok` (or
         `raise_for_errors()`) first, as `planc.apply` and `planc emit` do.
 
         Raises:
@@ -100,7 +102,17 @@ class CompiledPlan:
         """
         if self.graph is None:
             raise ValueError("a plan is lowered against a model: compile it with one")
-        return lower(self.resolution, self.graph)
+        return lower_job(self.resolution, self.graph)
+
+    @property
+    def program(self) -> Program:
+        """The program of a job with one part (the whole model): `job.program`.
+
+        Raises:
+            ValueError: the plan was compiled without a model, or its job has several parts
+                (pipeline stages: interpret `job.parts`).
+        """
+        return self.job.program
 
     # ----------------------------------------------------------------- results
     @property

@@ -41,6 +41,7 @@ from planc.compiler import compile as compile_plan
 from planc.diagnostics import Diagnostic, PlanError, Span, sort_diagnostics
 from planc.lang import syntax as st
 from planc.lower.checkpointing import context_fn
+from planc.lower.job import LossParallel
 from planc.lower.lowering import tensor_reties
 from planc.lower.program import (
     Checkpoint,
@@ -229,8 +230,7 @@ class AppliedPlan:
 
         from torch.distributed.tensor.parallel import loss_parallel
 
-        program = self.compiled.program
-        if any(op.style.loss_parallel for op in program.of_type(Parallelize)):
+        if self.compiled.job.step_op(LossParallel):
             return loss_parallel()
         return contextlib.nullcontext()
 

@@ -16,6 +16,7 @@ prefetch lists and the `FSDPModule` methods the plan sets, which need every unit
 
 from __future__ import annotations
 
+from planc.lower.job import DENSE, Job, LossParallel, Part, View, step_schedule
 from planc.lower.program import (
     Checkpoint,
     Compile,
@@ -151,3 +152,13 @@ def lower(res: Resolution, graph: ModelGraph) -> Program:
             if setting is not None and setting.value is not None:
                 ops.append(UnitMethod(u.name, method, (setting.value,), setting))
     return Program(res.mesh, tuple(ops))
+
+
+def lower_job(res: Resolution, graph: ModelGraph) -> Job:
+    """The job for a resolution without errors: today one part (the whole model), the dense
+    view, the one-stage schedule, and `loss_parallel()` as a step op when the plan asks for it."""
+    program = lower(res, graph)
+    step_ops = tuple(LossParallel(op.module, op.origin) for op in program.of_type(Parallelize)
+                     if op.style.loss_parallel)
+    return Job(res.mesh, (View(DENSE, res.mesh.device_axes),), (Part(0, ("",), program),), step_schedule(),
+               step_ops)

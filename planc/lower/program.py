@@ -1,6 +1,8 @@
-"""The lowered program: what will be done to the model, as a typed, ordered list of operations.
+"""The lowered program: what will be done to one part of the model, as a typed, ordered list of operations.
 
-It is the only contract between the compiler and its backends. `planc/lower/lowering.py`
+Each part of the job (`planc/lower/job.py`: a pipeline stage, or the whole model) has one;
+with the job's views, schedule and step ops it is the only contract between the compiler and
+its backends. `planc/lower/lowering.py`
 makes it from a resolved plan; `planc.backends.runtime` executes it, `planc.backends.emit`
 prints it, and the trace and memory models replay it. Operations name modules and
 parameters by their paths in the model, so a program can be printed, compared and replayed
