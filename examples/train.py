@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         vocab = model.config.vocab_size
         # With a tensor axis (innermost: ranks r, r+1, ... of one TP group are adjacent) the
         # ranks of a TP group see the same tokens; data parallelism is over the groups.
-        tensor_dim = applied.compiled.mesh.tensor_dim
-        tp = applied.mesh[tensor_dim].size() if tensor_dim is not None else 1
+        tensor_axis = applied.compiled.mesh.axis_name("tensor")
+        tp = applied.mesh[tensor_axis].size() if tensor_axis is not None else 1
         dp_rank, dp_world = rank // tp, world // tp
         if args.batch % dp_world:
             log(f"error: --batch {args.batch} is not divisible by {dp_world} data-parallel ranks", file=sys.stderr)

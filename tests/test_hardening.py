@@ -94,8 +94,8 @@ def test_huge_sizes_in_a_plan_built_in_python_are_p407():
     plan = planc.loads("mesh (replicate = 1, shard = 8)\nexpect memory.peak <= 1GiB at world = 8\n",
                        filename="t.plan")
     mesh, expect = plan.statements
-    dims = (mesh.dims[0], dataclasses.replace(mesh.dims[1], size=10**12))
-    huge = dataclasses.replace(plan, statements=(dataclasses.replace(mesh, dims=dims),
+    axes = (mesh.axes[0], dataclasses.replace(mesh.axes[1], size=10**12))
+    huge = dataclasses.replace(plan, statements=(dataclasses.replace(mesh, axes=axes),
                                                  dataclasses.replace(expect, world=10**12)))
     assert isinstance(huge.statements[0], st_.MeshStmt)
     compiled = planc.compile(huge, fixture_net(), strict=False)

@@ -38,7 +38,7 @@ def test_degenerate_job_is_the_plans_program():
     job = compiled.job
     assert len(job.parts) == 1 and job.parts[0].modules == ("",)
     assert job.program is compiled.program is job.parts[0].program
-    assert job.view(DENSE).dims == ("shard",)
+    assert job.view(DENSE).axis_names == ("shard",)
     assert [str(a) for a in job.schedule.actions[0]] == ["0F0", "0B0"]
     (role,) = job.roles
     assert role.stages == (0,) and role.actions == job.schedule.actions[0]
@@ -49,7 +49,7 @@ def test_loss_parallel_is_a_step_op():
     job = planc.compile("plans/zoo-llama-tp.plan", llama_tiny(), 4).job
     (op,) = job.step_ops
     assert isinstance(op, LossParallel) and op.module == "output"
-    assert job.view(DENSE).dims == ("shard", "tensor")
+    assert job.view(DENSE).axis_names == ("shard", "tensor")
 
 
 def test_step_schedule_gradient_sync():

@@ -117,7 +117,7 @@ def test_huge_integers_are_located_p103(text, what):
 
 def test_integers_within_bounds_parse():
     plan, diags = loads_with_diagnostics("mesh (shard = 1048576)\nexpect units == 9223372036854775807\n")
-    assert diags == [] and plan.statements[0].dims[0].size == 1 << 20
+    assert diags == [] and plan.statements[0].axes[0].size == 1 << 20
 
 
 # ===================================================================== unicode

@@ -81,13 +81,13 @@ def test_placements_and_ignores_are_named_by_parameter():
     layer = program.unit("layers.0")
     assert layer.ignored == ("layers.0.attention_norm.weight",)
     assert "layers.0.attention_norm.weight" not in layer.params
-    assert isinstance(layer, FullyShard) and layer.mesh_dims == ("shard",)
+    assert isinstance(layer, FullyShard) and layer.axes == ("shard",)
 
 
 def test_mesh_dimension_names_reach_every_unit():
     program = _compiled("model planc.zoo:seed_transformer_tiny\nmesh (dp_replicate = 2, fsdp = *)\n"
                         "unit transformer_layers.*\n", "planc.zoo:seed_transformer_tiny").program
-    assert {op.mesh_dims for op in program.units} == {("dp_replicate", "fsdp")}
+    assert {op.axes for op in program.units} == {("dp_replicate", "fsdp")}
 
 
 def test_checkpoint_modes_reach_the_program():

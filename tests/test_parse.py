@@ -53,9 +53,9 @@ def test_keywords_are_names_inside_selectors():
 
 def test_mesh_forms():
     m = one("mesh (replicate = 2, shard = *)")
-    assert [(d.name, d.size) for d in m.dims] == [("replicate", 2), ("shard", None)] and m.strategy is None
+    assert [(d.name, d.size) for d in m.axes] == [("replicate", 2), ("shard", None)] and m.strategy is None
     m = one("mesh HYBRID_SHARD (shard = 8)")
-    assert m.strategy == "HYBRID_SHARD" and m.dims[0].size == 8
+    assert m.strategy == "HYBRID_SHARD" and m.axes[0].size == 8
     assert one("mesh NO_SHARD").strategy == "NO_SHARD"
 
 
@@ -103,7 +103,7 @@ def test_bad_at_clauses_are_syntax_errors(text, expected):
 def test_input_and_world_are_names_outside_the_at_clause():
     plan = loads("unit input.world\nmesh (input = 2)\nunit x { input 2 }\n")
     assert [seg.pattern for seg in plan.statements[0].target.base.segments] == ["input", "world"]
-    assert plan.statements[1].dims[0].name == "input"
+    assert plan.statements[1].axes[0].name == "input"
     assert plan.statements[2].block.options[0].name == "input"
 
 

@@ -181,7 +181,7 @@ def test_mesh_dimensions_are_named_as_written(text, dims, str_):
     from planc.resolve.resolver import resolve_mesh
     diags = []
     mesh = resolve_mesh(loads(text).statements[0], diags)
-    assert not diags and mesh.dp_dims == dims and str(mesh) == str_
+    assert not diags and mesh.dp_axis_names == dims and str(mesh) == str_
 
 
 def test_world_size_must_be_positive():

@@ -18,6 +18,7 @@ from typing import Any
 from planc.estimate.memory import CATEGORIES, Estimate
 from planc.lower.program import Policy
 from planc.resolve.ir import Unit
+from planc.resolve.mesh import Role
 from planc.resolve.options import show_value
 
 LABELS = {"sharded_params": "sharded params", "sharded_grads": "sharded grads", "optimizer_state": "optimizer state",
@@ -58,7 +59,7 @@ def placement_text(placement) -> str:
 
 
 def parameter_placements(compiled, world: int) -> dict[str, dict[str, str]]:
-    """Canonical parameter -> {mesh dimension name: placement} as `planc.apply` leaves it, from the program.
+    """Canonical parameter -> {mesh axis name: placement} as `planc.apply` leaves it, from the program.
 
     The tensor axis (`Parallelize` ops): colwise and rowwise shard the dims of
     `planc.lower.lowering.tensor_dims`, their other own parameters (a rowwise bias) are
@@ -74,9 +75,9 @@ def parameter_placements(compiled, world: int) -> dict[str, dict[str, str]]:
 
     program, graph, mesh = compiled.program, compiled.graph, compiled.mesh
     sizes = mesh.sizes(world) or {}
-    tdim, tp = mesh.tensor_dim, sizes.get("tensor", 1)
+    tensor_axis, tp = mesh.axis_name(Role.TENSOR), sizes.get(Role.TENSOR, 1)
     on_tensor: dict[str, int | None] = {}  # parameter -> tensor-parallel dim (None: replicated on the tensor axis)
-    if tdim is not None:
+    if tensor_axis is not None:
         dims = tensor_dims(program, graph)
         for op in program.of_type(Parallelize):
             if op.style.kind in ("colwise", "rowwise"):
@@ -92,13 +93,13 @@ def parameter_placements(compiled, world: int) -> dict[str, dict[str, str]]:
             dim = placed.get(name, 0)
             for axis in mesh.dp_axes:
                 if axis.role == "replicate":
-                    out[name][axis.dim] = "Replicate()"
+                    out[name][axis.name] = "Replicate()"
                 elif name in on_tensor and on_tensor[name] == dim and tp > 1:
-                    out[name][axis.dim] = f"_StridedShard({dim}, sf={tp})"
+                    out[name][axis.name] = f"_StridedShard({dim}, sf={tp})"
                 else:
-                    out[name][axis.dim] = f"Shard({dim})"
+                    out[name][axis.name] = f"Shard({dim})"
     for name, dim in on_tensor.items():
-        out[name][tdim] = "Replicate()" if dim is None else f"Shard({dim})"  # type: ignore[index]
+        out[name][tensor_axis] = "Replicate()" if dim is None else f"Shard({dim})"  # type: ignore[index]
     return out
 
 
@@ -162,12 +163,12 @@ def time_report(st) -> dict[str, Any]:
 
 def _mesh(compiled, est: Estimate) -> dict[str, Any]:
     """`replicate` and `shard` sizes (as before), `tensor` when the mesh has a tensor axis, and
-    `axes`: every `DeviceMesh` dimension planc builds, outermost first, with its role and size."""
+    `axes`: every `DeviceMesh` axis planc builds (`dim`: its name), outermost first, with its role and size."""
     out: dict[str, Any] = {"replicate": est.replicate, "shard": est.shard}
     sizes = compiled.mesh.sizes(est.world) or {}
-    if compiled.mesh.tensor_dim is not None:
+    if compiled.mesh.axis(Role.TENSOR) is not None:
         out["tensor"] = sizes.get("tensor")
-    out["axes"] = [{"dim": a.dim, "role": a.role, "size": sizes.get(a.role)} for a in compiled.mesh.device_axes]
+    out["axes"] = [{"dim": a.name, "role": a.role, "size": sizes.get(a.role)} for a in compiled.mesh.device_axes]
     return out
 
 

@@ -41,6 +41,7 @@ from torch import nn
 from planc.checks.tensor import STATIC_TENSOR_CODES
 from planc.diagnostics import Diagnostic, PlanError, Span
 from planc.estimate.trace import Example, LossFn, default_loss
+from planc.resolve.mesh import Role
 
 __all__ = ["check_step", "default_input_shape", "simulation_world"]
 
@@ -140,7 +141,7 @@ class _Step:
         from planc.lower.program import Parallelize
         self.compiled, self.model, self.world, self.tp = compiled, model, world, tp
         self.ops = {op.module: op for op in compiled.program.of_type(Parallelize)}
-        self.where = (f"at world {world}" + (f" (tensor {tp})" if compiled.mesh.tensor_dim else "")
+        self.where = (f"at world {world}" + (f" (tensor {tp})" if compiled.mesh.axis(Role.TENSOR) else "")
                       + (f" on rank {rank}, which holds the smallest uneven shards" if rank else ""))
 
     # ------------------------------------------------------------ which rule
@@ -211,7 +212,7 @@ class _Step:
         view = _VIEW.search(str(err))
         heads = self._heads(module or "")
         indivisible = [(w, n) for w, n in heads if n % self.tp]
-        size = self.compiled.mesh.tensor_dim
+        tensor_axis = self.compiled.mesh.axis_name(Role.TENSOR)
         if view is not None and op.style.kind == "colwise":
             dims = [int(x) for x in view.group(1).split(",")]
             local = int(view.group(2))
@@ -231,7 +232,7 @@ class _Step:
                             f"{head_dim}",
                     label=f"{_op_text(op)} here", notes=tuple(notes),
                     help=(f"use a tensor size that divides {counted[0][1]}: {', '.join(map(str, divisors))} "
-                          f"(`{size} = {max(d for d in divisors if d <= self.tp)}` in the mesh)",
+                          f"(`{tensor_axis} = {max(d for d in divisors if d <= self.tp)}` in the mesh)",
                           f"or leave `{op.module}` out of tensor parallelism"))
             if -1 not in dims and n_heads is not None and len(dims) >= 2 and dims[-2] == n_heads:
                 given = dims[-2]
@@ -274,11 +275,11 @@ class _Step:
     def mesh_failure(self, err: BaseException, phase: str) -> Diagnostic:
         """Clipping or the optimizer step: usually parameters that are not all on the same meshes."""
         from torch.distributed.tensor import DTensor
-        tdim = self.compiled.mesh.tensor_dim
+        tensor_axis = self.compiled.mesh.axis_name(Role.TENSOR)
         off = []
         for name, p in self.model.named_parameters():
             names = tuple(p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-            if tdim is not None and tdim not in names:
+            if tensor_axis is not None and tensor_axis not in names:
                 off.append(name.rpartition(".")[0] or "<root>")
         modules = _generalize(off)
         span = self.compiled.mesh.span or _model_span(self.compiled.plan)

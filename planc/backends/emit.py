@@ -37,6 +37,7 @@ from planc.lower.program import (
     UnitMethod,
 )
 from planc.resolve.ir import Setting
+from planc.resolve.mesh import Role
 
 LOOP_VAR = "block"
 WIDTH = 100  # wrap calls longer than this
@@ -436,8 +437,8 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     program = compiled.program
     plan_path = plan_path or compiled.plan.file
     model_ref = model_ref or compiled.plan.model_ref or type(model).__name__
-    tp_dim = program.mesh.tensor_dim if program.of_type(Parallelize) else None
-    units = [_Unit(op, "dp_mesh" if tp_dim else "mesh") for op in program.units]
+    tensor_axis = program.mesh.axis_name(Role.TENSOR) if program.of_type(Parallelize) else None
+    units = [_Unit(op, "dp_mesh" if tensor_axis else "mesh") for op in program.units]
 
     # a MixedPrecisionPolicy shared by several calls is named once
     counts: dict[str, int] = {}
@@ -462,11 +463,11 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
 
     body: list[str] = []
     ind = "    "
-    if tp_dim:
-        dp = program.mesh.dp_dims
+    if tensor_axis:
+        dp = program.mesh.dp_axis_names
         body += [f"{ind}# NOTE: tensor parallelism first, on the tensor axis; FSDP then shards on the data-parallel",
                  f"{ind}# submesh of the same root mesh.",
-                 f"{ind}tp_mesh = mesh[{tp_dim!r}]",
+                 f"{ind}tp_mesh = mesh[{tensor_axis!r}]",
                  f"{ind}dp_mesh = mesh[{dp[0]!r}]" if len(dp) == 1 else f"{ind}dp_mesh = mesh[{dp!r}]"]
     if program.of_type(Checkpoint) or program.of_type(Compile):
         body.append(f"{ind}# NOTE: checkpointing and compile wrap the plain modules before `fully_shard` hooks them.")
@@ -533,7 +534,7 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
         placements = sorted({*placements, "Shard"})
     if placements:
         imports.append("from torch.distributed.tensor import " + ", ".join(placements))
-    if tp_dim:
+    if tensor_axis:
         styles = sorted({n for n in _TORCH_STYLES.values() if re.search(rf"\b{n}\(", uses)})
         imports.append("from torch.distributed.tensor.parallel import " + ", ".join(styles + ["parallelize_module"]))
         if "ReplicateParallel(" in uses:
@@ -543,8 +544,8 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
         imports.append("from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts")
         if "import torch" not in imports:
             imports.insert(0, "import torch")
-    dims = tuple(a.dim for a in program.mesh.device_axes)
-    mesh_doc = (f"a {len(dims)}-D device mesh (" + ", ".join(f'"{d}"' for d in dims) + ")") if len(dims) > 1 \
+    names = tuple(a.name for a in program.mesh.device_axes)
+    mesh_doc = (f"a {len(names)}-D device mesh (" + ", ".join(f'"{n}"' for n in names) + ")") if len(names) > 1 \
         else "a 1-D device mesh"
     head = [
         f'"""FSDP2 sharding of `{model_ref}` as `{plan_path}` plans it: {len(program.units)} units.',

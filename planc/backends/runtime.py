@@ -91,9 +91,9 @@ def device_type(backend: str | None = None) -> str:
 def build_mesh(plan_mesh: Mesh, world_size: int | None = None, device: str | None = None) -> DeviceMesh:
     """The device mesh a plan asks for, over the default process group.
 
-    Its dimensions are the plan's data-parallel axes, named as the plan names them: 1-D
-    `("shard",)` for a plain plan, 2-D `("replicate", "shard")` for HSDP (or the plan's
-    words for them, e.g. `("dp_replicate", "fsdp")`).
+    Its axes are the plan's dense axes (`Mesh.device_axes`), named as the plan names them:
+    1-D `("shard",)` for a plain plan, 2-D `("replicate", "shard")` for HSDP (or the plan's
+    words for them, e.g. `("dp_replicate", "fsdp")`), the tensor axis last.
 
     Raises:
         PlanError: P401 if the plan's mesh does not fit the world size.
@@ -106,25 +106,25 @@ def build_mesh(plan_mesh: Mesh, world_size: int | None = None, device: str | Non
                                     label="this mesh")])
     axes = plan_mesh.device_axes
     return init_device_mesh(device or device_type(), tuple(sizes[a.role] for a in axes),
-                            mesh_dim_names=tuple(a.dim for a in axes))
+                            mesh_dim_names=tuple(a.name for a in axes))
 
 
 def check_mesh_fits(mesh: DeviceMesh, plan_mesh: Mesh) -> list[Diagnostic]:
-    """P602 if a given device mesh has another shape (or other dimension names) than the plan's mesh."""
+    """P602 if a given device mesh has another shape (or other axis names) than the plan's mesh."""
     axes = plan_mesh.device_axes
     sizes = plan_mesh.sizes(mesh.size())
     want = None if sizes is None else tuple(sizes[a.role] for a in axes)
-    dims = tuple(a.dim for a in axes)
+    names = tuple(a.name for a in axes)
     if mesh.ndim == len(axes) and (want is None or tuple(mesh.shape) == want):
-        if len(axes) == 1 or tuple(mesh.mesh_dim_names or ()) == dims:
+        if len(axes) == 1 or tuple(mesh.mesh_dim_names or ()) == names:
             return []
         # FSDP2 needs named dims on an HSDP mesh (it asserts otherwise), and the program
         # names the submesh it shards on by them.
         got = "no dimension names" if mesh.mesh_dim_names is None else f"dimensions {tuple(mesh.mesh_dim_names)}"
         return [Diagnostic(code="P602", severity="error", span=plan_mesh.span,
-                           message=f"the 2-D mesh passed to `apply` has {got}; the plan names them {dims}",
+                           message=f"the 2-D mesh passed to `apply` has {got}; the plan names them {names}",
                            label=f"the plan's mesh {plan_mesh}",
-                           help=(f"build it with `mesh_dim_names={dims}`",))]
+                           help=(f"build it with `mesh_dim_names={names}`",))]
     expected = f"a {len(axes)}-D mesh" + (f" of shape {want}" if want else "")
     return [Diagnostic(code="P602", severity="error", span=plan_mesh.span,
                        message=f"the mesh passed to `apply` has shape {tuple(mesh.shape)}; the plan needs {expected}",
@@ -510,11 +510,11 @@ def torch_style(style: TensorStyle):
     return PrepareModuleInputOutput(**inputs, **outputs, **local)
 
 
-def _submesh(mesh: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
-    """The submesh a unit is sharded on: the mesh itself when it has exactly those dimensions."""
-    if mesh.ndim == len(dims) and (len(dims) == 1 or tuple(mesh.mesh_dim_names or ()) == dims):
+def _submesh(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:
+    """The submesh of the axes named `axes`: the mesh itself when it has exactly those axes."""
+    if mesh.ndim == len(axes) and (len(axes) == 1 or tuple(mesh.mesh_dim_names or ()) == axes):
         return mesh
-    return mesh[dims if len(dims) > 1 else dims[0]]
+    return mesh[axes if len(axes) > 1 else axes[0]]
 
 
 def _retie(model: nn.Module, reties: list[tuple[str, str]]) -> None:
@@ -545,14 +545,14 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
     if program.ops[:len(tp)] != tuple(tp):
         raise TypeError("the runtime needs every `Parallelize` operation before the others")
     # NOTE: each submesh is sliced once, as hand-written code does (`tp_mesh = mesh["tp"]`):
-    # `mesh[dims]` builds a new DeviceMesh every call, about half a millisecond on a 2-D mesh,
+    # `mesh[axes]` builds a new DeviceMesh every call, about half a millisecond on a 2-D mesh,
     # which across one call per parallelized module was most of apply's overhead on a large model.
     submeshes: dict[tuple[str, ...], DeviceMesh] = {}
 
-    def submesh(dims: tuple[str, ...]) -> DeviceMesh:
-        if dims not in submeshes:
-            submeshes[dims] = _submesh(mesh, dims)
-        return submeshes[dims]
+    def submesh(axes: tuple[str, ...]) -> DeviceMesh:
+        if axes not in submeshes:
+            submeshes[axes] = _submesh(mesh, axes)
+        return submeshes[axes]
 
     # one style object per distinct style, as a hand-written plan's `"layers.*.attention.wq"` entry
     # serves every block (a style holds only its arguments; the hooks it installs are per module)
@@ -562,10 +562,10 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
 
         if op.style not in styles:
             styles[op.style] = torch_style(op.style)
-        parallelize_module(model.get_submodule(op.module), submesh((op.mesh_dim,)), styles[op.style])
+        parallelize_module(model.get_submodule(op.module), submesh((op.axis,)), styles[op.style])
     if tp:
         _retie(model, tensor_reties(program, compiled.graph))
-    calls = {id(op): (unit_modules(op, model), fully_shard_kwargs(op, model, submesh(op.mesh_dims)))
+    calls = {id(op): (unit_modules(op, model), fully_shard_kwargs(op, model, submesh(op.axes)))
              for op in program.units}
     applied = AppliedPlan(compiled=compiled, mesh=mesh, model=model)
     handles: dict[str, FSDPModule] = {}

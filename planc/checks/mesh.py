@@ -21,13 +21,13 @@ def too_many_ranks(n: int, span, what: str) -> Diagnostic:
 
 
 def check_rank_limits(ctx: Context) -> Iterator[Diagnostic]:
-    """P407: no mesh dimension, and no mesh, holds more than `MAX_RANKS` ranks."""
+    """P407: no mesh axis, and no mesh, holds more than `MAX_RANKS` ranks."""
     for s in ctx.plan.statements:
         if not isinstance(s, st.MeshStmt):
             continue
-        big = [d for d in s.dims if d.size is not None and d.size > MAX_RANKS]
-        for d in big:
-            yield too_many_ranks(d.size, d.span, f"mesh dimension `{d.name}`")
+        big = [a for a in s.axes if a.size is not None and a.size > MAX_RANKS]
+        for a in big:
+            yield too_many_ranks(a.size, a.span, f"mesh dimension `{a.name}`")
     mesh = ctx.res.mesh
     total = mesh.fixed_world
     if total is not None and total > MAX_RANKS and mesh.span is not None \

@@ -34,7 +34,7 @@ from planc.diagnostics import Diagnostic
 from planc.lang import syntax as st
 from planc.lower.lowering import tensor_param_dim
 from planc.resolve.ir import Setting
-from planc.resolve.mesh import ROLES, TENSOR
+from planc.resolve.mesh import ROLES, RULE, Role
 from planc.resolve.tensor import Layout, TensorStyle
 
 STATIC_TENSOR_CODES = frozenset(f"P{n}" for n in range(410, 423))  # what the checks here report
@@ -56,13 +56,13 @@ CONFIG_KV = ("num_key_value_heads",)
 def tp_size(ctx: Context, world: int | None = None) -> int | None:
     """The tensor-parallel size at `world` ranks (default the context's), None when unknown."""
     mesh = ctx.res.mesh
-    axis = mesh.axis(TENSOR)
+    axis = mesh.axis(Role.TENSOR)
     if axis is None:
         return None
     if axis.size is not None:
         return axis.size
     sizes = mesh.sizes(world if world is not None else ctx.world_size)
-    return None if sizes is None else sizes.get(TENSOR)
+    return None if sizes is None else sizes.get(Role.TENSOR)
 
 
 def styled(ctx: Context) -> dict[str, Setting]:
@@ -74,7 +74,7 @@ def styled(ctx: Context) -> dict[str, Setting]:
 
 def _styled(ctx: Context) -> dict[str, Setting]:
     mesh = ctx.res.mesh
-    if mesh.tensor_dim is None or not ctx.res.parallel:
+    if mesh.axis(Role.TENSOR) is None or not ctx.res.parallel:
         return {}
     if ctx.world_size is not None and mesh.sizes(ctx.world_size) is None:
         return {}
@@ -237,16 +237,19 @@ def check_tensor_last(ctx: Context) -> Iterator[Diagnostic]:
     meshes = [s for s in ctx.plan.statements if isinstance(s, st.MeshStmt)]
     if not meshes or meshes[-1].strategy is not None:
         return
-    dims = meshes[-1].dims
-    roles = [ROLES.get(d.name) for d in dims]
-    if TENSOR not in roles:
+    axes = meshes[-1].axes
+    roles = [ROLES.get(a.name) for a in axes]
+    if Role.TENSOR not in roles:
         return
-    k = roles.index(TENSOR)
-    if not any(r is not None and r != TENSOR for r in roles[k + 1:]):
+    k = roles.index(Role.TENSOR)
+    # the world's axes written after it (an expert axis borrows ranks: it may follow)
+    after = [i for i, r in enumerate(roles) if i > k and r is not None and RULE[r].multiplies]
+    if not after:
         return
-    order = [d for d, r in zip(dims, roles) if r != TENSOR] + [dims[k]]
-    fixed = "mesh (" + ", ".join(f"{d.name} = {'*' if d.size is None else d.size}" for d in order) + ")"
-    yield err("P410", f"the tensor axis `{dims[k].name}` is not the last mesh dimension", dims[k].span,
+    order = [a for i, a in enumerate(axes) if i != k]
+    order.insert(after[-1], axes[k])
+    fixed = "mesh (" + ", ".join(f"{a.name} = {'*' if a.size is None else a.size}" for a in order) + ")"
+    yield err("P410", f"the tensor axis `{axes[k].name}` is not the last mesh dimension", axes[k].span,
               "tensor parallelism is the innermost axis",
               (f"move it last: `{fixed}`; planc builds the device mesh with the tensor axis innermost "
                "(its ranks within a node) whatever the order written",))

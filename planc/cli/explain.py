@@ -12,6 +12,7 @@ from planc.diagnostics import render
 from planc.estimate.memory import estimate
 from planc.estimate.trace import TraceError
 from planc.model.build import build_model
+from planc.resolve.mesh import Role
 
 # Failed `expect` lines (units, memory, the input of a memory bound): the plan itself is
 # sound, so `explain` still reports it, after the diagnostics, and exits 1.
@@ -65,7 +66,7 @@ def main(args) -> int:
     except TraceError as err:
         # a 2-D plan traces one tensor-parallel rank's local shapes: a model that cannot run
         # them is the plan's (or the model's) problem, located as `planc check --simulate` does
-        located = _locate_failure(c, ref, args, shape, factory, loss) if c.mesh.tensor_dim else []
+        located = _locate_failure(c, ref, args, shape, factory, loss) if c.mesh.axis(Role.TENSOR) else []
         if located:
             print(render.render_text(located, sources, color=use_color(sys.stderr)), file=sys.stderr)
             return EXIT_ERRORS

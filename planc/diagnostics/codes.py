@@ -148,6 +148,10 @@ CODES: dict[str, Code] = {
                  "probably a typo or a size in another unit. (One size past the limit is already a P103 "
                  "where the plan writes it.)\n\n"
                  "    mesh (replicate = 65536, shard = 65536)   # error: 4,294,967,296 ranks"),
+    "P408": Code("mesh axis not supported yet", "The mesh names an axis whose role planc knows but does not "
+                 "build yet: `pipeline` (`pp`), `context` (`cp`) or `expert` (`ep`). planc builds the `replicate`, "
+                 "`shard` and `tensor` axes; remove the axis (the plan then runs without that parallelism).\n\n"
+                 "    mesh (pp = 2, shard = *)   # error: the pipeline axis is not supported yet"),
     # --- the step simulated on a fake process group (P44x; `planc check --simulate`, planc/analysis/shapecheck.py)
     "P440": Code("simulated step fails at a tensor-parallel module", "`planc check --simulate` applies the whole plan "
                  "on a fake process group of the world size and runs one training step on fake tensors (shapes, no "

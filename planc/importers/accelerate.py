@@ -66,8 +66,8 @@ _NOWHERE = Span.point("<import>")
 
 def _mesh(replicate: int | None, shard: int | None) -> st.MeshStmt:
     """`mesh (replicate = R, shard = S)`, None for `*`."""
-    return st.MeshStmt(span=_NOWHERE, dims=(st.MeshDim(span=_NOWHERE, name="replicate", size=replicate),
-                                            st.MeshDim(span=_NOWHERE, name="shard", size=shard)))
+    return st.MeshStmt(span=_NOWHERE, axes=(st.MeshAxis(span=_NOWHERE, name="replicate", size=replicate),
+                                            st.MeshAxis(span=_NOWHERE, name="shard", size=shard)))
 
 
 def _value(v: str | int) -> st.Value:

@@ -105,8 +105,8 @@ def _mesh(s) -> str:
     out = "mesh"
     if s.strategy:
         out += f" {s.strategy}"
-    if s.dims:
-        out += " (" + ", ".join(f"{d.name} = {'*' if d.size is None else d.size}" for d in s.dims) + ")"
+    if s.axes:
+        out += " (" + ", ".join(f"{d.name} = {'*' if d.size is None else d.size}" for d in s.axes) + ")"
     return out
 
 

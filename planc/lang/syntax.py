@@ -235,7 +235,7 @@ class IncludeStmt:
 
 
 @_node
-class MeshDim:
+class MeshAxis:
     span: Span
     name: str
     size: int | None  # None for `*`: filled from the world size
@@ -246,7 +246,7 @@ class MeshStmt:
     """`mesh (replicate = 2, shard = *)`; `strategy` holds an FSDP1 word if one was used."""
 
     span: Span
-    dims: tuple[MeshDim, ...]
+    axes: tuple[MeshAxis, ...]
     strategy: str | None = None
     strategy_span: Span | None = None
 

@@ -73,20 +73,20 @@ class ToSyntax(Transformer):
 
     @v_args(meta=True)
     def mesh_stmt(self, meta, items):
-        strategy, *dims = items
-        return st.MeshStmt(span=self._span(meta), dims=tuple(dims),
+        strategy, *axes = items
+        return st.MeshStmt(span=self._span(meta), axes=tuple(axes),
                            strategy=str(strategy) if strategy else None,
                            strategy_span=self._tok(strategy) if strategy else None)
 
     @v_args(meta=True)
     def mesh_strategy(self, meta, items):
         (tok,) = items
-        return st.MeshStmt(span=self._span(meta), dims=(), strategy=str(tok), strategy_span=self._tok(tok))
+        return st.MeshStmt(span=self._span(meta), axes=(), strategy=str(tok), strategy_span=self._tok(tok))
 
     @v_args(meta=True)
-    def mesh_dim(self, meta, items):
+    def mesh_axis(self, meta, items):
         name, size = items
-        return st.MeshDim(span=self._span(meta), name=str(name),
+        return st.MeshAxis(span=self._span(meta), name=str(name),
                           size=None if size.type == "STAR" else
                           self._int(size, MAX_RANKS, "a mesh size"))
 

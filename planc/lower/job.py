@@ -63,14 +63,14 @@ class UnknownKind(ValueError):
 
 @dataclass(frozen=True)
 class View:
-    """One device mesh of the world: named axes, outermost first (`Axis.dim` is the `DeviceMesh` name)."""
+    """One device mesh of the world: named axes, outermost first (`Axis.name` is the `DeviceMesh` axis name)."""
 
     name: str
     axes: tuple[Axis, ...]
 
     @property
-    def dims(self) -> tuple[str, ...]:
-        return tuple(a.dim for a in self.axes)
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.axes)
 
 
 @dataclass(frozen=True)

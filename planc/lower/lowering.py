@@ -32,6 +32,7 @@ from planc.lower.program import (
 )
 from planc.model.graph import ModelGraph
 from planc.resolve.ir import Resolution, Unit
+from planc.resolve.mesh import Role
 
 # Unit settings applied by calling an `FSDPModule` method after sharding: setting -> method.
 # A setting left at None calls nothing. Adding such a knob is an option in
@@ -55,7 +56,7 @@ def policy_of(unit: Unit) -> Policy:
     )
 
 
-def _fully_shard(unit: Unit, res: Resolution, graph: ModelGraph, mesh_dims: tuple[str, ...]) -> FullyShard:
+def _fully_shard(unit: Unit, res: Resolution, graph: ModelGraph, axes: tuple[str, ...]) -> FullyShard:
     subtree: set[str] = set()
     for path in unit.modules:
         subtree |= graph.subtree_params(path)
@@ -63,7 +64,7 @@ def _fully_shard(unit: Unit, res: Resolution, graph: ModelGraph, mesh_dims: tupl
     placements = tuple((n, res.placements[n][0]) for n in unit.params if n in res.placements)
     ignored = tuple(sorted(n for n in res.ignored if n in subtree))
     return FullyShard(
-        name=unit.name, modules=unit.modules, is_root=unit.is_root, mesh_dims=mesh_dims, policy=policy_of(unit),
+        name=unit.name, modules=unit.modules, is_root=unit.is_root, axes=axes, policy=policy_of(unit),
         params=unit.params, placements=placements, ignored=ignored, rule=unit.rule, span=unit.span,
         placement_spans={n: res.placements[n][1] for n, _ in placements},
         ignored_spans={n: res.ignored[n] for n in ignored})
@@ -133,17 +134,17 @@ def lower(res: Resolution, graph: ModelGraph) -> Program:
     ops: list[Op] = []
     # tensor parallelism first (torchtitan's order): FSDP then shards the TP-sharded
     # parameters on the data-parallel submesh of the same root mesh
-    tp_dim = res.mesh.tensor_dim
-    if tp_dim is not None:
+    tensor_axis = res.mesh.axis_name(Role.TENSOR)
+    if tensor_axis is not None:
         for path in sorted(res.parallel, key=graph.pre):
             setting = res.parallel[path]
-            ops.append(Parallelize(path, setting.value, tp_dim, setting, setting.span))
+            ops.append(Parallelize(path, setting.value, tensor_axis, setting, setting.span))
     for path, setting in res.checkpoint.items():
         ops.append(Checkpoint(path, setting.value, setting))
     for path, setting in res.compile.items():
         ops.append(Compile(path, tuple((setting.value or {}).items()), setting))
-    dims = res.mesh.dp_dims
-    ops += [_fully_shard(u, res, graph, dims) for u in res.units]
+    dp_axes = res.mesh.dp_axis_names
+    ops += [_fully_shard(u, res, graph, dp_axes) for u in res.units]
     for direction, table in (("forward", res.prefetch_forward), ("backward", res.prefetch_backward)):
         ops += [SetPrefetch(name, direction, targets) for name, targets in table.items()]
     for u in res.units:

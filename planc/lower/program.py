@@ -98,11 +98,14 @@ class Policy:
 
 @dataclass(frozen=True)
 class Parallelize:
-    """`parallelize_module(module, mesh[mesh_dim], style)`: one style on one module, before any FSDP."""
+    """`parallelize_module(module, mesh[axis], style)`: one style on one module, before any FSDP.
+
+    `axis` is the `DeviceMesh` axis name the style runs on (the tensor axis).
+    """
 
     module: str
     style: TensorStyle
-    mesh_dim: str
+    axis: str
     origin: Setting
     span: Any = None
 
@@ -127,13 +130,13 @@ class Compile:
 
 @dataclass(frozen=True)
 class FullyShard:
-    """One `fully_shard` call: `modules` as one unit (a list call for a group), on `mesh_dims`.
+    """One `fully_shard` call: `modules` as one unit (a list call for a group), on the submesh of `axes`.
 
     Attributes:
         name: the unit's name (`<root>`, `layers.0`, `[norm, output]`).
         modules: module paths (`("",)` for the root).
         is_root: the root unit (the whole model), sharded last.
-        mesh_dims: the `DeviceMesh` dimensions of the data-parallel submesh, outermost first.
+        axes: the `DeviceMesh` axis names of the data-parallel submesh, outermost first.
         policy: the effective policy.
         params: canonical names of the parameters this call manages (claimed by no earlier
             call, not ignored), in registration order.
@@ -145,7 +148,7 @@ class FullyShard:
     name: str
     modules: tuple[str, ...]
     is_root: bool
-    mesh_dims: tuple[str, ...]
+    axes: tuple[str, ...]
     policy: Policy
     params: tuple[str, ...]
     placements: tuple[tuple[str, int], ...] = ()

@@ -21,7 +21,7 @@ from planc.lang import printer
 from planc.lang import syntax as st
 from planc.model.graph import ModelGraph
 from planc.resolve.ir import DEFAULT_SETTINGS, Resolution, Setting, Unit
-from planc.resolve.mesh import ROLES, Axis, Mesh
+from planc.resolve.mesh import Role, resolve_mesh
 from planc.resolve.options import CHECKPOINT_MODES, MODULE_SETTINGS, Assignment, parse_option
 from planc.resolve.selectors import check_regexes, match_modules, match_params
 from planc.resolve.tensor import TensorStyle, tensor_style
@@ -59,73 +59,6 @@ def _set_twice(assigned: list[Assignment]) -> list[Diagnostic]:
                        label="set again later in this block", related=((last[a.key].span, "this one counts"),),
                        help=(f"keep one `{a.option}` for `{a.key}`",))
             for a in assigned if last[a.key] is not a and last[a.key].span != a.span]
-
-
-def resolve_mesh(stmt: st.MeshStmt | None, diags: list[Diagnostic]) -> Mesh:
-    """The plan's mesh; FSDP1 strategy words map to mesh shapes with a P901 note.
-
-    A dimension's word names its role (`shard`, `dp_shard` and `fsdp` all shard) and the
-    `DeviceMesh` dimension it becomes.
-    """
-    if stmt is None:
-        return Mesh()
-    sizes: dict[str, int | None] = {}
-    names: dict[str, str] = {}
-    for dim in stmt.dims:
-        role = ROLES.get(dim.name)
-        if role is None:
-            diags.append(Diagnostic(code="P102", severity="error", message=f"unknown mesh dimension `{dim.name}`",
-                                    span=dim.span, label="not a mesh dimension",
-                                    help=suggestion(dim.name, ROLES) or ("mesh dimensions: `replicate`, `shard`, `tensor`",)))
-            continue
-        if role in sizes:
-            diags.append(Diagnostic(code="P103", severity="error", message=f"mesh dimension `{role}` given twice",
-                                    span=dim.span, label="repeated", help=(f"keep one `{role} = ...`",)))
-        if dim.size is not None and dim.size < 1:
-            diags.append(Diagnostic(code="P103", severity="error", message=f"mesh dimension `{role}` must be at least 1",
-                                    span=dim.span, label=f"{dim.size} ranks",
-                                    help=(f"write a rank count such as `{role} = 8`, or `{role} = *` to fill the world",)))
-            continue
-        sizes[role] = dim.size
-        names[role] = dim.name
-    dims = (names.get("replicate", "replicate"), names.get("shard", "shard"))
-    if stmt.strategy is not None:
-        word = stmt.strategy
-        shapes = {"FULL_SHARD": (1, None), "SHARD_GRAD_OP": (1, None), "NO_SHARD": (None, 1),
-                  "HYBRID_SHARD": (None, sizes.get("shard")), "_HYBRID_SHARD_ZERO2": (None, sizes.get("shard"))}
-        if word not in shapes:
-            diags.append(Diagnostic(code="P102", severity="error", message=f"unknown sharding strategy `{word}`",
-                                    span=stmt.strategy_span, label="not a strategy",
-                                    help=suggestion(word, shapes) or ("strategies are " + ", ".join(shapes),)))
-            return Mesh(span=stmt.span)
-        r, s = shapes[word]
-        if "HYBRID" in word and s is None:
-            diags.append(Diagnostic(code="P103", severity="error", message=f"`{word}` needs the shard group size",
-                                    span=stmt.span, label="how many ranks per shard group?",
-                                    help=(f"write `mesh {word} (shard = 8)` for 8 ranks per node",)))
-            return Mesh(span=stmt.span)
-        mesh = Mesh.data_parallel(r, s, span=stmt.span, names=dims)
-        note = (" (resharding is a unit setting: `reshard after_forward = false`)" if word in
-                ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2") else "")
-        diags.append(Diagnostic(code="P901", severity="note", message=f"FSDP1 `{word}` mapped to FSDP2",
-                                span=stmt.strategy_span, label=f"became mesh {mesh}",
-                                help=(f"the FSDP2 spelling is `mesh {mesh}`{note}",)))
-        return mesh
-    replicate, shard = sizes.get("replicate", 1), sizes.get("shard")
-    if replicate is None and shard is None:
-        diags.append(Diagnostic(code="P405", severity="error", message="both mesh dimensions are `*`",
-                                span=stmt.span, label="cannot split the world two ways",
-                                help=("fix one size, e.g. `mesh (replicate = *, shard = 8)`",)))
-        return Mesh(span=stmt.span)
-    if "tensor" in sizes:
-        if sizes["tensor"] is None and (replicate is None or shard is None):
-            diags.append(Diagnostic(code="P405", severity="error", message="two mesh dimensions are `*`",
-                                    span=stmt.span, label="cannot split the world two ways",
-                                    help=("fix the tensor-parallel size, e.g. `mesh (shard = *, tensor = 8)`",)))
-            return Mesh(span=stmt.span)
-        dp = Mesh.data_parallel(replicate, shard, names=dims).axes
-        return Mesh(dp + (Axis("tensor", sizes["tensor"], names["tensor"]),), stmt.span)
-    return Mesh.data_parallel(replicate, shard, span=stmt.span, names=dims)
 
 
 class Resolver:
@@ -199,7 +132,7 @@ class Resolver:
                     self.out.broken.add(i)
                     continue
                 styles[i] = style
-                if self.out.mesh.tensor_dim is None and self._mesh_ok:
+                if self.out.mesh.axis(Role.TENSOR) is None and self._mesh_ok:
                     self.diags.append(Diagnostic(
                         code="P109", severity="error", message="a tensor-parallel style, but the mesh has no tensor axis",
                         span=s.span, label=f"`{s.style.value}` needs a tensor axis",

@@ -197,9 +197,9 @@ def plan_statements(chain: Chain, model_ref: str | None, c: Candidate, tensor: i
     groups: list[list[str]] = []
     if model_ref:
         groups.append([printer.head(st.ModelStmt(span=_NOWHERE, ref=model_ref))])
-    mesh = st.MeshStmt(span=_NOWHERE, dims=(st.MeshDim(span=_NOWHERE, name="replicate", size=c.replicate),
-                                            st.MeshDim(span=_NOWHERE, name="shard", size=None),
-                                            *([st.MeshDim(span=_NOWHERE, name="tensor", size=tensor)] if tensor > 1 else [])))
+    mesh = st.MeshStmt(span=_NOWHERE, axes=(st.MeshAxis(span=_NOWHERE, name="replicate", size=c.replicate),
+                                            st.MeshAxis(span=_NOWHERE, name="shard", size=None),
+                                            *([st.MeshAxis(span=_NOWHERE, name="tensor", size=tensor)] if tensor > 1 else [])))
     groups.append([printer.head(mesh)])
     defaults = [_option("precision", param="bf16", reduce="fp32", cast_inputs=False), _option("reshard", after_forward=True)]
     if c.prefetch:  # every unit gathers the next N as it starts (the root the first block units)
