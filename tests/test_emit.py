@@ -125,8 +125,9 @@ def test_an_op_emit_cannot_print_is_an_error():
         unit: str
 
     compiled = planc.compile(planc.load(ROOT / "plans/seed.plan"), build_model("planc.zoo:seed_transformer_tiny"))
-    program = compiled.program
-    compiled.__dict__["program"] = dataclasses.replace(program, ops=program.ops + (NewOp("<root>"),))
+    job = compiled.job
+    program = dataclasses.replace(job.program, ops=job.program.ops + (NewOp("<root>"),))
+    compiled.__dict__["job"] = dataclasses.replace(job, parts=(dataclasses.replace(job.parts[0], program=program),))
     with pytest.raises(emit.EmitError, match="NewOp"):
         emit_python(compiled)
 
