@@ -67,7 +67,7 @@ def test_post_order_is_children_first():
 def test_containers_have_no_forward():
     g = gpt()
     assert not g.has_forward("blocks") and g.has_forward("blocks.0") and g.cls("blocks") == "ModuleList"
-    assert g.qualname("blocks.0") == "planc.zoo.GPTBlock"
+    assert g.qualname("blocks.0") == "planc.zoo.gpt.GPTBlock"
 
 
 def test_ancestors_nearest_first():
