@@ -236,7 +236,12 @@ def _offloaded_params(model: nn.Module) -> set[int]:
     out: set[int] = set()
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
+            state = module._get_fsdp_state()
+            # torch >= 2.13 keeps a list of groups per module; older torch one group (or None)
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+            for group in groups:
                 if isinstance(group.offload_policy, CPUOffloadPolicy):
                     out.update(id(fsdp_param.sharded_param) for fsdp_param in group.fsdp_params)
     return out
