@@ -12,8 +12,8 @@ from typing import Sequence
 from planc.compiler import CompiledPlan
 from planc.diagnostics import Diagnostic, sort_diagnostics
 from planc.lang.parse import load_with_diagnostics
-from planc.model.build import ModelLoadError, build_model
-from planc.model.graph import ModelGraph
+from planc.model.build import ModelLoadError
+from planc.model.cache import ModelCache
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 
@@ -25,26 +25,6 @@ class UsageError(Exception):
 def use_color(stream) -> bool:
     """Colour only on a terminal, and never when NO_COLOR is set (no-color.org)."""
     return hasattr(stream, "isatty") and stream.isatty() and not os.environ.get("NO_COLOR")
-
-
-class ModelCache:
-    """Builds each referenced model once per run (on meta) and remembers failures."""
-
-    def __init__(self):
-        self._graphs: dict[tuple[str, str | None], ModelGraph | ModelLoadError] = {}
-
-    def graph(self, ref: str, base: str | None = None) -> ModelGraph:
-        """`base`: the plan's folder, where a relative `hf:` config path starts."""
-        key = (ref, base)
-        if key not in self._graphs:
-            try:
-                self._graphs[key] = ModelGraph.from_module(build_model(ref, base=base))
-            except ModelLoadError as err:
-                self._graphs[key] = err
-        result = self._graphs[key]
-        if isinstance(result, ModelLoadError):
-            raise result
-        return result
 
 
 def compile_for_cli(path: str, model_ref: str | None, world_sizes: Sequence[int | None], cache: ModelCache

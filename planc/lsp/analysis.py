@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from planc.cli.common import ModelCache
 from planc.compiler import CompiledPlan, sort_diagnostics
 from planc.diagnostics import Diagnostic
 from planc.lang import syntax as st
 from planc.lang.parse import loads_with_diagnostics, parse_text
 from planc.model.build import ModelLoadError
+from planc.model.cache import ModelCache
 from planc.model.graph import ModelGraph
 
 

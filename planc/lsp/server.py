@@ -25,12 +25,12 @@ from pygls.lsp.server import LanguageServer
 from pygls.uris import from_fs_path, to_fs_path
 
 from planc import __version__
-from planc.cli.common import ModelCache
 from planc.diagnostics import Span
 from planc.lsp import completion, positions
 from planc.lsp.analysis import Analysis, analyze
 from planc.lsp.hover import hover
 from planc.lsp.positions import contains, span_to_range
+from planc.model.cache import ModelCache
 
 log = logging.getLogger("planc.lsp")
 
