@@ -20,3 +20,26 @@ def test_shard_for_trainer_refuses_a_model_the_trainer_would_wrap():
     assert "help: pass the `PreTrainedModel` itself" in render_text([diag], {})
     # refused before apply: still plain tensors, unchanged
     assert all(type(p) is nn.Parameter and (p == b).all() for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("mesh_line, fsdp, replicas", [
+    ("mesh (replicate = 2, shard = *)", 4, 2),
+    ("mesh (dp_replicate = 2, fsdp = *)", 4, 2),   # the plan's own axis names (was 1 and 1)
+    ("mesh (fsdp = *)", 8, 1),
+])
+def test_trainer_config_reads_the_axes_by_role(mesh_line, fsdp, replicas):
+    """The Trainer's `DistributedConfig` sizes come from the axes' roles, whatever the plan calls them."""
+    import torch.distributed as dist
+
+    import planc
+    from planc.analysis.simulate import init_fake
+    from planc.backends.runtime import build_mesh
+    from planc.integrations.hf import distributed_config
+
+    compiled = planc.compile(planc.loads(f"model hf:llama-tiny\n{mesh_line}\nunit model.layers.*\n"), None, 8)
+    init_fake(8)
+    try:
+        config = distributed_config(build_mesh(compiled.mesh, 8, "cpu"), compiled.mesh)
+    finally:
+        dist.destroy_process_group()
+    assert (config.fsdp_size, config.dp_replicate_size) == (fsdp, replicas)

@@ -53,15 +53,22 @@ def shard_for_trainer(model: nn.Module, plan, *, mesh=None):
     setattr(model, MARK, True)
     # The Trainer reads the data-parallel layout from here (gradient accumulation defers the
     # reduce-scatter, or with HSDP only the all-reduce across replicas, to the last micro-batch).
-    model.config.distributed_config = distributed_config(applied.mesh)
+    model.config.distributed_config = distributed_config(applied.mesh, applied.compiled.mesh)
     return applied
 
 
-def distributed_config(mesh):
-    """transformers' `DistributedConfig` for a planc mesh: `shard` -> fsdp, `replicate` -> replicas."""
+def distributed_config(mesh, axes):
+    """transformers' `DistributedConfig` for a planc mesh: the shard axis -> fsdp, the replicate
+    axis -> replicas, found by their roles in the plan (`axes`, the compiled plan's `Mesh`), since a
+    plan names its axes as it likes (`mesh (dp_replicate = 2, fsdp = *)`)."""
     from transformers.distributed import DistributedConfig
-    sizes = dict(zip(mesh.mesh_dim_names or ("shard",), mesh.mesh.shape))
-    return DistributedConfig(fsdp_size=sizes.get("shard", 1), dp_replicate_size=sizes.get("replicate", 1))
+
+    from planc.resolve.mesh import Role
+    sizes = dict(zip(mesh.mesh_dim_names or (), mesh.mesh.shape))
+
+    def size(role: Role) -> int:
+        return sizes.get(axes.axis_name(role), 1)
+    return DistributedConfig(fsdp_size=size(Role.SHARD), dp_replicate_size=size(Role.REPLICATE))
 
 
 def not_trainer_model(model: nn.Module) -> Diagnostic:
