@@ -249,11 +249,22 @@ def test_budget_nothing_fits_is_p950_with_the_smallest_peak():
 
 
 def test_model_without_blocks_is_p951():
+    """A model that builds and runs but has no chain of blocks: P951, located on the model, with the fix."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = cli.main(["suggest", "-q", "--model", "tests.ui_models:no_blocks_net", "--world-size", "8",
+                         "--budget", "1GiB", "--input-shape", "2x16"])
+    text = out.getvalue()
+    assert code == 1 and "Traceback" not in text
+    assert "error[P951]" in text and "no list of two or more blocks" in text and "write the plan by hand" in text
+
+
+def test_model_that_cannot_be_built_is_a_usage_error():
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         code = cli.main(["suggest", "-q", "--model", "torch.nn:Linear", "--world-size", "8",
                          "--budget", "1GiB", "--input-shape", "2x16"])
-    assert code in (1, 2) and "Traceback" not in out.getvalue()
+    assert code == 2 and "Traceback" not in out.getvalue() and "missing 2 required positional" in out.getvalue()
 
 
 def test_encoder_decoder_on_token_ids_is_p953_naming_inputs():

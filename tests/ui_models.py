@@ -356,3 +356,8 @@ def tp_net_tied() -> TPNet:
 def tp_net_odd_vocab() -> TPNet:
     """Vocabulary 50: not a multiple of 4 (everything else splits over 4 ranks)."""
     return TPNet(n_kv_heads=4, vocab=50)
+
+
+def no_blocks_net() -> nn.Module:
+    """A language model with no repeated block: nothing for `planc suggest` to search over (P951)."""
+    return nn.Sequential(nn.Embedding(128, 8), nn.Linear(8, 128))
