@@ -205,3 +205,50 @@ def test_numbered_module_dict_loops_over_values():
     # a partial run over a ModuleDict is written out, with the keys as strings
     source = emitted("<dict>", "test_emit_dist:NumberedDictModel", text=DICT_PLAN + "unit layers[1:] { offload cpu }\n")
     assert "fully_shard(model.layers['1']," in source and "model.layers.values()" not in source
+
+
+def test_emit_follows_each_ops_own_mesh():
+    """Ops may run on different submeshes (experts will): emit slices each op's own axes, as the
+    runtime does, instead of one data-parallel mesh for every unit. Checked on FSDP2's own state
+    after both ran on one fake 2 x 2 process group: every unit on the same mesh axes."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from planc.analysis.simulate import init_fake
+    from planc.backends.runtime import build_mesh
+    from planc.lower.program import FullyShard
+
+    def build():
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            return build_model("planc.zoo:seed_transformer_tiny")
+
+    model = build()
+    compiled = planc.compile(planc.load(ROOT / "plans/seed_hsdp.plan"), model, 4)
+    job = compiled.job
+    ops = tuple(dataclasses.replace(op, axes=("shard",)) if isinstance(op, FullyShard) and op.name == "embedding"
+                else op for op in job.program.ops)
+    program = dataclasses.replace(job.program, ops=ops)
+    compiled.__dict__["job"] = dataclasses.replace(job, parts=(dataclasses.replace(job.parts[0], program=program),))
+    source = emit_python(compiled)
+    assert "    mesh_shard = mesh['shard']\n" in source and "fully_shard(model.embedding, mesh=mesh_shard" in source
+
+    def meshes(root):
+        return {name: tuple(m._get_fsdp_state()._fsdp_param_group.mesh_info.mesh.mesh_dim_names)
+                for name, m in root.named_modules() if isinstance(m, FSDPModule)
+                and m._get_fsdp_state()._fsdp_param_group is not None}
+
+    init_fake(4)
+    try:
+        mesh = build_mesh(compiled.mesh, 4, "cpu")
+        planc.apply(model, compiled, mesh=mesh)
+        emitted, scope = build(), {}
+        exec(compile(source, "<emitted>", "exec"), scope)
+        scope["apply_plan"](emitted, mesh)
+        applied_meshes, emitted_meshes = meshes(model), meshes(emitted)
+    finally:
+        dist.destroy_process_group()
+    assert applied_meshes["embedding"] == ("shard",) and applied_meshes["transformer_layers.0"] == ("replicate", "shard")
+    assert emitted_meshes == applied_meshes

@@ -417,6 +417,38 @@ def placement_fn(dims):
 '''
 
 
+class _Submeshes:
+    """The submeshes the ops run on, each sliced once from the root `mesh` (as the runtime does,
+    `runtime._submesh`): every op's own axes, named as hand-written code names them (`mesh` for
+    the whole mesh, `tp_mesh` for the tensor axis, `dp_mesh` for the data-parallel axes)."""
+
+    def __init__(self, program):
+        self.whole = tuple(a.name for a in program.mesh.device_axes)
+        self.tensor = program.mesh.axis_name(Role.TENSOR)
+        self.dp = program.mesh.dp_axis_names
+        used = [(op.axis,) for op in program.of_type(Parallelize)] + [op.axes for op in program.units]
+        self.used = list(dict.fromkeys(used))
+
+    def _whole(self, axes: tuple[str, ...]) -> bool:
+        return axes == self.whole or (len(axes) == 1 and len(self.whole) == 1)
+
+    def name(self, axes: tuple[str, ...]) -> str:
+        if self._whole(axes):
+            return "mesh"
+        if axes == (self.tensor,):
+            return "tp_mesh"
+        return "dp_mesh" if axes == self.dp else "mesh_" + "_".join(axes)
+
+    def definitions(self) -> list[str]:
+        """`name = mesh[...]` for each submesh an op uses, the tensor one first."""
+        out = []
+        for axes in sorted(self.used, key=lambda a: a != (self.tensor,)):
+            if not self._whole(axes):
+                index = repr(axes[0]) if len(axes) == 1 else repr(axes)
+                out.append(f"{self.name(axes)} = mesh[{index}]")
+        return out
+
+
 def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_ref: str | None = None) -> str:
     """The Python source of `apply_plan(model, mesh)` for a compiled plan.
 
@@ -437,8 +469,8 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     program = compiled.program
     plan_path = plan_path or compiled.plan.file
     model_ref = model_ref or compiled.plan.model_ref or type(model).__name__
-    tensor_axis = program.mesh.axis_name(Role.TENSOR) if program.of_type(Parallelize) else None
-    units = [_Unit(op, "dp_mesh" if tensor_axis else "mesh") for op in program.units]
+    meshes = _Submeshes(program)
+    units = [_Unit(op, meshes.name(op.axes)) for op in program.units]
 
     # a MixedPrecisionPolicy shared by several calls is named once
     counts: dict[str, int] = {}
@@ -463,17 +495,16 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
 
     body: list[str] = []
     ind = "    "
-    if tensor_axis:
-        dp = program.mesh.dp_axis_names
+    if program.of_type(Parallelize):
         body += [f"{ind}# NOTE: tensor parallelism first, on the tensor axis; FSDP then shards on the data-parallel",
-                 f"{ind}# submesh of the same root mesh.",
-                 f"{ind}tp_mesh = mesh[{tensor_axis!r}]",
-                 f"{ind}dp_mesh = mesh[{dp[0]!r}]" if len(dp) == 1 else f"{ind}dp_mesh = mesh[{dp!r}]"]
+                 f"{ind}# submesh of the same root mesh."]
+    body += [f"{ind}{line}" for line in meshes.definitions()]
     if program.of_type(Checkpoint) or program.of_type(Compile):
         body.append(f"{ind}# NOTE: checkpointing and compile wrap the plain modules before `fully_shard` hooks them.")
     for (kind, direction), ops in sections:
         if kind is Parallelize:
-            body += _emit_calls([_Call((op.module,), lambda e, op=op: f"parallelize_module({e(op.module)}, tp_mesh, "
+            body += _emit_calls([_Call((op.module,), lambda e, op=op: f"parallelize_module({e(op.module)}, "
+                                       f"{meshes.name((op.axis,))}, "
                                        f"{style_source(op.style)})", (_where(op.origin.span, op.origin.rule),))
                                  for op in ops], model, ind)
             for alias, canon in tensor_reties(program, compiled.graph):
@@ -534,7 +565,7 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
         placements = sorted({*placements, "Shard"})
     if placements:
         imports.append("from torch.distributed.tensor import " + ", ".join(placements))
-    if tensor_axis:
+    if program.of_type(Parallelize):
         styles = sorted({n for n in _TORCH_STYLES.values() if re.search(rf"\b{n}\(", uses)})
         imports.append("from torch.distributed.tensor.parallel import " + ", ".join(styles + ["parallelize_module"]))
         if "ReplicateParallel(" in uses:
