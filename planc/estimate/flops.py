@@ -290,3 +290,48 @@ def step_profile(graph, inputs=None, *, input_shape: tuple[int, ...] | None = No
         prof.source = "FlopCounterMode over one forward, loss and backward on fake CPU tensors"
         cache[key] = prof
     return cache[key]
+
+
+def tensor_rank_profile(graph, program, inputs=None, *, input_shape: tuple[int, ...] | None = None,
+                        loss: LossFn | None = None, tp: int) -> StepProfile | None:
+    """The (cached) compute profile of one *tensor rank's* step under `program`'s `parallel` rules.
+
+    The model runs as one tensor rank runs it: split parameters at their local shapes, each
+    style's gathers and scatters emulated on plain tensors (`planc/estimate/tensor_local.py`,
+    the same emulation the memory trace uses). A module a rule splits (colwise, rowwise, the
+    attention between them, a sequence-parallel norm) counts its local share; one the plan
+    leaves whole on every tensor rank (`replicate`, or a module no rule reaches) counts in
+    full, as its rank really computes it. None without an input or without tensor parallelism.
+
+    Raises:
+        TraceError: the step did not run as one tensor rank (a model that hard-codes global
+            head counts, as under real tensor parallelism).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from planc.estimate.tensor_local import emulate_layouts
+    from planc.lower.program import Parallelize
+
+    rules = tuple(program.of_type(Parallelize))
+    if graph.model is None or tp <= 1 or not rules:
+        return None
+    if inputs is None and input_shape is not None:
+        inputs = default_input(graph.model, input_shape)
+    if inputs is None:
+        return None
+    example = Example.of(inputs)
+    cache = _PROFILES.setdefault(graph, {})
+    key = ("tensor rank", example.key(), loss, tp, rules)
+    if key not in cache:
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        model = fake_model(types.SimpleNamespace(graph=graph, program=program), fake_mode, tp)
+        emulate_layouts(model, program, graph, tp)
+        with fake_mode:
+            fake = example.map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+            try:
+                prof = count_step(model, fake, loss or default_loss(model, tp))
+            except Exception as err:  # the model code runs on local shapes it may not expect
+                raise TraceError(f"the step did not run as one tensor rank of {tp}: {type(err).__name__}: {err}") from err
+        prof.source = f"FlopCounterMode over one tensor rank's step (of {tp}) on fake CPU tensors"
+        cache[key] = prof
+    return cache[key]

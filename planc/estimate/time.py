@@ -50,7 +50,10 @@ What is modelled (torch 2.13 FSDP2; docs/time-model.md says it at length):
   host->device at each all-gather and the sharded gradients device->host; tensor-parallel
   styles move activations (see `tp_collectives`).
 * FLOPs: `FlopCounterMode` counts per module; a unit's are those of the modules it owns
-  (nested units' excluded); with a tensor axis of size T every FLOP is divided by T;
+  (nested units' excluded); with a tensor axis, the FLOPs one tensor rank runs, counted on
+  its emulated step (`flops.tensor_rank_profile`: a split module its share, a module left
+  whole on every rank in full; without an input to run it, every FLOP divided by T, said so
+  in the assumptions), and the optimizer step over each rank's local parameters;
   checkpointing adds what torch's checkpoint reruns in backward (its early stop skips the
   ops after the last saved tensor; `selective` reruns only ops that are not matmuls or
   attention, which FlopCounterMode counts as 0).
@@ -74,8 +77,9 @@ import torch
 from planc.estimate.hardware import Hardware
 from planc.estimate.hardware import hardware as hardware_of
 from planc.estimate.memory import shard_numel  # FSDP2's padded chunk, one definition
+from planc.estimate.tensor_local import local_shape
 from planc.lower.lowering import tensor_dims
-from planc.lower.program import FullyShard, Program
+from planc.lower.program import FullyShard, Parallelize, Program
 
 PHASES = ("forward", "backward", "optimizer")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "host_to_device", "device_to_host")
@@ -262,7 +266,6 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
     """
     sizes = program.mesh.sizes(world) or {}
     tp = sizes.get("tensor", 1)
-    from planc.lower.program import Parallelize
     ops = program.of_type(Parallelize)
     if tp <= 1 or not ops or profile is None:
         return {}
@@ -474,8 +477,8 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
                        optimizer: str = "adamw", efficiency: float | None = None) -> StepTime:
     """The estimated step time of `plan` at `world` ranks (see the module docstring for the contract)."""
     from planc.estimate.flops import step_profile
-    from planc.lower.program import Checkpoint
 
+    notes: list[str] = []
     if isinstance(plan, Program):
         program = plan
         if graph is None:
@@ -504,43 +507,19 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     fwd_segments: list[tuple[int, float]] = []
     bwd_segments: list[tuple[int, float]] = []
     tp_cs: dict[str, list[Collective]] = {}
-    model_flops = 0
+    model_flops, per_rank = 0, None
     if profile is not None:
-        paths = set(profile.forward) | set(profile.backward) | set(profile.order) | {""}
-        own = owners(program, graph, paths)
-        # recompute: what torch's checkpoint reruns of the module in backward (`full` or `selective`)
-        recompute: dict[str, int] = {}
-        for op in program.of_type(Checkpoint):
-            table = profile.recompute_selective if op.mode == "selective" else profile.recompute_full
-            recompute[op.module] = table.get(op.module, 0)
-        own.update(owners(program, graph, recompute))
-        for path, n in profile.forward.items():
-            per_unit[own[path]].forward_flops += n // tp
-        for path, n in profile.backward.items():
-            per_unit[own[path]].backward_flops += n // tp
-        for path, n in recompute.items():
-            per_unit[own[path]].recompute_flops += n // tp
-        model_flops = profile.total // tp
+        per_rank, note = _tensor_rank(program, graph, profile, inputs, input_shape, loss, tp)
+        if note:
+            notes.append(note)
+        own = owners(program, graph, set(profile.forward) | set(profile.backward) | set(profile.order) | {""})
+        model_flops, fwd_segments, bwd_segments = _compute(program, graph, per_rank or profile, 1 if per_rank else tp,
+                                                           per_unit, own, hw, eff)
         tp_cs = tp_collectives(program, graph, profile, world)
         for path, cs in recompute_collectives(program, profile, tp_cs).items():
             tp_cs[path] = tp_cs[path] + cs
         for path, cs in tp_cs.items():
             per_unit[own.get(path, root if root is not None else len(units))].collectives.extend(cs)
-        rate = [hw.flops(u.compute_dtype) * eff for u in per_unit]
-        for path, n in profile.forward_segments:
-            fwd_segments.append((own[path], n / tp / rate[own[path]]))
-        # recompute runs at the start of the checkpointed module's backward
-        pending = dict(recompute)
-        checkpointed = _ancestors_in(pending, {p for p, _ in profile.backward_segments})
-        for path, n in profile.backward_segments:
-            for m in checkpointed.get(path, ()):
-                if m in pending:
-                    bwd_segments.append((own[m], pending.pop(m) / tp / rate[own[m]]))
-            bwd_segments.append((own[path], n / tp / rate[own[path]]))
-        for u in per_unit:
-            r = rate[u.index]
-            u.forward_s = u.forward_flops / r
-            u.backward_s = (u.backward_flops + u.recompute_flops) / r
     for u in per_unit:
         u.comm_s = sum(collective_s(c, hw) for c in u.collectives)
 
@@ -554,9 +533,11 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     compute_s_all = compute_s
     on_device = on_host = 0
     shard = sizes.get("shard", 1)
+    split = tensor_dims(program, graph) if tp > 1 else {}  # a parameter no rule splits is whole on every tensor rank
     for u in units:
-        n = sum(shard_numel(tuple(graph.params[name].shape), shard) * _itemsize(graph.params[name].dtype)
-                for name in u.params if graph.params[name].requires_grad) * OPTIMIZER_BYTES.get(optimizer, 7) // tp
+        n = sum(shard_numel(local_shape(tuple(graph.params[name].shape), split.get(name), tp), shard)
+                * _itemsize(graph.params[name].dtype)
+                for name in u.params if graph.params[name].requires_grad) * OPTIMIZER_BYTES.get(optimizer, 7)
         if u.policy.offload.enabled:
             on_host += n
         else:
@@ -568,7 +549,61 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     if profile is not None and profile.tokens:
         tokens = profile.tokens * (world // tp)
     return StepTime(world, hw, per_unit, compute_s_all, net.busy + tp_s, exposed, optimizer_s, total_s, tokens,
-                    model_flops, _assumptions(hw, eff, tp), efficiency=eff, tp=tp)
+                    model_flops, _assumptions(hw, eff, tp) + notes, efficiency=eff, tp=tp)
+
+
+def _tensor_rank(program: Program, graph, profile, inputs, input_shape, loss, tp: int):
+    """One tensor rank's compute profile (`flops.tensor_rank_profile`) when the plan has a tensor
+    axis and the step's input is known, with a note for the assumptions when it cannot be had."""
+    from planc.estimate.flops import tensor_rank_profile
+    from planc.estimate.trace import TraceError
+
+    if tp <= 1 or not any(True for _ in program.of_type(Parallelize)):
+        return None, None
+    if inputs is None and input_shape is None:
+        return None, ("FLOPs per tensor rank taken as the plain step's / tensor degree for every module (no input "
+                      "given to count one rank's step; a module left whole on each rank is under-counted)")
+    try:
+        return tensor_rank_profile(graph, program, inputs, input_shape=input_shape, loss=loss, tp=tp), None
+    except TraceError as err:
+        return None, f"FLOPs per tensor rank taken as the plain step's / tensor degree: {err}"
+
+
+def _compute(program: Program, graph, flops, div: int, per_unit: list[UnitTime], own: dict[str, int],
+             hw: Hardware, eff: float) -> tuple[int, list[tuple[int, float]], list[tuple[int, float]]]:
+    """Each unit's forward, backward and recompute FLOPs and seconds from a compute profile (one
+    rank's FLOPs are the profile's / `div`), the model FLOPs, and the forward and backward compute
+    segments (unit index, seconds) in execution order."""
+    from planc.lower.program import Checkpoint
+
+    # recompute: what torch's checkpoint reruns of the module in backward (`full` or `selective`)
+    recompute: dict[str, int] = {}
+    for op in program.of_type(Checkpoint):
+        table = flops.recompute_selective if op.mode == "selective" else flops.recompute_full
+        recompute[op.module] = table.get(op.module, 0)
+    own.update(owners(program, graph, set(recompute) | set(flops.forward) | set(flops.backward)))
+    for path, n in flops.forward.items():
+        per_unit[own[path]].forward_flops += n // div
+    for path, n in flops.backward.items():
+        per_unit[own[path]].backward_flops += n // div
+    for path, n in recompute.items():
+        per_unit[own[path]].recompute_flops += n // div
+    rate = [hw.flops(u.compute_dtype) * eff for u in per_unit]
+    fwd = [(own[path], n / div / rate[own[path]]) for path, n in flops.forward_segments]
+    # recompute runs at the start of the checkpointed module's backward
+    bwd: list[tuple[int, float]] = []
+    pending = dict(recompute)
+    checkpointed = _ancestors_in(pending, {p for p, _ in flops.backward_segments})
+    for path, n in flops.backward_segments:
+        for m in checkpointed.get(path, ()):
+            if m in pending:
+                bwd.append((own[m], pending.pop(m) / div / rate[own[m]]))
+        bwd.append((own[path], n / div / rate[own[path]]))
+    for u in per_unit:
+        r = rate[u.index]
+        u.forward_s = u.forward_flops / r
+        u.backward_s = (u.backward_flops + u.recompute_flops) / r
+    return flops.total // div, fwd, bwd
 
 
 def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, float]],
