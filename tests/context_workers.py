@@ -37,3 +37,15 @@ def attention_worker(rank: int, world: int, seq: int) -> dict:
         "grads": [(t.grad - r.grad.index_select(2, positions)).abs().max().item() for t, r in zip(local, ref_in)],
         "grad_norm": min(t.grad.abs().max().item() for t in local),
     }
+
+
+def fsdp_mesh_worker(rank: int, world: int) -> dict:
+    """What `fully_shard` does with the 2-D (shard, context) mesh vs the flattened one (facts for P49x)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("shard", "context"))
+    two_d = fully_shard(torch.nn.Linear(8, 8, bias=False), mesh=mesh)
+    flat = fully_shard(torch.nn.Linear(8, 8, bias=False), mesh=mesh["shard", "context"]._flatten("fsdp"))
+    return {name: (tuple(m.weight.placements), tuple(m.weight.to_local().shape))
+            for name, m in (("two_d", two_d), ("flat", flat))}

@@ -35,3 +35,14 @@ def test_attention_and_grads_equal_one_process(world):
         assert result["unsharded"] < 1e-10, rank
         assert max(result["grads"]) < 1e-10, (rank, result["grads"])
         assert result["grad_norm"] > 1e-3, rank  # the gradients checked are not all zero
+
+
+@pytest.mark.dist
+def test_fact_fsdp_on_the_2d_mesh_is_silently_hsdp():
+    """torch accepts the 2-D (shard, context) mesh and replicates over its first axis (HSDP): each
+    rank then holds half the weight, not a quarter. Only the flattened mesh shards over all 4."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    for result in run(context_workers.fsdp_mesh_worker, 4):
+        assert result["two_d"] == ((Replicate(), Shard(0)), (4, 8))
+        assert result["flat"] == ((Shard(0),), (2, 8))
