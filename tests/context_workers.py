@@ -49,3 +49,43 @@ def fsdp_mesh_worker(rank: int, world: int) -> dict:
     flat = fully_shard(torch.nn.Linear(8, 8, bias=False), mesh=mesh["shard", "context"]._flatten("fsdp"))
     return {name: (tuple(m.weight.placements), tuple(m.weight.to_local().shape))
             for name, m in (("two_d", two_d), ("flat", flat))}
+
+
+def llama_worker(rank: int, world: int, steps: int) -> dict:
+    """zoo Llama tiny fp32, context=`world` head-tail, AdamW: losses and grads vs one unsharded process."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from planc.zoo import llama3
+
+    torch.manual_seed(0)
+    ref = llama3.llama_tiny()
+    model = copy.deepcopy(ref)
+    for layer in model.layers:
+        context.attend_over_context(layer.attention)
+    opt_ref, opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model))
+    seq = 16
+    g = torch.Generator().manual_seed(1)
+    positions = context.shard_positions(seq, world, rank)
+    out = {"ref": [], "cp": [], "grad": []}
+    for _ in range(steps):
+        tokens = torch.randint(0, ref.config.vocab_size, (2, seq + 1), generator=g)
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        loss = F.cross_entropy(ref(inputs).flatten(0, 1), labels.flatten())
+        loss.backward()
+        logits = model(context.shard(inputs, 1, world, rank), positions=positions)
+        local = F.cross_entropy(logits.flatten(0, 1), context.shard(labels, 1, world, rank).flatten(),
+                                reduction="sum") / labels.numel()
+        local.backward()
+        total = local.detach().clone()
+        dist.all_reduce(total)
+        for p in model.parameters():  # the context ranks share the weights: sum their gradients
+            dist.all_reduce(p.grad)
+        out["ref"].append(loss.item())
+        out["cp"].append(total.item())
+        out["grad"].append(max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    return out

@@ -46,3 +46,11 @@ def test_fact_fsdp_on_the_2d_mesh_is_silently_hsdp():
     for result in run(context_workers.fsdp_mesh_worker, 4):
         assert result["two_d"] == ((Replicate(), Shard(0)), (4, 8))
         assert result["flat"] == ((Shard(0),), (2, 8))
+
+
+@pytest.mark.dist
+def test_llama_tiny_context_2_trains_like_one_process():
+    """2 ranks, context=2, head-tail: losses and gradients equal one process over 3 AdamW steps."""
+    for rank, result in enumerate(run(context_workers.llama_worker, 2, 3)):
+        assert result["cp"] == pytest.approx(result["ref"], abs=1e-5), rank
+        assert max(result["grad"]) < 1e-5, (rank, result["grad"])

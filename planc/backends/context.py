@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 
 def shard_positions(seq: int, cp: int, rank: int) -> torch.Tensor:
@@ -73,3 +75,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torc
     scores = (q @ keys.transpose(-1, -2)) / q.shape[-1] ** 0.5
     scores = scores.masked_fill(positions[:, None] < key_positions[None, :], float("-inf"))
     return scores.softmax(-1) @ values
+
+
+class _ContextSDPA(TorchFunctionMode):
+    """Routes causal `F.scaled_dot_product_attention` calls to `attention` with this shard's positions."""
+
+    def __init__(self, positions: torch.Tensor, group) -> None:
+        super().__init__()
+        self.positions, self.group = positions, group
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            if not kwargs.get("is_causal") or kwargs.get("attn_mask") is not None or len(args) > 3:
+                raise NotImplementedError("context parallelism supports causal attention without a mask only")
+            return attention(*args, self.positions, self.group)
+        return func(*args, **kwargs)
+
+
+def attend_over_context(module: torch.nn.Module, group=None) -> None:
+    """Make `module`'s causal SDPA gather K/V over `group`; its forward must get `positions=` (global, per shard)."""
+
+    def enter(_module, args, kwargs):
+        mode = _ContextSDPA(kwargs["positions"], group)
+        module._planc_context_mode = mode  # noqa: SLF001 - paired with leave()
+        mode.__enter__()
+
+    def leave(_module, args, kwargs, output):
+        module._planc_context_mode.__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave, with_kwargs=True)
