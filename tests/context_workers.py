@@ -89,3 +89,51 @@ def llama_worker(rank: int, world: int, steps: int) -> dict:
             o.step()
             o.zero_grad()
     return out
+
+
+def llama_fsdp_worker(rank: int, world: int, steps: int) -> dict:
+    """zoo Llama tiny on a (shard=2, context=2) mesh, FSDP over the flattened axes: losses vs one process."""
+    import copy
+
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from planc.zoo import llama3
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "context"))
+    cp_group, cp, cp_rank = mesh["context"].get_group(), 2, mesh["context"].get_local_rank()
+    dp_rank = mesh["shard"].get_local_rank()
+    torch.manual_seed(0)
+    ref = llama3.llama_tiny()
+    model = copy.deepcopy(ref)
+    flat = mesh["shard", "context"]._flatten("fsdp")
+    for layer in model.layers:
+        context.attend_over_context(layer.attention, cp_group)
+        fully_shard(layer, mesh=flat)
+    fully_shard(model, mesh=flat)
+    opt_ref, opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model))
+    seq, g = 16, torch.Generator().manual_seed(1)
+    positions = context.shard_positions(seq, cp, cp_rank)
+    out = {"ref": [], "cp": []}
+    for _ in range(steps):
+        tokens = torch.randint(0, ref.config.vocab_size, (4, seq + 1), generator=g)  # 2 per shard rank
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        loss = F.cross_entropy(ref(inputs).flatten(0, 1), labels.flatten())
+        loss.backward()
+        mine = slice(2 * dp_rank, 2 * dp_rank + 2)
+        logits = model(context.shard(inputs[mine], 1, cp, cp_rank), positions=positions)
+        local_sum = F.cross_entropy(logits.flatten(0, 1), context.shard(labels[mine], 1, cp, cp_rank).flatten(),
+                                    reduction="sum")
+        (local_sum * world / labels.numel()).backward()  # FSDP averages gradients over the 4 ranks
+        total = local_sum.detach() / labels.numel()
+        dist.all_reduce(total)
+        out["ref"].append(loss.item())
+        out["cp"].append(total.item())
+        out.setdefault("grad", []).append(max((p.grad.full_tensor() - q.grad).abs().max().item()
+                                              for p, q in zip(model.parameters(), ref.parameters())))
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    out["params"] = max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    return out

@@ -54,3 +54,12 @@ def test_llama_tiny_context_2_trains_like_one_process():
     for rank, result in enumerate(run(context_workers.llama_worker, 2, 3)):
         assert result["cp"] == pytest.approx(result["ref"], abs=1e-5), rank
         assert max(result["grad"]) < 1e-5, (rank, result["grad"])
+
+
+@pytest.mark.dist
+def test_llama_tiny_context_x_fsdp_trains_like_one_process():
+    """4 ranks, (shard=2, context=2), FSDP over the flattened axes: losses and weights after 3 AdamW steps equal one process."""
+    for rank, result in enumerate(run(context_workers.llama_fsdp_worker, 4, 3)):
+        assert result["cp"] == pytest.approx(result["ref"], abs=1e-5), rank
+        assert result["params"] < 1e-5, rank
+        assert max(result["grad"]) < 1e-5, (rank, result["grad"])  # AdamW would hide a gradient scale error
