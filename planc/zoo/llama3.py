@@ -56,10 +56,11 @@ LLAMA_TINY_CONFIG = LlamaConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n
 RMSNorm = nn.RMSNorm  # torch's own; its `reset_parameters` sets the weight to ones
 
 
-def _rotary(seq: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, each ``[seq, head_dim // 2]`` (fp32, built per call: no buffer)."""
+def _rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles at ``positions``, each ``[seq, head_dim // 2]`` (fp32, built per call)."""
+    device = positions.device
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), freqs)
+    angles = torch.outer(positions.to(torch.float32), freqs)
     return angles.cos(), angles.sin()
 
 
@@ -94,13 +95,19 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.dim, config.n_kv_heads * config.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * config.head_dim, config.dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Attends each position of ``x`` ([batch, seq, dim]) to itself and earlier ones."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Attends each position of ``x`` ([batch, seq, dim]) to itself and earlier ones.
+
+        ``positions`` ([seq], int64): the global position of each row of ``x`` (default
+        ``arange(seq)``); a context-parallel shard passes its own (`planc.backends.context`).
+        """
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        cos, sin = _rotary(seq, self.head_dim, self.rope_theta, q.device)
+        if positions is None:
+            positions = torch.arange(seq, device=q.device)
+        cos, sin = _rotary(positions, self.head_dim, self.rope_theta)
         q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
         repeats = q.shape[1] // k.shape[1]  # query heads per KV head, from the (local) shapes
@@ -143,9 +150,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.feed_forward = FeedForward(config.dim, config.hidden_dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Transforms ``x`` ([batch, seq, dim]); the output has the same shape."""
-        h = x + self.attention(self.attention_norm(x))
+        h = x + (self.attention(self.attention_norm(x)) if positions is None
+                 else self.attention(self.attention_norm(x), positions=positions))
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -174,11 +182,15 @@ class Llama(nn.Module):
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Maps token ids ([batch, seq], int64) to next-token logits ([batch, seq, vocab])."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Maps token ids ([batch, seq], int64) to next-token logits ([batch, seq, vocab]).
+
+        ``positions`` ([seq]): the global positions of ``tokens`` when they are a shard of a
+        longer sequence (context parallelism); by default ``arange(seq)``.
+        """
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h) if positions is None else layer(h, positions=positions)
         return self.output(self.norm(h))
 
 
