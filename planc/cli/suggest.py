@@ -7,7 +7,7 @@ import sys
 from planc.cli.common import EXIT_ERRORS, EXIT_OK, EXIT_USAGE, ModelCache, UsageError, use_color
 from planc.cli.explain import _call, _step_functions, parse_shape
 from planc.diagnostics import Diagnostic, render
-from planc.model.build import ModelLoadError
+from planc.model.build import ModelLoadError, rewrite_model_line
 
 
 def _budget(text: str) -> int:
@@ -153,8 +153,8 @@ def main(args) -> int:
         return EXIT_ERRORS
     if args.output:
         try:
-            with open(args.output, "w", encoding="utf-8") as f:
-                f.write(result.text)
+            with open(args.output, "w", encoding="utf-8") as f:  # a relative `hf:` path starts from its folder
+                f.write(rewrite_model_line(result.text, args.model, args.output))
         except OSError as err:
             raise UsageError(f"-o {args.output}: cannot write: {err.strerror}") from err
         print(f"{args.output}: {result.best.candidate.describe()}", file=sys.stderr)

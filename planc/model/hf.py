@@ -62,7 +62,10 @@ def config_path(ref: str, base: str | os.PathLike | None = None) -> Path:
         raise ModelLoadError(
             f"no Hugging Face config `{ref}`: not a file" + (f" (looked for `{path}`)" if str(path) != ref else "")
             + (f"; did you mean the shipped config `{hint[0]}`?" if hint else
-               "; shipped configs are " + ", ".join(f"`{n}`" for n in sorted(shipped))))
+               "; shipped configs are " + ", ".join(f"`{n}`" for n in sorted(shipped))),
+            help=("a relative `hf:` path starts from the plan's own folder"
+                  + (f" (`{base}`)" if base is not None else "") + ", not from where planc runs; write "
+                  "the path from there, an absolute path, or a shipped name (`hf:llama-tiny`); or pass `--model`"))
     return path
 
 
