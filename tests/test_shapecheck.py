@@ -297,3 +297,21 @@ def test_every_shipped_2d_plan_simulates_clean_on_its_tiny_model(name):
         make = lambda: build_model(ref, device="meta")  # noqa: E731
     for world in (4, 64):
         assert check_step(planc.loads(text), make, world, input_shape=(2, 16)) == [], (name, world)
+
+
+CHECKPOINTED_GEMMA3 = "model hf:gemma3-tiny\nmesh (shard = *)\nunit model.layers.*\ncheckpoint model.layers.* full\n"
+
+
+def test_checkpointed_hugging_face_model_simulates_with_the_kv_cache_off():
+    """transformers' `use_cache=True` default makes checkpointing's recomputation refill the KV
+    cache (keys 16 -> 31 long in backward): planc builds `hf:` models with the cache off."""
+    pytest.importorskip("transformers")
+    from planc.model.build import build_model
+    assert check_step(planc.loads(CHECKPOINTED_GEMMA3), lambda: build_model("hf:gemma3-tiny"), 2) == []
+
+    def cached():  # a user's own factory that keeps the default
+        model = build_model("hf:gemma3-tiny")
+        model.config.use_cache = True
+        return model
+    [d] = check_step(planc.loads(CHECKPOINTED_GEMMA3), cached, 2)
+    assert d.code == "P444" and "`use_cache=True`" in d.help[0] and "--input-shape" not in " ".join(d.help)

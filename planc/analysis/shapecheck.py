@@ -179,6 +179,17 @@ class _Step:
                     break
         return found
 
+    def _cache_help(self) -> tuple[str, ...]:
+        """Why a checkpointed Hugging Face model with `use_cache=True` fails in backward, and the fix."""
+        from planc.lower.program import Checkpoint
+        if not getattr(getattr(self.model, "config", None), "use_cache", False):
+            return ()
+        if not self.compiled.program.of_type(Checkpoint):
+            return ()
+        return ("the model's config has `use_cache=True`: each forward fills a KV cache, and activation "
+                "checkpointing's recomputation fills it again, so the recomputed keys are longer than the saved "
+                "ones; set `model.config.use_cache = False` for training (planc does so for `hf:` models)",)
+
     # ------------------------------------------------------------ diagnostics
     def forward_failure(self, err: BaseException, phase: str, module: str | None, tracker: _Tracker) -> Diagnostic:
         op, out_shapes = self.culprit(module, tracker.finished)
@@ -202,8 +213,9 @@ class _Step:
                 label="this model",
                 notes=(f"inputs of {at}: {', '.join(tracker.inputs[module])}",)
                 if module is not None and tracker.inputs.get(module) else (),
-                help=("the model does not run on this input: pass `--input-shape BxS` (token ids) that fits it",
-                      "or run the model once without the plan to see its own error"))
+                help=self._cache_help() or (
+                    "the model does not run on this input: pass `--input-shape BxS` (token ids) that fits it",
+                    "or run the model once without the plan to see its own error"))
         notes = [f"{phase} of {at}: {reason}"]
         if module is not None and tracker.inputs.get(module):
             notes.append(f"inputs of {at}: {', '.join(tracker.inputs[module])}")
