@@ -81,5 +81,5 @@ def test_torchtitan_tp_header_gives_the_debug_models_real_head_counts():
     text = (ROOT / "plans" / "torchtitan_llama3-tp.plan").read_text()
     found = re.search(r"debugmodel: (\d+) heads, (\d+) KV heads", text)
     assert found is not None
-    attention = build_model("planc.model.torchtitan:llama3_debugmodel").layers[0].attention
+    attention = build_model("planc.model.torchtitan:llama3_debugmodel").get_submodule("layers.0.attention")
     assert (int(found.group(1)), int(found.group(2))) == (attention.n_heads, attention.n_kv_heads)
