@@ -129,8 +129,11 @@ def main(args) -> int:
     except NoDegree as err:
         _report([Diagnostic(code="P952", severity="error", message=f"cannot search tensor-parallel plans for `{args.model}`: "
                             f"{err}", span=None,
-                            help=("pass degrees the rules hold at (`--tensor 1,2`), or fix the `parallel` rules; "
-                                  "`planc check` on a plan with them says why",))])
+                            help=("pass degrees the rules hold at (`--tensor 1,2`), or fix the `parallel` rules: "
+                                  "`planc check --simulate` on a plan with them at this world size says which rule "
+                                  "fails and why",
+                                  "if that check passes, the search's one-rank model of the rules is at fault, not "
+                                  "the plan: write the plan by hand (`planc explain` estimates it) and report it"))])
         return EXIT_ERRORS
     except ValueError as err:  # no block chain in the model
         _report([Diagnostic(code="P951", severity="error", message=f"cannot search plans for `{args.model}`: {err}",
