@@ -194,6 +194,7 @@ def test_cli_errors():
     assert code == 2 and "--tensor needs --tensor-parallel" in text
     code, text = _cli("--budget", "1MiB", "--tensor-parallel", "plans/zoo-llama-tp.plan", "--tensor", "4,8")
     assert code == 1 and "error[P952]" in text and "P412" in text and "P411" in text
+    assert "`planc check --simulate` on a plan with them" in text  # the check that shows why, not plain `check`
     code, text = _cli("--budget", "1MiB", "--tensor-parallel", "plans/seed.plan")
     assert code == 2 and "no `parallel` statements" in text
     code, text = _cli("--budget", "1MiB", "--tensor-parallel", "plans/zoo-llama-tp.plan", "--tensor", "two")
