@@ -438,6 +438,9 @@ def _time_text(t: dict[str, Any], style: _Style) -> list[str]:
     hw = t["hardware"]
     out = [style.bold(f"step time per rank, estimated: {seconds(tot['step_s'])}") +
            f" on {hw['name']} at {t['efficiency']:.0%} of peak FLOP/s (an estimate, not a measurement)"]
+    if not tot["tokens_per_s"]:  # no input: the figure above is communication and the optimizer step only
+        out[0] = (style.bold(f"step time per rank, estimated: {seconds(tot['step_s'])} of communication and optimizer "
+                             "step only, no compute") + f" (no input shape; on {hw['name']}, an estimate)")
     rows = []
 
     def key(u: dict) -> tuple:
