@@ -315,3 +315,22 @@ def test_checkpointed_hugging_face_model_simulates_with_the_kv_cache_off():
         return model
     [d] = check_step(planc.loads(CHECKPOINTED_GEMMA3), cached, 2)
     assert d.code == "P444" and "`use_cache=True`" in d.help[0] and "--input-shape" not in " ".join(d.help)
+
+
+def test_fp32_grouped_mm_moe_names_the_dtype_not_the_input(tmp_path, capsys):
+    """transformers' MoE experts run `_grouped_mm`, whose fake-tensor kernel takes only bf16:
+    an fp32 plan fails the trace. The messages name the dtype (not the input shape or a rule),
+    and the bf16 plan simulates clean."""
+    pytest.importorskip("transformers")
+    from planc import cli
+    fp32 = tmp_path / "moe.plan"
+    fp32.write_text("model hf:qwen3-moe-tiny\nmesh (shard = *)\nunit model.layers.*\n")
+    assert cli.main(["check", str(fp32), "--world-size", "2", "--simulate", "--input-shape", "2x16"]) == 1
+    out = capsys.readouterr().out
+    assert "error[P444]" in out and "the cause is the dtype" in out and "pass `--input-shape" not in out
+    assert cli.main(["explain", str(fp32), "--world-size", "2", "--input-shape", "2x16"]) == 2
+    err = capsys.readouterr().err
+    assert "the cause is the dtype" in err and "the shape is batch x sequence" not in err
+    bf16 = tmp_path / "moe16.plan"
+    bf16.write_text(fp32.read_text() + "defaults { precision param = bf16 }\n")
+    assert cli.main(["check", str(bf16), "--world-size", "2", "--simulate", "--input-shape", "2x16"]) == 0

@@ -40,7 +40,7 @@ from torch import nn
 
 from planc.checks.tensor import STATIC_TENSOR_CODES
 from planc.diagnostics import Diagnostic, PlanError, Span
-from planc.estimate.trace import Example, LossFn, default_loss
+from planc.estimate.trace import Example, LossFn, default_loss, known_cause
 from planc.resolve.mesh import Role
 
 __all__ = ["check_step", "default_input_shape", "simulation_world"]
@@ -213,7 +213,7 @@ class _Step:
                 label="this model",
                 notes=(f"inputs of {at}: {', '.join(tracker.inputs[module])}",)
                 if module is not None and tracker.inputs.get(module) else (),
-                help=self._cache_help() or (
+                help=self._cache_help() or ((known_cause(reason),) if known_cause(reason) else ()) or (
                     "the model does not run on this input: pass `--input-shape BxS` (token ids) that fits it",
                     "or run the model once without the plan to see its own error"))
         notes = [f"{phase} of {at}: {reason}"]
