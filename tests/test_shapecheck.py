@@ -334,3 +334,13 @@ def test_fp32_grouped_mm_moe_names_the_dtype_not_the_input(tmp_path, capsys):
     bf16 = tmp_path / "moe16.plan"
     bf16.write_text(fp32.read_text() + "defaults { precision param = bf16 }\n")
     assert cli.main(["check", str(bf16), "--world-size", "2", "--simulate", "--input-shape", "2x16"]) == 0
+
+
+def test_p444_points_at_the_model_line_in_force_when_an_include_is_overridden(tmp_path):
+    """An including plan's `model` line overrides the included plan's: P444 is located there."""
+    from ui_models import HeadsNet
+    (tmp_path / "base.plan").write_text(PLAN)
+    top = tmp_path / "top.plan"
+    top.write_text('include "base.plan"\nmodel tests.ui_models:local_heads_net\n')
+    [d] = check_step(planc.load(str(top)), lambda: HeadsNet(max_positions=8), 4)
+    assert d.code == "P444" and (pathlib.Path(d.span.file).name, d.span.line) == ("top.plan", 2)

@@ -121,7 +121,8 @@ def _within(path: str, ancestor: str) -> bool:
 
 
 def _model_span(plan) -> Span | None:
-    stmt = next((s for s in plan.statements if getattr(s, "ref", None) is not None), None)
+    # the last `model` line is the one in force (an including plan's overrides an included one's)
+    stmt = next((s for s in reversed(plan.statements) if getattr(s, "ref", None) is not None), None)
     return stmt.span if stmt is not None else (plan.statements[0].span if plan.statements else None)
 
 
