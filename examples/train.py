@@ -5,6 +5,7 @@ The same script runs on CPUs (gloo) and GPUs (nccl), under torchrun:
     torchrun --nproc_per_node=2 examples/train.py --plan plans/gpt.plan --model planc.zoo:gpt_tiny
     torchrun --nproc_per_node=8 examples/train.py --plan plans/seed.plan      # 8 GPUs, full size
     torchrun --nproc_per_node=4 examples/train.py --plan plans/zoo-llama-tp.plan --model planc.zoo:llama_tiny
+    torchrun --nproc_per_node=2 examples/train.py --plan plans/llama.plan --model hf:llama-tiny   # Hugging Face
 
 A plan with a tensor axis (FSDP x tensor parallelism) works the same: the ranks of one
 tensor-parallel group take the same slice of the batch, and the loss and its backward run in
@@ -95,6 +96,14 @@ def sync_and_clip(model: torch.nn.Module, max_norm: float, world: int) -> torch.
     return norm
 
 
+def logits_of(output) -> torch.Tensor:
+    """The logits a forward returned: a tensor (zoo models), or a Hugging Face output object or tuple."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    return logits if logits is not None else output[0]
+
+
 def memory_bytes(applied: planc.AppliedPlan, device: torch.device) -> tuple[str, int]:
     """What to report per rank: peak allocated on GPUs; parameter bytes held on CPUs."""
     if device.type == "cuda":
@@ -121,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         log(applied.summary())
 
         vocab = model.config.vocab_size
+        if getattr(model.config, "use_cache", False):
+            # NOTE: Hugging Face models default to `use_cache=True`: every forward builds a KV
+            # cache training never reads, and with activation checkpointing the recomputation
+            # fills it again, so the recomputed tensors' shapes differ and backward fails.
+            model.config.use_cache = False
         # With a tensor axis (innermost: ranks r, r+1, ... of one TP group are adjacent) the
         # ranks of a TP group see the same tokens; data parallelism is over the groups.
         tensor_axis = applied.compiled.mesh.axis_name("tensor")
@@ -133,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         for step in range(args.steps):
             tokens = batch(step, args.batch, args.seq, vocab, dp_rank, dp_world, args.seed).to(device)
-            logits = model(tokens)
+            logits = logits_of(model(tokens))
             with applied.loss_parallel():  # logits sharded on the vocabulary: loss and backward inside
                 loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
                 loss.backward()

@@ -167,6 +167,13 @@ def test_p413_uneven_mlp_is_an_error_on_both_layers():
 def test_p414_uneven_vocabulary_under_loss_parallel_is_a_warning():
     (d,) = _diags(TP_NET_PLAN.replace("tensor = 2", "tensor = 4"), TPNet(n_kv_heads=4, vocab=50))
     assert (d.code, d.severity) == ("P414", "warning")
+    assert len(d.help) == 1 and d.help[0].startswith("pad the vocabulary to a multiple of 4")  # one sentence
+
+
+def test_p412_names_the_one_size_a_prime_head_count_allows(llama_graph):
+    """2 KV heads at tensor = 4: the fix is `tensor = 2`, not "a size that divides 2 (2)"."""
+    [d] = [d for d in _diags(LLAMA_TP.replace("tensor = 2", "tensor = 4"), llama_graph) if d.code == "P412"]
+    assert d.help[0].startswith("use tensor = 2;") and "divides 2 (2)" not in d.help[0]
 
 
 def test_p419_loss_parallel_off_the_logits():

@@ -170,6 +170,9 @@ def test_tree_shows_tied_and_folds_layers():
     assert lines[0].startswith("<root>  GPT  ")
     assert any(re.search(r"0\.\.1  GPTBlock  .* each", line) for line in lines)
     assert any("lm_head  Linear" in line for line in lines)
+    # the tied embedding and head name each other (the test's name promised this; now it is checked)
+    tied = [line for line in lines if "tied to" in line]
+    assert len(tied) == 2 and any("lm_head.weight" in line for line in tied), tied
 
 
 def test_tree_from_plan_and_depth():

@@ -163,3 +163,12 @@ def test_plot_without_matplotlib_says_how_to_install_it(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: import fails
     code, _, err = explain(CASES["seed_hsdp_w4"] + ["--plot", str(tmp_path / "x.png")], monkeypatch)
     assert code == 2 and 'pip install "planc[plot]"' in err and not (tmp_path / "x.png").exists()
+
+
+def test_sharded_and_unsharded_columns_say_their_dtypes(capsys):
+    """At world 2 an fp32 shard and a bf16 gathered unit are the same bytes: the table says why."""
+    from planc import cli
+    assert cli.main(["explain", "plans/gpt.plan", "--model", "planc.zoo:gpt_tiny", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "sharded/rank is the shard each rank keeps, in fp32; unsharded is the whole unit as all-gathered for " \
+           "compute, in bf16" in out

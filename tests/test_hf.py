@@ -174,3 +174,13 @@ def test_bad_configs_are_load_errors_not_tracebacks(tmp_path):
     assert "no `model_type`" in messages["b.json"]
     assert "did you mean `llama`?" in messages["c.json"]
     assert "did you mean `LlamaForCausalLM`?" in messages["d.json"]
+
+
+def test_missing_config_help_says_where_relative_paths_start(tmp_path, capsys):
+    """P106 for a missing `hf:` config explains the plan-relative path, not package installs."""
+    (tmp_path / "plans").mkdir()
+    plan = tmp_path / "plans" / "mine.plan"
+    plan.write_text("model hf:cfg/config.json\nunit model.layers.*\n")
+    assert cli.main(["check", str(plan)]) == 1
+    out = capsys.readouterr().out
+    assert "error[P106]" in out and "starts from the plan's own folder" in out and "installed" not in out

@@ -229,3 +229,18 @@ def test_tied_weights_stay_one_dtensor(results, case):
         assert tied == {"built": TIES[case], "applied": TIES[case], "trained": TIES[case]}
         # and each tied parameter is a DTensor (every parameter is, checked in _case)
         assert all(results[rank][case]["placements"][group[0]] == ("Shard(dim=0)",) for group in TIES[case])
+
+
+def test_example_trains_a_hugging_face_model_under_torchrun():
+    """examples/train.py on hf:llama-tiny with the shipped plan: the Hugging Face output object
+    (not a tensor) gives the logits, `use_cache` is off, and the loss falls."""
+    import re
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+           "examples/train.py", "--plan", "plans/llama.plan", "--model", "hf:llama-tiny", "--steps", "4"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
+    assert len(losses) == 4 and losses[-1] < losses[0], out.stdout

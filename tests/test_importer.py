@@ -261,3 +261,20 @@ def test_cli_checks_the_written_plan_against_the_model(tmp_path, capsys):
     assert "error[P301]: tied parameter `transformer.wte.weight` is split across units" in err
     assert f"--> {out}:" in err
     assert "unit ** where size >= 20K\n" in out.read_text()
+
+
+def test_cli_written_plan_names_a_relative_config_from_its_own_folder(tmp_path, capsys, monkeypatch):
+    """`--model hf:cfg/config.json` is relative to the working directory; the plan written to
+    `out/` resolves its `model` line from `out/`, so the line must be rewritten to `../cfg/...`."""
+    from planc.model.hf import shipped_configs
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(shipped_configs()["llama-tiny"].read_text())
+    (tmp_path / "out").mkdir()
+    cfg = tmp_path / "fsdp.yaml"
+    cfg.write_text(_config("fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                           "fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer"))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["import", "fsdp.yaml", "--model", "hf:cfg/config.json", "-o", "out/llama.plan"]) == 0
+    assert "\nmodel hf:../cfg/config.json\n" in (tmp_path / "out" / "llama.plan").read_text()
+    capsys.readouterr()
+    assert cli.main(["check", "out/llama.plan", "--world-size", "2"]) == 0, capsys.readouterr().err

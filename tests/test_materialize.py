@@ -148,3 +148,14 @@ def test_reproducible_needs_the_reset_parameters_initialiser():
     with pytest.raises(ValueError, match="reset_parameters"):
         materialize(model, "cpu", init=lambda m: None, reproducible=True)
 
+
+
+def test_reproducible_refuses_a_hugging_face_model_and_names_the_dcp_path():
+    """Hugging Face models initialise as a whole (`initialize_weights()`): `reproducible=True`
+    is refused, naming that initialiser and the way that works (a DCP checkpoint across plans)."""
+    pytest.importorskip("transformers")
+    from planc.model.build import build_model
+    model = build_model("hf:llama-tiny")
+    with pytest.raises(ValueError) as err:
+        materialize(model, "cpu", reproducible=True)
+    assert "Hugging Face's `initialize_weights()`" in str(err.value) and "set_state_dict" in str(err.value)

@@ -73,3 +73,13 @@ def test_plan_checks_clean(path: pathlib.Path):
         assert compiled.units, "a clean plan resolves to at least one unit"
         assert sum(len(u.params) for u in compiled.units) + len(compiled.resolution.ignored) == len(graph.params) \
             or compiled.resolution.root_disabled
+
+
+def test_torchtitan_tp_header_gives_the_debug_models_real_head_counts():
+    """The header's `(debugmodel: N heads, M KV heads` is what the model really has."""
+    import re
+    text = (ROOT / "plans" / "torchtitan_llama3-tp.plan").read_text()
+    found = re.search(r"debugmodel: (\d+) heads, (\d+) KV heads", text)
+    assert found is not None
+    attention = build_model("planc.model.torchtitan:llama3_debugmodel").get_submodule("layers.0.attention")
+    assert (int(found.group(1)), int(found.group(2))) == (attention.n_heads, attention.n_kv_heads)

@@ -81,3 +81,11 @@ def test_opening_plan_checks_clean_and_is_formatted(scratch):
     (scratch / "opening.plan").write_text(plan)
     assert run_planc(["check", "opening.plan", "--world-size", "64"]) == (0, "opening.plan: ok (27 units)\n")
     assert run_planc(["fmt", "--check", "opening.plan"])[0] == 0
+
+
+def test_first_commands_explain_with_an_input_shape():
+    """A newcomer's first `planc explain` must print a step time that includes compute: without
+    `--input-shape` it is communication alone ("compute 0.0 us (0 FLOP)")."""
+    install = next(b for b in BLOCKS if b.startswith("python -m pip install"))
+    explains = [c for c in install.split("&&") if c.strip().startswith("planc explain")]
+    assert explains and all("--input-shape" in c for c in explains), explains

@@ -297,3 +297,50 @@ def test_every_shipped_2d_plan_simulates_clean_on_its_tiny_model(name):
         make = lambda: build_model(ref, device="meta")  # noqa: E731
     for world in (4, 64):
         assert check_step(planc.loads(text), make, world, input_shape=(2, 16)) == [], (name, world)
+
+
+CHECKPOINTED_GEMMA3 = "model hf:gemma3-tiny\nmesh (shard = *)\nunit model.layers.*\ncheckpoint model.layers.* full\n"
+
+
+def test_checkpointed_hugging_face_model_simulates_with_the_kv_cache_off():
+    """transformers' `use_cache=True` default makes checkpointing's recomputation refill the KV
+    cache (keys 16 -> 31 long in backward): planc builds `hf:` models with the cache off."""
+    pytest.importorskip("transformers")
+    from planc.model.build import build_model
+    assert check_step(planc.loads(CHECKPOINTED_GEMMA3), lambda: build_model("hf:gemma3-tiny"), 2) == []
+
+    def cached():  # a user's own factory that keeps the default
+        model = build_model("hf:gemma3-tiny")
+        model.config.use_cache = True
+        return model
+    [d] = check_step(planc.loads(CHECKPOINTED_GEMMA3), cached, 2)
+    assert d.code == "P444" and "`use_cache=True`" in d.help[0] and "--input-shape" not in " ".join(d.help)
+
+
+def test_fp32_grouped_mm_moe_names_the_dtype_not_the_input(tmp_path, capsys):
+    """transformers' MoE experts run `_grouped_mm`, whose fake-tensor kernel takes only bf16:
+    an fp32 plan fails the trace. The messages name the dtype (not the input shape or a rule),
+    and the bf16 plan simulates clean."""
+    pytest.importorskip("transformers")
+    from planc import cli
+    fp32 = tmp_path / "moe.plan"
+    fp32.write_text("model hf:qwen3-moe-tiny\nmesh (shard = *)\nunit model.layers.*\n")
+    assert cli.main(["check", str(fp32), "--world-size", "2", "--simulate", "--input-shape", "2x16"]) == 1
+    out = capsys.readouterr().out
+    assert "error[P444]" in out and "the cause is the dtype" in out and "pass `--input-shape" not in out
+    assert cli.main(["explain", str(fp32), "--world-size", "2", "--input-shape", "2x16"]) == 2
+    err = capsys.readouterr().err
+    assert "the cause is the dtype" in err and "the shape is batch x sequence" not in err
+    bf16 = tmp_path / "moe16.plan"
+    bf16.write_text(fp32.read_text() + "defaults { precision param = bf16 }\n")
+    assert cli.main(["check", str(bf16), "--world-size", "2", "--simulate", "--input-shape", "2x16"]) == 0
+
+
+def test_p444_points_at_the_model_line_in_force_when_an_include_is_overridden(tmp_path):
+    """An including plan's `model` line overrides the included plan's: P444 is located there."""
+    from ui_models import HeadsNet
+    (tmp_path / "base.plan").write_text(PLAN)
+    top = tmp_path / "top.plan"
+    top.write_text('include "base.plan"\nmodel tests.ui_models:local_heads_net\n')
+    [d] = check_step(planc.load(str(top)), lambda: HeadsNet(max_positions=8), 4)
+    assert d.code == "P444" and (pathlib.Path(d.span.file).name, d.span.line) == ("top.plan", 2)

@@ -307,3 +307,21 @@ def test_cli_writes_the_plan(tmp_path):
     text = out.read_text()
     assert text.startswith("# Suggested by `planc suggest`") and "expect memory.peak <= 1MiB at world = 8, input = 2x16" in text
     assert unit_blocks(find_chain(evaluator("gpt_tiny").graph), 1) == [(0,), (1,)]
+
+
+def test_cli_written_plan_names_a_relative_config_from_its_own_folder(tmp_path, monkeypatch):
+    """A plan resolves `model hf:path` from its own folder: `-o out/s.plan` with `--model
+    hf:cfg/config.json` (relative to the working directory) writes `hf:../cfg/config.json`."""
+    pytest.importorskip("transformers")
+    from planc.model.hf import shipped_configs
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(shipped_configs()["llama-tiny"].read_text())
+    (tmp_path / "out").mkdir()
+    monkeypatch.chdir(tmp_path)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        code = cli.main(["suggest", "-q", "--model", "hf:cfg/config.json", "--world-size", "4", "--budget", "64MiB",
+                         "--input-shape", "2x16", "-o", "out/s.plan"])
+        assert code == 0, buf.getvalue()
+        assert "\nmodel hf:../cfg/config.json\n" in (tmp_path / "out" / "s.plan").read_text()
+        assert cli.main(["check", "out/s.plan", "--world-size", "4"]) == 0, buf.getvalue()

@@ -194,6 +194,7 @@ def test_cli_errors():
     assert code == 2 and "--tensor needs --tensor-parallel" in text
     code, text = _cli("--budget", "1MiB", "--tensor-parallel", "plans/zoo-llama-tp.plan", "--tensor", "4,8")
     assert code == 1 and "error[P952]" in text and "P412" in text and "P411" in text
+    assert "`planc check --simulate` on a plan with them" in text  # the check that shows why, not plain `check`
     code, text = _cli("--budget", "1MiB", "--tensor-parallel", "plans/seed.plan")
     assert code == 2 and "no `parallel` statements" in text
     code, text = _cli("--budget", "1MiB", "--tensor-parallel", "plans/zoo-llama-tp.plan", "--tensor", "two")
@@ -223,3 +224,38 @@ def test_hf_rules_from_base_model_tp_plan(tmp_path):
     g = ModelGraph.from_module(build_model("hf:llama-tiny"))
     compiled = CompiledPlan(planc.load(out), g, WORLD)
     assert not compiled.errors, [d.message for d in compiled.errors]
+
+
+PHI3_GATHER_SPLIT = """model hf:phi3-tiny
+mesh (shard = *, tensor = 2)
+parallel model.layers.*.self_attn.qkv_proj colwise { output replicate }
+parallel model.layers.*.self_attn.o_proj rowwise { input replicate }
+parallel model.layers.*.mlp.gate_up_proj colwise { output replicate }
+parallel model.layers.*.mlp.down_proj rowwise { input replicate }
+parallel model.embed_tokens replicate
+parallel model.layers.*.{input_layernorm, post_attention_layernorm} replicate
+parallel model.norm replicate
+parallel lm_head colwise { output replicate }
+"""
+
+
+def test_gather_split_forms_are_searched_and_leak_no_traceback(tmp_path):
+    """Hugging Face's gather/split forms (`colwise { output replicate }` then `rowwise { input
+    replicate }`), which `check --simulate` accepts, are searched at tensor 2: each block profiled
+    alone gets the layout changes (the rowwise input's scatter) it gets in the whole trace.
+    Before, the block failed (`[64, 64] X [32, 64]`), P952 ended the run, and torch's
+    fake-tensor traceback reached stderr even when tensor 1 won at exit 0."""
+    import subprocess
+    import sys
+    pytest.importorskip("transformers")
+    rules, out = tmp_path / "rules.plan", tmp_path / "s.plan"
+    rules.write_text(PHI3_GATHER_SPLIT)
+    assert cli.main(["check", str(rules), "--world-size", "4", "--simulate"]) == 0
+    run = subprocess.run([sys.executable, "-c", "import sys; from planc.cli.main import main; sys.exit(main(sys.argv[1:]))",
+                          "suggest", "-q", "--model", "hf:phi3-tiny", "--world-size", "4",
+                          "--budget", "64MiB", "--input-shape", "2x16", "--tensor-parallel", str(rules),
+                          "--tensor", "2", "-o", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert "Traceback" not in run.stderr and "fake_tensor" not in run.stderr
+    assert "tensor = 2" in out.read_text()
+    assert cli.main(["check", str(out), "--world-size", "4", "--simulate"]) == 0

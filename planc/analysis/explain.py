@@ -334,6 +334,18 @@ def _placement_lines(data: dict[str, Any], dims: list[str]) -> list[str]:
     return lines
 
 
+def _dtype_note(data: dict[str, Any], compiled) -> list[str]:
+    """Why `sharded/rank` and `unsharded` can read the same (world 2, fp32 kept, bf16 gathered)."""
+    stored = {str(p.dtype).removeprefix("torch.") for p in compiled.graph.params.values()}
+    gathered = {u["settings"]["param_dtype"]["value"] for u in data["units"] if u["params"]}
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    stored = {short.get(d, d) for d in stored}
+    if len(stored) != 1 or gathered <= stored | {None, "none", "-"}:
+        return []
+    return [f"  sharded/rank is the shard each rank keeps, in {stored.pop()}; unsharded is the whole unit as "
+            f"all-gathered for compute, in {'/'.join(sorted(str(g) for g in gathered))}"]
+
+
 def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
     style = _Style(color)
     mem = data["memory"]
@@ -355,6 +367,7 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
                      "cpu" if u["offload"] else "-", f"{pf} / {pb}"])
     out += _table(rows, ["unit", "params", "sharded/rank", "unsharded", "param/reduce", "reshard", "offload",
                          "prefetch fwd / bwd"], style)
+    out += _dtype_note(data, compiled)
     if tensor:
         out += ["", style.bold("placements per mesh axis (" + " x ".join(a["dim"] for a in mesh["axes"]) + ")")]
         out += _placement_lines(data, [a["dim"] for a in mesh["axes"]])
@@ -438,6 +451,9 @@ def _time_text(t: dict[str, Any], style: _Style) -> list[str]:
     hw = t["hardware"]
     out = [style.bold(f"step time per rank, estimated: {seconds(tot['step_s'])}") +
            f" on {hw['name']} at {t['efficiency']:.0%} of peak FLOP/s (an estimate, not a measurement)"]
+    if not tot["tokens_per_s"]:  # no input: the figure above is communication and the optimizer step only
+        out[0] = (style.bold(f"step time per rank, estimated: {seconds(tot['step_s'])} of communication and optimizer "
+                             "step only, no compute") + f" (no input shape; on {hw['name']}, an estimate)")
     rows = []
 
     def key(u: dict) -> tuple:

@@ -40,7 +40,7 @@ from torch import nn
 
 from planc.checks.tensor import STATIC_TENSOR_CODES
 from planc.diagnostics import Diagnostic, PlanError, Span
-from planc.estimate.trace import Example, LossFn, default_loss
+from planc.estimate.trace import Example, LossFn, default_loss, known_cause
 from planc.resolve.mesh import Role
 
 __all__ = ["check_step", "default_input_shape", "simulation_world"]
@@ -121,7 +121,8 @@ def _within(path: str, ancestor: str) -> bool:
 
 
 def _model_span(plan) -> Span | None:
-    stmt = next((s for s in plan.statements if getattr(s, "ref", None) is not None), None)
+    # the last `model` line is the one in force (an including plan's overrides an included one's)
+    stmt = next((s for s in reversed(plan.statements) if getattr(s, "ref", None) is not None), None)
     return stmt.span if stmt is not None else (plan.statements[0].span if plan.statements else None)
 
 
@@ -179,6 +180,17 @@ class _Step:
                     break
         return found
 
+    def _cache_help(self) -> tuple[str, ...]:
+        """Why a checkpointed Hugging Face model with `use_cache=True` fails in backward, and the fix."""
+        from planc.lower.program import Checkpoint
+        if not getattr(getattr(self.model, "config", None), "use_cache", False):
+            return ()
+        if not self.compiled.program.of_type(Checkpoint):
+            return ()
+        return ("the model's config has `use_cache=True`: each forward fills a KV cache, and activation "
+                "checkpointing's recomputation fills it again, so the recomputed keys are longer than the saved "
+                "ones; set `model.config.use_cache = False` for training (planc does so for `hf:` models)",)
+
     # ------------------------------------------------------------ diagnostics
     def forward_failure(self, err: BaseException, phase: str, module: str | None, tracker: _Tracker) -> Diagnostic:
         op, out_shapes = self.culprit(module, tracker.finished)
@@ -202,8 +214,9 @@ class _Step:
                 label="this model",
                 notes=(f"inputs of {at}: {', '.join(tracker.inputs[module])}",)
                 if module is not None and tracker.inputs.get(module) else (),
-                help=("the model does not run on this input: pass `--input-shape BxS` (token ids) that fits it",
-                      "or run the model once without the plan to see its own error"))
+                help=self._cache_help() or ((known_cause(reason),) if known_cause(reason) else ()) or (
+                    "the model does not run on this input: pass `--input-shape BxS` (token ids) that fits it",
+                    "or run the model once without the plan to see its own error"))
         notes = [f"{phase} of {at}: {reason}"]
         if module is not None and tracker.inputs.get(module):
             notes.append(f"inputs of {at}: {', '.join(tracker.inputs[module])}")

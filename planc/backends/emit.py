@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from planc.compiler import CompiledPlan
+from planc.lang import vocabulary as vocab
 from planc.lower.lowering import tensor_reties
 from planc.lower.program import (
     FULLY_SHARD_DEFAULTS,
@@ -599,9 +600,7 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
 
 _PRINTABLE = (Parallelize, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod)
 
-_TORCH_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel", "sequence": "SequenceParallel",
-                 "prepare_input": "PrepareModuleInput", "prepare_output": "PrepareModuleOutput",
-                 "prepare": "PrepareModuleInputOutput"}
+_TORCH_STYLES = vocab.TORCH_STYLES
 
 
 def _placement(layout: Layout | None) -> str:

@@ -74,8 +74,11 @@ def materialize(model: nn.Module, device: torch.device | str,
             `reset_parameters()` per module.
     """
     if reproducible and (init is not None or initialiser_of(model, torch.device(device))[1] is not _reset_parameters):
-        raise ValueError("`reproducible=True` needs the `reset_parameters()` initialiser: this model initialises "
-                         "itself as a whole (or `init` was given); load a full state dict instead")
+        raise ValueError("`reproducible=True` needs the `reset_parameters()` initialiser, and this model initialises "
+                         f"itself as a whole ({initialiser_of(model, torch.device(device))[0]}) or `init` was given: "
+                         "for the same weights under two plans, save a DCP checkpoint under one (`get_state_dict`, "
+                         "`torch.distributed.checkpoint.save`) and load it under the other (`set_state_dict`), "
+                         "or load a full state dict (README, `planc.materialize`)")
     # Units offloaded to the CPU keep their local shards there (FSDP2 moves them back only
     # when pinning); everything else goes to `device`. This is `to_empty`, per parameter.
     offloaded = _offloaded_params(model)

@@ -221,6 +221,8 @@ def _choices(n: int) -> str:
     sizes = [d for d in range(2, min(n, 4096) + 1) if n % d == 0][:6]
     if not sizes:
         return f"no tensor parallelism here: {n} has no divisor above 1"
+    if sizes == [n]:  # a prime: the only size is n itself ("divides 2 (2)" says nothing)
+        return f"tensor = {n}"
     return f"a tensor-parallel size that divides {n} (" + ", ".join(map(str, sizes)) + ")"
 
 
@@ -402,7 +404,7 @@ def check_split_sizes(ctx: Context) -> Iterator[Diagnostic]:
                   f"tensor = {tp} ranks unevenly", span, f"{size} % {tp} != 0", (
                       f"pad the vocabulary to a multiple of {tp} (as Megatron and torchtitan do), or use "
                       f"{_choices(size)}; torch computes the right loss on unequal shards, but the ranks "
-                      "then hold unequal logits and weights"), severity="warning")
+                      "then hold unequal logits and weights",), severity="warning")
     for (span, out, emb, size), mods in by_key(not_logits).items():
         yield err("P419", f"`loss_parallel` on {listed(patterns(mods))}, whose {out} out-features are not the "
                   f"vocabulary ({size}, the size of `{emb}`)", span, "not the output projection", (

@@ -10,7 +10,7 @@ from planc.analysis.explain import render_text, report
 from planc.cli.common import EXIT_ERRORS, EXIT_OK, EXIT_USAGE, ModelCache, UsageError, compile_for_cli, use_color
 from planc.diagnostics import render
 from planc.estimate.memory import estimate
-from planc.estimate.trace import TraceError
+from planc.estimate.trace import TraceError, known_cause
 from planc.model.build import build_model
 from planc.resolve.mesh import Role
 
@@ -71,6 +71,9 @@ def main(args) -> int:
             print(render.render_text(located, sources, color=use_color(sys.stderr)), file=sys.stderr)
             return EXIT_ERRORS
         what = "--inputs" if factory is not None else "--input-shape"
+        cause = known_cause(str(err))
+        if cause is not None:
+            raise UsageError(f"the model cannot be traced: {str(err).splitlines()[0]}; {cause}") from err
         raise UsageError(f"{what}: {err}" + ("" if factory is not None else "; the shape is batch x sequence of "
                          "token ids (leave it out to estimate without activations)")) from err
     step_time = _step_time(c, args, shape, example, loss)

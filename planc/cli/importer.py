@@ -10,7 +10,7 @@ import planc
 from planc.cli.common import EXIT_ERRORS, EXIT_OK, EXIT_USAGE, use_color
 from planc.diagnostics import Diagnostic, Span, sort_diagnostics
 from planc.diagnostics.render import render_text
-from planc.model.build import ModelLoadError, build_model
+from planc.model.build import ModelLoadError, build_model, rewrite_model_line
 from planc.model.graph import ModelGraph
 
 
@@ -70,6 +70,8 @@ def main(args) -> int:
         print(render_text(sort_diagnostics(diags), sources, color=use_color(sys.stderr)), file=sys.stderr)
     if text is not None:
         if args.output:
+            if args.model:  # a relative `hf:` path starts from the written plan's folder
+                text = rewrite_model_line(text, args.model, args.output)
             with open(args.output, "w", encoding="utf-8") as f:
                 f.write(text)
         else:

@@ -7,7 +7,7 @@ import sys
 from planc.cli.common import EXIT_ERRORS, EXIT_OK, EXIT_USAGE, ModelCache, UsageError, use_color
 from planc.cli.explain import _call, _step_functions, parse_shape
 from planc.diagnostics import Diagnostic, render
-from planc.model.build import ModelLoadError
+from planc.model.build import ModelLoadError, rewrite_model_line
 
 
 def _budget(text: str) -> int:
@@ -129,8 +129,11 @@ def main(args) -> int:
     except NoDegree as err:
         _report([Diagnostic(code="P952", severity="error", message=f"cannot search tensor-parallel plans for `{args.model}`: "
                             f"{err}", span=None,
-                            help=("pass degrees the rules hold at (`--tensor 1,2`), or fix the `parallel` rules; "
-                                  "`planc check` on a plan with them says why",))])
+                            help=("pass degrees the rules hold at (`--tensor 1,2`), or fix the `parallel` rules: "
+                                  "`planc check --simulate` on a plan with them at this world size says which rule "
+                                  "fails and why",
+                                  "if that check passes, the search's one-rank model of the rules is at fault, not "
+                                  "the plan: write the plan by hand (`planc explain` estimates it) and report it"))])
         return EXIT_ERRORS
     except ValueError as err:  # no block chain in the model
         _report([Diagnostic(code="P951", severity="error", message=f"cannot search plans for `{args.model}`: {err}",
@@ -153,8 +156,8 @@ def main(args) -> int:
         return EXIT_ERRORS
     if args.output:
         try:
-            with open(args.output, "w", encoding="utf-8") as f:
-                f.write(result.text)
+            with open(args.output, "w", encoding="utf-8") as f:  # a relative `hf:` path starts from its folder
+                f.write(rewrite_model_line(result.text, args.model, args.output))
         except OSError as err:
             raise UsageError(f"-o {args.output}: cannot write: {err.strerror}") from err
         print(f"{args.output}: {result.best.candidate.describe()}", file=sys.stderr)

@@ -42,6 +42,15 @@ def cmd_tree(args) -> int:
     return EXIT_OK
 
 
+def _param_label(graph: ModelGraph, module: str, local: str, canonical: str) -> str:
+    """`weight`, or `weight tied to lm_head.weight` for a parameter other modules hold too."""
+    if canonical not in graph.tied:
+        return local
+    me = f"{module}.{local}" if module else local
+    others = sorted(n for n, c in graph.aliases.items() if c == canonical and n != me)
+    return f"{local} tied to {', '.join(others)}" if others else local
+
+
 def format_tree(graph: ModelGraph, depth: int | None = None) -> str:
     """The module tree with class names and parameter counts; runs of identical siblings folded."""
     lines = [f"<root>  {graph.cls('')}  {_human(graph.subtree_numel[''])} params"]
@@ -63,7 +72,7 @@ def format_tree(graph: ModelGraph, depth: int | None = None) -> str:
             branch, cont = ("└── ", "    ") if last else ("├── ", "│   ")
             label = names[i] if j == i else f"{names[i]}..{names[j]}"
             each = " each" if j > i else ""
-            own = ", ".join(local for local, _ in graph.own_params(kids[i]))
+            own = ", ".join(_param_label(graph, kids[i], local, canon) for local, canon in graph.own_params(kids[i]))
             lines.append(f"{prefix}{branch}{label}  {graph.cls(kids[i])}  "
                          f"{_human(graph.subtree_numel[kids[i]])}{each}" + (f"  [{own}]" if own else ""))
             walk(kids[i], prefix + cont, level + 1)

@@ -119,11 +119,17 @@ def _hooks(module: nn.Module, style, tp: int, embedding: bool):
     return None, None  # sequence (inputs taken as this rank's shard as they are), replicate
 
 
-def emulate_layouts(model: nn.Module, program, graph, tp: int) -> list:
-    """Hook every module a `Parallelize` op names on `model` (a copy of the plan's model); returns the handles."""
+def emulate_layouts(model: nn.Module, program, graph, tp: int, prefix: str = "") -> list:
+    """Hook every module a `Parallelize` op names on `model` (a copy of the plan's model); returns the handles.
+
+    With `prefix`, `model` is the module at that path (one block run alone, as `planc suggest`
+    profiles it): only the ops inside it are hooked, by their paths relative to it.
+    """
     handles = []
     for op in program.of_type(Parallelize):
-        module = model.get_submodule(op.module)
+        if prefix and op.module != prefix and not op.module.startswith(prefix + "."):
+            continue
+        module = model.get_submodule(op.module[len(prefix) + 1:] if prefix else op.module)
         pre, post = _hooks(module, op.style, tp, graph.cls(op.module).endswith("Embedding"))
         if pre is not None:
             with_kwargs = op.style.kind in ("prepare_input", "prepare")

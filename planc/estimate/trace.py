@@ -144,6 +144,23 @@ class TraceError(Exception):
     """The model could not run one step on the given inputs (the message says why)."""
 
 
+def known_cause(reason: str) -> str | None:
+    """The cause and fix of a trace failure planc recognises from torch's message, or None.
+
+    `_grouped_mm` (transformers' default experts kernel for MoE models) has a fake-tensor
+    (meta) kernel that refuses every dtype but bf16, while the real kernels run fp32: on CPU
+    (torch 2.13) and on an H200 (torch 2.11+cu130, measured 2026-12-04, fp32/bf16/fp16 all
+    ran). So an fp32 MoE trains, but planc's fake-tensor trace of it fails.
+    """
+    if "Expected inputs of BF16 type" in reason:
+        return ("the cause is the dtype, not the input: the experts run torch's `_grouped_mm` (transformers' default "
+                "for MoE models), whose fake-tensor kernel, which planc traces with, takes only bf16, and this "
+                "plan's parameters are fp32 there. A real run is fine (CPUs and GPUs run fp32 `_grouped_mm`); to "
+                "estimate or simulate it give the model bf16 parameters (`defaults { precision param = bf16 }`) "
+                "or build it with `experts_implementation=\"eager\"`")
+    return None
+
+
 @dataclass
 class Example:
     """Example inputs of one step: positional and keyword arguments of `model(...)`.

@@ -147,7 +147,19 @@ def habit_help(row: str, col: int, tok_text: str, tok_type: str) -> str | None:
     call = re.search(r"([A-Za-z_]\w*)\(([^()]*)$", before)
     if tok_text == "=" and call:
         args = re.sub(r"[A-Za-z_]\w*\s*=\s*", "", call.group(2) + at.split(")", 1)[0])
+        if head and head[0] == "parallel":  # a style's layouts are plan words; `place` takes torch's `Shard(N)`
+            name = vocab.TORCH_LAYOUTS.get(call.group(1), call.group(1))
+            return f"layout arguments are positional, and layouts are plan words: write `{name}({args.strip()})`"
         return f"placement arguments are positional: write `{call.group(1)}({args.strip()})`"
+    if tok_text == "(" and prev in vocab.TORCH_STYLES.values():
+        word = next(k for k, v in vocab.TORCH_STYLES.items() if v == prev)
+        return f"styles are plan words: write `{word}` for torch's `{prev}`, with its arguments in a block " \
+               f"(`{word} {{ input replicate }}`)"
+    if before.strip() == "" and tok_text in vocab.SIZE_WORDS:
+        axis, given = vocab.SIZE_WORDS[tok_text], re.match(r"\w+\s*[=:]\s*(\d+)", at)
+        n = given.group(1) if given else "N"
+        return f"sizes are mesh axes: write `mesh (shard = *, {axis} = {n})`" if axis != "shard" else \
+            f"sizes are mesh axes: write `mesh (shard = {n})` (or `shard = *` for every rank left)"
     if tok_text == ":" and prev:
         return f"`{prev}: value` is YAML; plan options are `name value` or `name key = value` " \
                "(e.g. `reshard after_forward = false`), with `=` in `mesh (shard = 8)`"

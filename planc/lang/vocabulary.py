@@ -34,6 +34,19 @@ BOOLS = ("true", "false", "yes", "no", "on", "off")
 # FSDP1 sharding strategies (`options.FSDP1_RESHARD` and `options.FSDP1_MESH`).
 FSDP1_WORDS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
+# Tensor-parallel style words and torch's class for each (`planc emit` writes these; the
+# syntax and style help turn a torch class name back into the plan's word).
+TORCH_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel", "sequence": "SequenceParallel",
+                "prepare_input": "PrepareModuleInput", "prepare_output": "PrepareModuleOutput",
+                "prepare": "PrepareModuleInputOutput"}
+# torch's placements -> the plan's layout words (`shard(N)`, `replicate`, `partial`).
+TORCH_LAYOUTS = {"Shard": "shard", "Replicate": "replicate", "Partial": "partial"}
+# Sizes other tools set in a config, which a plan writes as mesh axes.
+SIZE_WORDS = {"tp_size": "tensor", "tensor_parallel_size": "tensor", "tp_degree": "tensor", "tp": "tensor",
+              "tensor_parallel_degree": "tensor", "dp_size": "shard", "dp_shard": "shard",
+              "data_parallel_shard_degree": "shard", "dp_replicate": "replicate",
+              "data_parallel_replicate_degree": "replicate"}
+
 TMLANGUAGE = "plan.tmLanguage.json"
 
 

@@ -44,7 +44,7 @@ def _model_diagnostic(plan: st.Plan, ref: str, err: ModelLoadError) -> Diagnosti
     """P106 at the `model` line that named `ref`, worded as `planc check` words it."""
     stmt = next(s for s in reversed(plan.statements) if getattr(s, "ref", None) == ref)
     return Diagnostic(code="P106", severity="error", message=str(err), span=stmt.span, label="this model",
-                      help=("check the module path and that its package is installed; or pass `--model`",))
+                      help=(err.help or "check the module path and that its package is installed; or pass `--model`",))
 
 
 def _model_line(text: str, filename: str) -> str | None:

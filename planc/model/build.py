@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from typing import Callable
 
@@ -65,3 +66,29 @@ def build_model(ref: str, *, device: str | torch.device = "meta", base: str | os
     if not isinstance(model, nn.Module):
         raise ModelLoadError(f"`{ref}` returned a {type(model).__name__}, not an nn.Module")
     return model
+
+
+def ref_for_plan(ref: str, plan_path: str | os.PathLike | None) -> str:
+    """`ref` as the `model` line of a plan written to `plan_path` must spell it.
+
+    A plan resolves a relative `hf:path/config.json` from its own folder, while `--model` on
+    the command line starts from the working directory: a plan written elsewhere (`-o
+    out/x.plan`) gets the path relative to its folder. Shipped names (`hf:llama-tiny`),
+    absolute paths, Python references and plans printed to stdout (`plan_path` None) are kept.
+    """
+    if plan_path is None or not ref.startswith("hf:"):
+        return ref
+    path = ref[3:]
+    from planc.model.hf import shipped_configs  # optional extra: only imported for hf: refs
+    if path in shipped_configs() or os.path.isabs(os.path.expanduser(path)) or not os.path.exists(path):
+        return ref
+    folder = os.path.dirname(os.path.abspath(plan_path))
+    return "hf:" + os.path.relpath(os.path.abspath(path), folder).replace(os.sep, "/")
+
+
+def rewrite_model_line(text: str, ref: str, plan_path: str | os.PathLike | None) -> str:
+    """`text` (a plan naming `ref` on its `model` line) with the line spelt for `plan_path` (`ref_for_plan`)."""
+    new = ref_for_plan(ref, plan_path)
+    if new == ref:
+        return text
+    return re.sub(rf"(?m)^model {re.escape(ref)}$", lambda _: f"model {new}", text, count=1)

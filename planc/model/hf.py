@@ -62,7 +62,10 @@ def config_path(ref: str, base: str | os.PathLike | None = None) -> Path:
         raise ModelLoadError(
             f"no Hugging Face config `{ref}`: not a file" + (f" (looked for `{path}`)" if str(path) != ref else "")
             + (f"; did you mean the shipped config `{hint[0]}`?" if hint else
-               "; shipped configs are " + ", ".join(f"`{n}`" for n in sorted(shipped))))
+               "; shipped configs are " + ", ".join(f"`{n}`" for n in sorted(shipped))),
+            help=("a relative `hf:` path starts from the plan's own folder"
+                  + (f" (`{base}`)" if base is not None else "") + ", not from where planc runs; write "
+                  "the path from there, an absolute path, or a shipped name (`hf:llama-tiny`); or pass `--model`"))
     return path
 
 
@@ -148,6 +151,13 @@ def build_hf_model(ref: str, device: str | torch.device = "meta", *,
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a config never needs the hub; never hang on it
     config = load_config(config_path(ref, base))
     check_size(config, ref)
+    # NOTE: transformers' decoders default to `use_cache=True`: each forward fills a KV cache
+    # that training never reads, and under activation checkpointing the recomputation appends
+    # to it again, so attention sees keys of twice the length (`expected [2, 4, 16, 31]`) and
+    # backward fails. planc builds models to train them: the cache is off, as HF trainers set it.
+    for sub in (config, *(getattr(config, k) for k in getattr(config, "sub_configs", {}) or {})):
+        if getattr(sub, "use_cache", False):
+            sub.use_cache = False
     cls = model_class(config)
     try:
         with torch.device(device):

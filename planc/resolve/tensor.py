@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from planc.diagnostics import Diagnostic, suggestion
 from planc.lang import syntax as st
+from planc.lang import vocabulary as vocab
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +94,36 @@ def _layout(value, diags: list[Diagnostic]) -> tuple[bool, Layout | None]:
     if (isinstance(value, st.Call) and value.name == "shard" and len(value.args) == 1
             and isinstance(value.args[0], st.Number) and float(value.args[0].value).is_integer()):
         return True, Layout("shard", int(value.args[0].value))
-    diags.append(_bad(value.span, f"`{value}` is not a layout", "expected a layout",
+    torch = value.name if isinstance(value, st.Call) else getattr(value, "value", None)
+    habit = (f"layouts are plan words: write `{vocab.TORCH_LAYOUTS[torch]}"
+             + (f"({', '.join(map(str, value.args))})`" if isinstance(value, st.Call) and value.args else "`")
+             + f" for torch's `{value}`",) if torch in vocab.TORCH_LAYOUTS else ()
+    diags.append(_bad(value.span, f"`{value}` is not a layout", "expected a layout", *habit,
                       "layouts are `replicate`, `shard(N)` (the dimension split), `partial` and `none`"))
     return False, None
+
+
+def _style_habit(kind: str) -> tuple[str, ...]:
+    """The plan's spelling of a torch style class or a Hugging Face `tp_plan` style name, or ()."""
+    torch = {v: k for k, v in vocab.TORCH_STYLES.items()}
+    if kind in torch:
+        return (f"styles are plan words: write `{torch[kind]}` for torch's `{kind}`",)
+    from planc.importers.hf_tp import STYLES
+    if kind in STYLES:
+        word, options = STYLES[kind]
+        written = f"{word} {{ {'; '.join(options)} }}" if options else word
+        return (f"`{kind}` is Hugging Face's name: write `{written}`, the layouts its style uses"
+                + (f" (plain `{word}` would keep the output sharded)" if options and word == "colwise" else "")
+                + (f" (plain `{word}` would expect a sharded input)" if options and word == "rowwise" else ""),)
+    return ()
+
+
+def _option_habit(name: str) -> tuple[str, ...]:
+    """The plan's name for a style option written as torch's keyword (`input_layouts` -> `input`), or ()."""
+    torch = {field: option for option, (field, _, _) in STYLE_OPTIONS.items()}
+    if name in torch and name != torch[name]:
+        return (f"write `{torch[name]}` for torch's `{name}`",)
+    return ()
 
 
 def tensor_style(stmt: st.ParallelStmt, diags: list[Diagnostic]) -> TensorStyle | None:
@@ -104,7 +132,8 @@ def tensor_style(stmt: st.ParallelStmt, diags: list[Diagnostic]) -> TensorStyle 
     if kind not in STYLE_KINDS:
         diags.append(Diagnostic(code="P107", severity="error", message=f"unknown tensor-parallel style `{kind}`",
                                 span=stmt.style.span, label="not a style",
-                                help=suggestion(kind, STYLE_KINDS) or ("styles are " + ", ".join(STYLE_KINDS),)))
+                                help=_style_habit(kind) or suggestion(kind, STYLE_KINDS)
+                                or ("styles are " + ", ".join(STYLE_KINDS),)))
         return None
     fields: dict = {}
     ok = True
@@ -112,7 +141,7 @@ def tensor_style(stmt: st.ParallelStmt, diags: list[Diagnostic]) -> TensorStyle 
         spec = STYLE_OPTIONS.get(opt.name)
         if spec is None:
             diags.append(_bad(opt.name_span, f"unknown option `{opt.name}` for a tensor-parallel style",
-                              "not a style option", *(suggestion(opt.name, STYLE_OPTIONS)
+                              "not a style option", *(_option_habit(opt.name) or suggestion(opt.name, STYLE_OPTIONS)
                                                       or ("style options are " + ", ".join(STYLE_OPTIONS),))))
             ok = False
             continue

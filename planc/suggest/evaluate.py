@@ -200,9 +200,9 @@ class Evaluator:
             sig = (type(mod).__qualname__, tuple((n, tuple(p.shape)) for n, p in mod.named_parameters()))
             signatures[path] = sig
 
-            def hook(module, args, kwargs, sig=sig):
+            def hook(module, args, kwargs, sig=sig, path=path):
                 if sig not in captured:  # shapes only: holding the tensors would change the trace
-                    captured[sig] = (module, *_specs((args, kwargs)))
+                    captured[sig] = (module, *_specs((args, kwargs)), path)
             handles.append(mod.register_forward_pre_hook(hook, with_kwargs=True))
         try:
             with _quiet_fake_tensor_logs(), warnings.catch_warnings():
@@ -212,8 +212,26 @@ class Evaluator:
             for h in handles:
                 h.remove()
         self.atom_trace = compress(trace)
-        self.profiles = {sig: _profile(*captured[sig]) for sig in captured}
+        self.profiles = {sig: self._block_profile(*captured[sig]) for sig in captured}
         self.block_profile = [self.profiles[signatures[p]] for p in self.chain.blocks]
+
+    def _block_profile(self, module, spec, fake_mode, path: str) -> BlockProfile:
+        """One block's profile, run alone with the layout changes its `parallel` rules make.
+
+        NOTE: a gather/split form (`colwise { output replicate }` then `rowwise { input
+        replicate }`) hands the rowwise layer a full-width input that only the emulated scatter
+        cuts to its local in-features; without the hooks the block fails (`[64, 64] X [32, 64]`).
+        """
+        handles = []
+        if self.tensor > 1:
+            from planc.estimate.tensor_local import emulate_layouts
+            handles = emulate_layouts(module, self.atom_program, self.graph, self.tensor, prefix=path)
+        try:
+            with _quiet_fake_tensor_logs():  # a failing op's fake-tensor traceback is not for the user
+                return _profile(module, spec, fake_mode)
+        finally:
+            for h in handles:
+                h.remove()
 
     # ----------------------------------------------------------------- candidates
     @property
