@@ -470,20 +470,12 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     program = compiled.program
     plan_path = plan_path or compiled.plan.file
     model_ref = model_ref or compiled.plan.model_ref or type(model).__name__
-    meshes = _Submeshes(program)
-    units = [_Unit(op, meshes.name(op.axes)) for op in program.units]
+    body = _body(compiled, program, model)
+    return _module_text(program, body, plan_path, model_ref)
 
-    # a MixedPrecisionPolicy shared by several calls is named once
-    counts: dict[str, int] = {}
-    for u in units:
-        if u.mp_policy is not None:
-            counts[u.mp_policy] = counts.get(u.mp_policy, 0) + 1
-    shared = [v for v, n in counts.items() if n > 1]
-    hoisted = {v: ("mp_policy" if len(shared) == 1 else f"mp_policy_{i}") for i, v in enumerate(shared, 1)}
-    unit_of = {u.op.name: u for u in units}
-    handle = {op.name: ("" if op.is_root else op.modules[0]) for op in program.units}
 
-    # The ops in program order, as sections of one kind each (the program keeps kinds together).
+def _sections(program) -> list[tuple[tuple, list]]:
+    """The ops in program order, as sections of one kind each (the program keeps kinds together)."""
     sections: list[tuple[tuple, list]] = []
     for op in program.ops:
         if not isinstance(op, _PRINTABLE):
@@ -493,7 +485,14 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
             sections[-1][1].append(op)
         else:
             sections.append((kind, [op]))
+    return sections
 
+
+def _body(compiled: CompiledPlan, program, model) -> list[str]:
+    """The lines of `apply_plan`'s body: the submeshes, then each section of ops as calls."""
+    meshes = _Submeshes(program)
+    units = [_Unit(op, meshes.name(op.axes)) for op in program.units]
+    handle = {op.name: ("" if op.is_root else op.modules[0]) for op in program.units}
     body: list[str] = []
     ind = "    "
     if program.of_type(Parallelize):
@@ -502,7 +501,7 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     body += [f"{ind}{line}" for line in meshes.definitions()]
     if program.of_type(Checkpoint) or program.of_type(Compile):
         body.append(f"{ind}# NOTE: checkpointing and compile wrap the plain modules before `fully_shard` hooks them.")
-    for (kind, direction), ops in sections:
+    for (kind, direction), ops in _sections(program):
         if kind is Parallelize:
             body += _emit_calls([_Call((op.module,), lambda e, op=op: f"parallelize_module({e(op.module)}, "
                                        f"{meshes.name((op.axis,))}, "
@@ -520,24 +519,7 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
                                        ", ".join(f"{k}={v!r}" for k, v in op.options) + ")",
                                        (_where(op.origin.span, op.origin.rule),)) for op in ops], model, ind)
         elif kind is FullyShard:
-            if body:
-                body.append("")
-            for value, name in hoisted.items():
-                body += _wrap(f"{name} = {value}", ind)
-            body.append(f"{ind}# NOTE: bottom-up: a call owns the parameters of its subtree not claimed by an "
-                        "earlier call.")
-            calls = []
-            for op in ops:
-                u = unit_of[op.name]
-
-                def render(e, u=u):
-                    op = u.op
-                    target = "model" if op.is_root else (
-                        "[" + ", ".join(e(m) for m in op.modules) + "]" if op.is_group else e(op.modules[0]))
-                    return f"fully_shard({', '.join([target] + u.kwargs(e, hoisted))})"
-                paths = () if op.is_root else tuple(op.modules) + tuple(u.param_paths)
-                calls.append(_Call(paths, render, _unit_comments(op)))
-            body += _emit_calls(calls, model, ind)
+            body += _fully_shard_section(ops, units, model, ind, bool(body))
         elif kind is SetPrefetch:
             body += ["", f"{ind}# explicit {direction} prefetch (all-gather these units ahead)"]
             pre = [_Call((handle[op.unit], *[handle[t] for t in op.targets]) if handle[op.unit] else (),
@@ -551,8 +533,38 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
                                        lambda e, op=op: f"{e(handle[op.unit])}.{op.method}("
                                        + ", ".join(_literal(a) for a in op.args) + ")",
                                        (_where(op.origin.span, op.origin.rule),)) for op in ops], model, ind)
-    body += [f"{ind}return model"]
+    return body + [f"{ind}return model"]
 
+
+def _fully_shard_section(ops, units: list["_Unit"], model, ind: str, after_code: bool) -> list[str]:
+    """The `fully_shard` calls, bottom-up, a `MixedPrecisionPolicy` several calls share named once."""
+    counts: dict[str, int] = {}
+    for u in units:
+        if u.mp_policy is not None:
+            counts[u.mp_policy] = counts.get(u.mp_policy, 0) + 1
+    shared = [v for v, n in counts.items() if n > 1]
+    hoisted = {v: ("mp_policy" if len(shared) == 1 else f"mp_policy_{i}") for i, v in enumerate(shared, 1)}
+    unit_of = {u.op.name: u for u in units}
+    lines = [""] if after_code else []
+    for value, name in hoisted.items():
+        lines += _wrap(f"{name} = {value}", ind)
+    lines.append(f"{ind}# NOTE: bottom-up: a call owns the parameters of its subtree not claimed by an earlier call.")
+    calls = []
+    for op in ops:
+        u = unit_of[op.name]
+
+        def render(e, u=u):
+            op = u.op
+            target = "model" if op.is_root else (
+                "[" + ", ".join(e(m) for m in op.modules) + "]" if op.is_group else e(op.modules[0]))
+            return f"fully_shard({', '.join([target] + u.kwargs(e, hoisted))})"
+        paths = () if op.is_root else tuple(op.modules) + tuple(u.param_paths)
+        calls.append(_Call(paths, render, _unit_comments(op)))
+    return lines + _emit_calls(calls, model, ind)
+
+
+def _module_text(program, body: list[str], plan_path: str, model_ref: str) -> str:
+    """The module around `apply_plan`'s body: docstring, the imports its code uses, helpers."""
     uses = "\n".join(line for line in body if not line.lstrip().startswith("#"))  # code, not comments
     imports = ["import torch"] if "torch." in uses else []
     if program.of_type(Checkpoint):
