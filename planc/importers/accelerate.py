@@ -273,7 +273,37 @@ def translate(source: str, file: str = "<config>", *, graph: ModelGraph | None =
     if version not in (1, 2, "1", "2"):
         diags.append(_error("P702", f"unknown fsdp_version `{version}`", get["fsdp_version"].span, "not 1 or 2"))
 
-    # --- sharding strategy: mesh and reshard_after_forward
+    _sharding(cfg, top, get, draft, diags)
+
+    if "mixed_precision" in top:
+        _precision(cfg.entry(top["mixed_precision"][1]), draft, diags)
+
+    _offload_and_prefetch(get, draft, diags)
+
+    # --- auto wrap policy: the units
+    selector = _wrap_selector(get, graph, diags, draft, file)
+    if selector:
+        draft.units.append(st.UnitStmt(span=_NOWHERE, target=selector, block=None))
+    if "fsdp_activation_checkpointing" in get:
+        entry = get["fsdp_activation_checkpointing"]
+        if _bool(entry, "fsdp_activation_checkpointing", diags):
+            if selector:
+                # accelerate checkpoints exactly the modules its wrap policy wraps
+                draft.checkpoints.append(st.CheckpointStmt(
+                    span=_NOWHERE, selector=selector, mode=st.Name(span=_NOWHERE, value="full")))
+            else:
+                diags.append(_error("P704", "activation checkpointing without a wrap policy", entry.span,
+                                    "checkpoints nothing", ("accelerate checkpoints the modules its auto wrap "
+                                                            "policy picks; with none it checkpoints nothing",),
+                                    severity="warning"))
+    if not model_ref:
+        draft.header.append("No `model` line: add one, or check with `planc check PLAN --model MODULE:CALLABLE`.")
+    from planc.diagnostics import sort_diagnostics
+    return draft.text(), sort_diagnostics(diags)
+
+
+def _sharding(cfg: _Config, top: dict, get: dict[str, _Entry], draft: _Draft, diags: list[Diagnostic]) -> None:
+    """The sharding strategy as the plan's mesh and `reshard after_forward` default."""
     strategy, reshard = "FULL_SHARD", None
     if "fsdp_sharding_strategy" in get:
         strategy = _strategy(get["fsdp_sharding_strategy"], "fsdp_sharding_strategy", diags) or strategy
@@ -304,24 +334,26 @@ def translate(source: str, file: str = "<config>", *, graph: ModelGraph | None =
     if reshard is not None:
         draft.defaults.append(_option("reshard", after_forward="true" if reshard else "false"))
 
-    # --- mixed precision (top level): accelerate uses MixedPrecision(dtype, dtype, dtype)
-    if "mixed_precision" in top:
-        mp = cfg.entry(top["mixed_precision"][1])
-        word = str(mp.value).lower()
-        if word not in PRECISIONS:
-            diags.append(_error("P702", f"unknown mixed_precision `{mp.value}`", mp.span, "not a precision",
-                                suggestion(word, PRECISIONS) or ("write no, bf16, fp16 or fp8",)))
-        elif word == "fp8":
-            diags.append(_error("P704", "fp8 training is not a sharding setting", mp.span, "not translated",
-                                ("FSDP2 all-gathers fp8 weights through torchao's float8 training, set up in "
-                                 "the script; the plan keeps fp32 parameters",), severity="warning"))
-        elif PRECISIONS[word]:
-            dt = PRECISIONS[word]
-            draft.defaults.insert(0, _option("precision", param=dt, reduce=dt))
-            draft.header.append(f"accelerate reduces gradients in {dt}; torchtitan reduces in fp32 "
-                                "(`reduce = fp32`), which is safer for long runs.")
 
-    # --- offload and prefetch
+def _precision(mp: _Entry, draft: _Draft, diags: list[Diagnostic]) -> None:
+    """Top-level `mixed_precision`: accelerate uses MixedPrecision(dtype, dtype, dtype)."""
+    word = str(mp.value).lower()
+    if word not in PRECISIONS:
+        diags.append(_error("P702", f"unknown mixed_precision `{mp.value}`", mp.span, "not a precision",
+                            suggestion(word, PRECISIONS) or ("write no, bf16, fp16 or fp8",)))
+    elif word == "fp8":
+        diags.append(_error("P704", "fp8 training is not a sharding setting", mp.span, "not translated",
+                            ("FSDP2 all-gathers fp8 weights through torchao's float8 training, set up in "
+                             "the script; the plan keeps fp32 parameters",), severity="warning"))
+    elif PRECISIONS[word]:
+        dt = PRECISIONS[word]
+        draft.defaults.insert(0, _option("precision", param=dt, reduce=dt))
+        draft.header.append(f"accelerate reduces gradients in {dt}; torchtitan reduces in fp32 "
+                            "(`reduce = fp32`), which is safer for long runs.")
+
+
+def _offload_and_prefetch(get: dict[str, _Entry], draft: _Draft, diags: list[Diagnostic]) -> None:
+    """CPU offload and FSDP1's prefetch keys, as defaults or warnings where FSDP2 has no equivalent."""
     if "fsdp_offload_params" in get and _bool(get["fsdp_offload_params"], "fsdp_offload_params", diags):
         draft.defaults.append(_option("offload", "cpu"))
     if "fsdp_forward_prefetch" in get and _bool(get["fsdp_forward_prefetch"], "fsdp_forward_prefetch", diags):
@@ -337,27 +369,6 @@ def translate(source: str, file: str = "<config>", *, graph: ModelGraph | None =
                 diags.append(_error("P704", f"`{word}` has no FSDP2 equivalent", entry.span, "not translated",
                                     ("FSDP2 always prefetches the next unit in backward (like BACKWARD_PRE); "
                                      "explicit lists are `prefetch backward = [...]`",), severity="warning"))
-
-    # --- auto wrap policy: the units
-    selector = _wrap_selector(get, graph, diags, draft, file)
-    if selector:
-        draft.units.append(st.UnitStmt(span=_NOWHERE, target=selector, block=None))
-    if "fsdp_activation_checkpointing" in get:
-        entry = get["fsdp_activation_checkpointing"]
-        if _bool(entry, "fsdp_activation_checkpointing", diags):
-            if selector:
-                # accelerate checkpoints exactly the modules its wrap policy wraps
-                draft.checkpoints.append(st.CheckpointStmt(
-                    span=_NOWHERE, selector=selector, mode=st.Name(span=_NOWHERE, value="full")))
-            else:
-                diags.append(_error("P704", "activation checkpointing without a wrap policy", entry.span,
-                                    "checkpoints nothing", ("accelerate checkpoints the modules its auto wrap "
-                                                            "policy picks; with none it checkpoints nothing",),
-                                    severity="warning"))
-    if not model_ref:
-        draft.header.append("No `model` line: add one, or check with `planc check PLAN --model MODULE:CALLABLE`.")
-    from planc.diagnostics import sort_diagnostics
-    return draft.text(), sort_diagnostics(diags)
 
 
 def _wrap_selector(get: dict[str, _Entry], graph: ModelGraph | None, diags: list[Diagnostic],
