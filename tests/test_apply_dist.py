@@ -33,6 +33,7 @@ PLANS = {
     "seed": ("plans/seed.plan", "seed_transformer_tiny"),
     "gpt": ("plans/gpt.plan", "gpt_tiny"),
     "moe": ("plans/moe.plan", "moe_transformer_tiny"),
+    "routed_moe": ("plans/routed-moe.plan", "routed_moe_tiny"),
     "seed_hsdp": ("plans/seed_hsdp.plan", "seed_transformer_tiny"),
 }
 

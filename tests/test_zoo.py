@@ -288,6 +288,8 @@ def test_zoo_registry_and_frozen_configs():
         "moe_transformer_tiny",
         "llama",
         "llama_tiny",
+        "routed_moe",
+        "routed_moe_tiny",
     }
     with torch.device("meta"):
         for name, builder in zoo.ZOO.items():

@@ -17,6 +17,7 @@ runs, so torch's own SDPA formulas are registered for it (what a GPU's flash ker
 
 from __future__ import annotations
 
+import sys
 import types
 import warnings
 import weakref
@@ -31,7 +32,8 @@ from planc.lower.checkpointing import SAVED_OPS
 
 
 def flop_mapping() -> dict:
-    """FlopCounterMode's extra formulas: the CPU attention kernels, counted as the GPU ones are."""
+    """FlopCounterMode's extra formulas: the CPU attention kernels, counted as the GPU ones are, and
+    planc's grouped matmul of routed experts (`planc/zoo/grouped.py`)."""
     from torch.utils.flop_counter import flop_registry
     aten = torch.ops.aten
     out = {}
@@ -41,6 +43,9 @@ def flop_mapping() -> dict:
         op, ref = getattr(aten, cpu, None), getattr(aten, gpu, None)
         if op is not None and ref is not None and ref in flop_registry:
             out[op] = _raw(flop_registry[ref])
+    grouped = sys.modules.get("planc.zoo.grouped")  # the routed experts' matmul, once a model uses it
+    if grouped is not None:
+        out.update(grouped.flop_formulas())
     return out
 
 

@@ -2,7 +2,7 @@
 
 The quick start, the documentation and the test-suite (including multi-process FSDP2 tests on
 CPU with gloo) all need a few well-known module trees to point plans at. This module provides
-four families, each in a full size and a tiny size:
+five families, each in a full size and a tiny size:
 
 * ``seed_transformer`` -- a plain pre-norm decoder built from ``nn.MultiheadAttention``
   (about 1.41B parameters at full size). Its attribute names (``embedding``,
@@ -11,7 +11,7 @@ four families, each in a full size and a tiny size:
   *tied*, the classic case a sharding plan must keep in one FSDP group.
 * ``moe_transformer`` -- a decoder whose feed-forward layers are mixtures of experts, with the
   expert weights stored as 3-D tensors that have a leading expert dimension (the case that
-  calls for ``Shard(1)`` or other non-default placements).
+  calls for ``Shard(1)`` or other non-default placements). Every expert runs on every token.
 * ``llama`` -- a Llama-3-style decoder ready for tensor parallelism (about 1.50B parameters at
   full size, the Llama 3.2 1B shape with an untied output): RMSNorm, separate ``wq``/``wk``/
   ``wv``/``wo`` with grouped-query attention and rotary positions, a SwiGLU feed-forward
@@ -19,6 +19,9 @@ four families, each in a full size and a tiny size:
   the same. Its attention views projections with the *local* head count (``view(b, s, -1,
   head_dim)``) and takes the sequence length from its input, so colwise q/k/v, sequence
   parallelism and loss parallelism all work (``plans/zoo-llama-tp.plan``).
+* ``routed_moe`` -- a *routed* mixture of experts (64 experts, top-6 at full size): a top-k
+  router, tokens sorted by expert, each expert run only on its own tokens by a grouped matmul
+  (``planc::grouped_mm``), torchtitan's module names and 3-D expert layout.
 
 Design rules that every model here follows, because the compiler and the FSDP2 tests rely on
 them:
@@ -73,6 +76,7 @@ from planc.zoo.moe import (
     moe_transformer,
     moe_transformer_tiny,
 )
+from planc.zoo.routed import ROUTED_MOE_TINY_CONFIG, RoutedMoETransformer, routed_moe, routed_moe_tiny
 from planc.zoo.seed import SEED_TINY_CONFIG, Block, SeedConfig, SeedTransformer, seed_transformer, seed_transformer_tiny
 
 __all__ = [
@@ -107,6 +111,10 @@ __all__ = [
     "gpt_tiny",
     "moe_transformer",
     "moe_transformer_tiny",
+    "RoutedMoETransformer",
+    "ROUTED_MOE_TINY_CONFIG",
+    "routed_moe",
+    "routed_moe_tiny",
     "example_input",
     "ZOO",
 ]
@@ -153,4 +161,6 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
     "moe_transformer_tiny": moe_transformer_tiny,
     "llama": llama,
     "llama_tiny": llama_tiny,
+    "routed_moe": routed_moe,
+    "routed_moe_tiny": routed_moe_tiny,
 }
