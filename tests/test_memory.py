@@ -18,6 +18,7 @@ from planc import zoo
 from planc.analysis.simulate import simulate, zoo_inputs
 from planc.estimate import memory
 from planc.estimate.trace import TraceError
+from planc.lower import fsdp
 from planc.model.graph import ModelGraph
 from planc.quantities import show_bytes
 
@@ -44,7 +45,7 @@ def compile_text(text: str, world: int, builder: str = "seed_transformer_tiny"):
 def test_shard_numel_is_the_padded_torch_chunk(dim0, rest, shard):
     # FSDP2 allocates every rank the size of the first (largest) chunk, empty ranks included
     first = torch.chunk(torch.empty(dim0, rest, device="meta"), shard)[0]
-    assert memory.shard_numel((dim0, rest), shard) == first.numel()
+    assert fsdp.shard_numel((dim0, rest), shard) == first.numel()
 
 
 def test_world_of_one_holds_every_byte():
@@ -75,7 +76,7 @@ def test_optimizer_state():
     adamw, sgd = memory.estimate(c, 4, optimizer="adamw"), memory.estimate(c, 4, optimizer="sgd")
     for u in adamw.units:
         n_tensors = len(u.param_names)
-        assert u.optimizer == 2 * u.sharded + memory.STEP_COUNTER_BYTES * n_tensors
+        assert u.optimizer == 2 * u.sharded + fsdp.STEP_COUNTER_BYTES * n_tensors
     assert all(u.optimizer == 0 for u in sgd.units)
     assert sgd.peak.total < adamw.peak.total
 

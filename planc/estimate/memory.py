@@ -50,6 +50,15 @@ import torch
 
 from planc.estimate.trace import Example, Trace, TraceError, default_input, trace_for
 from planc.limits import rank_count
+from planc.lower.fsdp import (
+    STEP_COUNTER_BYTES,
+    compute_dtypes,
+    fsdp_shape,
+    has_moments,
+    optimizer_state_bytes,
+    reshard_group,
+    shard_numel,
+)
 from planc.lower.lowering import tensor_dims
 from planc.lower.program import Program
 
@@ -59,27 +68,13 @@ CATEGORIES = ("sharded_params", "sharded_grads", "optimizer_state", "unsharded_p
               "reduce_scatter", "unsharded_grads", "activations", "optimizer_temp", "inputs", "buffers")
 
 
-def has_moments(optimizer: str) -> bool:
-    """Adam and AdamW keep two states the size of the parameters (and a step counter)."""
-    return optimizer.startswith("adam")
-
-
 def foreach_temp(optimizer: str) -> bool:
     """foreach Adam(W) materialises sqrt(exp_avg_sq) for all parameters at once; fused does not."""
     return optimizer in ("adamw", "adam")
-STEP_COUNTER_BYTES = 4  # AdamW keeps a float32 `step` tensor per parameter
 
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
-
-
-def shard_numel(shape: tuple[int, ...], shard: int, dim: int = 0) -> int:
-    """Elements each rank stores for one parameter: FSDP2 pads `dim` to a multiple of `shard`."""
-    if not shape:
-        return 1
-    rest = math.prod(shape) // shape[dim] if shape[dim] else 0
-    return -(-shape[dim] // shard) * rest
 
 
 # ===================================================================== per-unit bytes
@@ -130,9 +125,7 @@ def unit_memory(program: Program, graph, world: int, optimizer: str = "adamw") -
         reduce_of = {}
         for name, info in zip(names, infos):
             dim = placed.get(name, 0)
-            shape = info.shape
-            if name in tp_dims and tp > 1:  # FSDP shards the tensor-parallel local shard
-                shape = tuple(-(-n // tp) if d == tp_dims[name] else n for d, n in enumerate(shape))
+            shape = fsdp_shape(info.shape, tp_dims.get(name), tp)
             numel = math.prod(shape)
             per_rank = shard_numel(shape, shard, dim)
             sharded += per_rank * _itemsize(info.dtype)
@@ -145,15 +138,10 @@ def unit_memory(program: Program, graph, world: int, optimizer: str = "adamw") -
                 grad_unsharded += numel * _itemsize(pdt)
                 rs += per_rank * shard * _itemsize(rdt)
                 grads += per_rank * _itemsize(info.dtype)
-                if has_moments(optimizer):
-                    opt += 2 * per_rank * _itemsize(info.dtype) + STEP_COUNTER_BYTES
+                opt += optimizer_state_bytes(per_rank, info.dtype, optimizer)
         reshard = op.policy.reshard_after_forward
-        if reshard is True or (not isinstance(reshard, bool) and reshard >= shard):
-            post = 0
-        elif reshard is False:
-            post = unsharded
-        else:
-            post = unsharded // int(reshard)
+        group = reshard_group(reshard, shard)
+        post = unsharded if group is None else 0 if group == shard else unsharded // group
         out.append(UnitMemory(op.name, i, count, sharded, unsharded, grad_unsharded, rs, grads, opt, post,
                               op.policy.offload.enabled, reshard, pdt, rdt, tuple(names), dim_copy, reduce_of))
     return out
@@ -514,19 +502,10 @@ def lower_bound(program: Program, graph, mem: list[UnitMemory], replicated: int,
               + (2 * replicated if has_moments(optimizer) else 0) + buffer_bytes(graph))
     grads = sum(m.grads for m in dev) + replicated
     outside = set(_replicated_params(program, graph))  # already in `always`
-    compute = _compute_dtypes(program, graph)
+    compute = compute_dtypes(program, graph)
     leaf = max((sum(graph.params[c].numel * _itemsize(compute[c]) for _, c in graph.own_params(p) if c not in outside)
                 for p in graph.modules), default=0)
     return always + max(leaf, activations + input_bytes, grads)
-
-
-def _compute_dtypes(program: Program, graph) -> dict[str, torch.dtype]:
-    """Each parameter's compute dtype under the plan (its stored dtype outside any unit)."""
-    out = {name: info.dtype for name, info in graph.params.items()}
-    for op in program.units:
-        for name in op.params:
-            out[name] = op.policy.precision.compute_dtype(graph.params[name].dtype)
-    return out
 
 
 def metric(compiled, name: str, world: int | None, input_shape: tuple[int, ...] | None = None) -> float | None:

@@ -2,7 +2,7 @@
 
 The activation trace (`planc/estimate/trace.py`) runs the model on fake tensors. Under tensor
 parallelism a rank holds each split parameter's local shard and sees local activations: a
-colwise output has out/tp features, a sequence-parallel region seq/tp tokens. `local_shape`
+colwise output has out/tp features, a sequence-parallel region seq/tp tokens. `local_shapes`
 gives a parameter's local shape; `emulate_layouts` hooks each module a `parallel` statement
 names so that its inputs and outputs change layout as torch's style changes them, with the
 same allocations on one rank: an all-gather (`Shard(d)` -> `Replicate`) makes a tensor tp
@@ -17,21 +17,15 @@ from __future__ import annotations
 
 from torch import nn
 
+from planc.lower.fsdp import fsdp_shape
 from planc.lower.lowering import tensor_dims
 from planc.lower.program import Parallelize
 from planc.resolve.tensor import Layout
 
 
-def local_shape(shape: tuple[int, ...], dim: int | None, tp: int) -> tuple[int, ...]:
-    """The shape of one tensor rank's shard of `shape` split on `dim` (ceil, as DTensor pads the last)."""
-    if dim is None or tp <= 1:
-        return tuple(shape)
-    return tuple(-(-n // tp) if d == dim else n for d, n in enumerate(shape))
-
-
 def local_shapes(program, graph, tp: int) -> dict[str, tuple[int, ...]]:
     """Canonical parameter -> its local shape on one tensor rank (only the split ones)."""
-    return {name: local_shape(graph.params[name].shape, dim, tp) for name, dim in tensor_dims(program, graph).items()}
+    return {name: fsdp_shape(graph.params[name].shape, dim, tp) for name, dim in tensor_dims(program, graph).items()}
 
 
 def _gather(x, dim: int, tp: int):

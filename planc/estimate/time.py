@@ -76,8 +76,7 @@ import torch
 
 from planc.estimate.hardware import Hardware
 from planc.estimate.hardware import hardware as hardware_of
-from planc.estimate.memory import shard_numel  # FSDP2's padded chunk, one definition
-from planc.estimate.tensor_local import local_shape
+from planc.lower.fsdp import compute_dtypes, fsdp_shape, reshard_group, shard_numel
 from planc.lower.lowering import tensor_dims
 from planc.lower.program import FullyShard, Parallelize, Program
 
@@ -159,9 +158,7 @@ def unit_collectives(program: Program, graph, world: int) -> list[list[Collectiv
         ag = rs = sharded = sharded_grad = 0
         for name in op.params:
             info = graph.params[name]
-            shape = tuple(info.shape)
-            if name in tp_dims:  # FSDP shards the tensor-parallel local shard
-                shape = tuple(-(-n // tp) if d == tp_dims[name] else n for d, n in enumerate(shape))
+            shape = fsdp_shape(info.shape, tp_dims.get(name), tp)
             per_rank = shard_numel(shape, shard, placed.get(name, 0))
             ag += per_rank * shard * _itemsize(precision.compute_dtype(info.dtype))
             sharded += per_rank * _itemsize(info.dtype)
@@ -176,13 +173,14 @@ def unit_collectives(program: Program, graph, world: int) -> list[list[Collectiv
             cs.append(Collective("all_gather", "shard", shard, ag, "forward", "params", stride))
             if offload:
                 cs.append(Collective("host_to_device", "host", 1, sharded, "forward", "params"))
-            if reshard is True or (not isinstance(reshard, bool) and reshard >= shard):
+            group = reshard_group(reshard, shard)
+            if group == shard:
                 cs.append(Collective("all_gather", "shard", shard, ag, "backward", "params", stride))
                 if offload:
                     cs.append(Collective("host_to_device", "host", 1, sharded, "backward", "params"))
-            elif not isinstance(reshard, bool) and reshard > 1:
+            elif group is not None and group > 1:
                 # hpZ: the backward all-gather runs within groups of N ranks of the shard axis
-                cs.append(Collective("all_gather", "shard", int(reshard), ag, "backward", "params", stride))
+                cs.append(Collective("all_gather", "shard", group, ag, "backward", "params", stride))
         if rs and shard > 1:
             cs.append(Collective("reduce_scatter", "shard", shard, rs, "backward", "grads", stride))
         if rs and replicate > 1:
@@ -269,7 +267,7 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
     ops = program.of_type(Parallelize)
     if tp <= 1 or not ops or profile is None:
         return {}
-    compute = _compute_dtypes(program, graph)
+    compute = compute_dtypes(program, graph)
     out: dict[str, list[Collective]] = {}
     # modules whose inputs arrive as DTensors from a `prepare_input`/`prepare` above them:
     # a colwise module there leaves its input gradient partial for the prepare to reduce
@@ -357,18 +355,10 @@ def recompute_collectives(program: Program, profile, tp_cs: dict[str, list[Colle
     return out
 
 
-def _compute_dtypes(program: Program, graph) -> dict[str, torch.dtype]:
-    out = {name: info.dtype for name, info in graph.params.items()}
-    for op in program.units:
-        for name in op.params:
-            out[name] = op.policy.precision.compute_dtype(graph.params[name].dtype)
-    return out
-
-
 def main_dtype(program: Program, graph) -> torch.dtype | None:
     """The compute dtype most parameters are gathered in (the dtype a step profile is run in)."""
     counts: dict[torch.dtype, int] = {}
-    for name, dtype in _compute_dtypes(program, graph).items():
+    for name, dtype in compute_dtypes(program, graph).items():
         if dtype.is_floating_point:
             counts[dtype] = counts.get(dtype, 0) + graph.params[name].numel
     return max(counts, key=counts.get) if counts else None
@@ -496,7 +486,7 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     units = program.units
     fsdp = unit_collectives(program, graph, world)
     per_unit = [UnitTime(u.name, i, list(cs)) for i, (u, cs) in enumerate(zip(units, fsdp))]
-    compute = _compute_dtypes(program, graph)
+    compute = compute_dtypes(program, graph)
     for i, u in enumerate(units):
         if u.params:
             per_unit[i].compute_dtype = str(compute[u.params[0]]).replace("torch.", "")
@@ -535,7 +525,7 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     shard = sizes.get("shard", 1)
     split = tensor_dims(program, graph) if tp > 1 else {}  # a parameter no rule splits is whole on every tensor rank
     for u in units:
-        n = sum(shard_numel(local_shape(tuple(graph.params[name].shape), split.get(name), tp), shard)
+        n = sum(shard_numel(fsdp_shape(graph.params[name].shape, split.get(name), tp), shard)
                 * _itemsize(graph.params[name].dtype)
                 for name in u.params if graph.params[name].requires_grad) * OPTIMIZER_BYTES.get(optimizer, 7)
         if u.policy.offload.enabled:

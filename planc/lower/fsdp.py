@@ -1,0 +1,66 @@
+"""FSDP2's rules for one parameter and one unit, written once: what memory and time both read.
+
+* the shape FSDP shards: a tensor-parallel parameter's local shard (`fsdp_shape`);
+* the elements a rank keeps of it: FSDP2 pads the sharded dim to a multiple of the shard
+  size (`shard_numel`; `Shard(d)` placements pad dim d instead of dim 0);
+* the dtype each parameter computes in under its unit's precision (`compute_dtypes`);
+* what `reshard_after_forward` does at a shard size (`reshard_group`): True (or a group at
+  least the shard size) frees the unsharded parameters after forward and all-gathers again in
+  backward over the whole shard axis; False keeps them; an int N keeps a copy sharded over N
+  ranks (ZeRO++ hpZ) and re-gathers within groups of N;
+* the optimizer's state per parameter (`optimizer_state_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+STEP_COUNTER_BYTES = 4  # AdamW keeps a float32 `step` tensor per parameter
+
+
+def fsdp_shape(shape: tuple[int, ...], tp_dim: int | None, tp: int) -> tuple[int, ...]:
+    """The shape FSDP shards: the tensor-parallel local shard on `tp_dim` (ceil, as DTensor pads the last)."""
+    if tp_dim is None or tp <= 1:
+        return tuple(shape)
+    return tuple(-(-n // tp) if d == tp_dim else n for d, n in enumerate(shape))
+
+
+def shard_numel(shape: tuple[int, ...], shard: int, dim: int = 0) -> int:
+    """Elements each rank stores for one parameter: FSDP2 pads `dim` to a multiple of `shard`."""
+    if not shape:
+        return 1
+    rest = math.prod(shape) // shape[dim] if shape[dim] else 0
+    return -(-shape[dim] // shard) * rest
+
+
+def compute_dtypes(program, graph) -> dict[str, torch.dtype]:
+    """Each parameter's compute dtype under the plan (its stored dtype outside any unit)."""
+    out = {name: info.dtype for name, info in graph.params.items()}
+    for op in program.units:
+        for name in op.params:
+            out[name] = op.policy.precision.compute_dtype(graph.params[name].dtype)
+    return out
+
+
+def reshard_group(reshard: bool | int, shard: int) -> int | None:
+    """After forward: None keeps the unsharded parameters (`false`); otherwise the ranks the
+    parameters stay sharded over until backward re-gathers them (`shard` for a full reshard)."""
+    if reshard is False:
+        return None
+    if reshard is True or reshard >= shard:
+        return shard
+    return int(reshard)
+
+
+def has_moments(optimizer: str) -> bool:
+    """Adam and AdamW keep two states the size of the parameters (and a step counter)."""
+    return optimizer.startswith("adam")
+
+
+def optimizer_state_bytes(per_rank: int, dtype: torch.dtype, optimizer: str) -> int:
+    """The optimizer's state for one parameter's local shard of `per_rank` elements."""
+    if not has_moments(optimizer):
+        return 0
+    return 2 * per_rank * torch.empty((), dtype=dtype, device="meta").element_size() + STEP_COUNTER_BYTES
