@@ -23,6 +23,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from planc.estimate.trace import LossFn, default_loss
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
+from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
+
+# What the recorder runs: the applied plan (the runtime's reader refuses what it cannot
+# apply) and one forward, loss (in `loss_parallel()`) and backward, attributed to the units.
+READER = Reader("the collective recorder", (FullyShard, Parallelize, Checkpoint, Compile, SetPrefetch, UnitMethod),
+                (FORWARD, FULL_BACKWARD), (LossParallel,))
 
 # c10d op -> (kind, index of the tensor whose bytes are the nccl-tests size)
 _OPS = {
@@ -145,6 +152,7 @@ def record_collectives(plan, build: Callable[[], nn.Module], world: int, *,
         with torch.device("meta"):
             model = build()
         compiled = plan if isinstance(plan, planc.CompiledPlan) else planc.compile(plan, model, world)
+        READER.compiled(compiled)
         mesh = build_mesh(compiled.mesh, world, "cpu")
         applied = apply(model, compiled.plan, mesh=mesh)
         names = {tuple(id(model.get_submodule(p)) if p else id(model) for p in op.modules): op.name

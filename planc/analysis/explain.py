@@ -16,7 +16,8 @@ import json
 from typing import Any
 
 from planc.estimate.memory import CATEGORIES, Estimate
-from planc.lower.program import Policy
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
+from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, Policy, SetPrefetch, UnitMethod
 from planc.resolve.ir import Unit
 from planc.resolve.mesh import Role
 from planc.resolve.options import show_value
@@ -71,7 +72,6 @@ def parameter_placements(compiled, world: int) -> dict[str, dict[str, str]]:
     style touches, no tensor axis (it is then a DTensor on the data-parallel submesh only).
     """
     from planc.lower.lowering import tensor_dims
-    from planc.lower.program import Parallelize
 
     program, graph, mesh = compiled.program, compiled.graph, compiled.mesh
     sizes = mesh.sizes(world) or {}
@@ -172,8 +172,16 @@ def _mesh(compiled, est: Estimate) -> dict[str, Any]:
     return out
 
 
+# What explain shows: per unit its FSDP settings, prefetch lists and unit methods (from the
+# resolution the ops were lowered from), each parameter's placement per axis (`Parallelize`,
+# `FullyShard`), checkpointing and compile as settings; the one step's estimates.
+READER = Reader("explain", (FullyShard, Parallelize, Checkpoint, Compile, SetPrefetch, UnitMethod),
+                (FORWARD, FULL_BACKWARD), (LossParallel,))
+
+
 def report(compiled, est: Estimate, measured=None, model_ref: str | None = None, step_time=None) -> dict[str, Any]:
     """Everything `explain` shows, as JSON-ready data (bytes are per rank)."""
+    READER.compiled(compiled)
     res = compiled.resolution
     table = parameter_placements(compiled, est.world)
     units = []

@@ -41,6 +41,8 @@ from torch import nn
 from planc.checks.tensor import STATIC_TENSOR_CODES
 from planc.diagnostics import Diagnostic, PlanError, Span
 from planc.estimate.trace import Example, LossFn, default_loss, known_cause
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
+from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
 from planc.resolve.mesh import Role
 
 __all__ = ["check_step", "default_input_shape", "simulation_world"]
@@ -135,13 +137,18 @@ def _op_text(op) -> str:
     return f"`{op.module or '<root>'}` {op.style.kind}"
 
 
+# What the shape check runs: the applied plan and one forward, loss (in `loss_parallel()`),
+# backward and optimizer step on fake tensors.
+READER = Reader("the shape check", (FullyShard, Parallelize, Checkpoint, Compile, SetPrefetch, UnitMethod),
+                (FORWARD, FULL_BACKWARD), (LossParallel,))
+
+
 class _Step:
     """One simulated step of an applied plan, with what is needed to say where it failed."""
 
     def __init__(self, compiled, model: nn.Module, world: int, tp: int, rank: int = 0):
-        from planc.lower.program import Parallelize
         self.compiled, self.model, self.world, self.tp = compiled, model, world, tp
-        self.ops = {op.module: op for op in compiled.program.of_type(Parallelize)}
+        self.ops = {op.module: op for op in READER.compiled(compiled).program.of_type(Parallelize)}
         self.where = (f"at world {world}" + (f" (tensor {tp})" if compiled.mesh.axis(Role.TENSOR) else "")
                       + (f" on rank {rank}, which holds the smallest uneven shards" if rank else ""))
 
@@ -310,7 +317,6 @@ class _Step:
     def apply_failure(self, err: BaseException) -> Diagnostic:
         """A failure inside `planc.apply`: the program op that was running, read off the traceback."""
         from planc.backends import runtime
-        from planc.lower.program import FullyShard, Parallelize
         op = None
         tb = err.__traceback__
         while tb is not None:  # the innermost frame of `runtime.run` that holds the op it executes

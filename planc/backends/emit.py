@@ -8,7 +8,8 @@ names the plan lines it came from.
 
 Nothing is re-derived here: emit prints the lowered program (`compiled.program`,
 planc/lower/), the same operations `planc.apply` executes, one printer per op type. An
-operation this module cannot print is an error (`EmitError`), never a silent omission.
+op, action or step op this module has no rule for is refused (`READER`: `UnknownKind`), never
+silently omitted.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 
 from planc.compiler import CompiledPlan
 from planc.lang import vocabulary as vocab
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, UnknownKind
 from planc.lower.lowering import tensor_reties
 from planc.lower.program import (
     FULLY_SHARD_DEFAULTS,
@@ -42,10 +44,6 @@ from planc.resolve.mesh import Role
 
 LOOP_VAR = "block"
 WIDTH = 100  # wrap calls longer than this
-
-
-class EmitError(Exception):
-    """The program holds an operation emit cannot print (a new op kind without a printer)."""
 
 
 # ===================================================================== names -> expressions
@@ -467,7 +465,7 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     if model is None:
         raise ValueError("emit needs a plan compiled against a model")
     compiled.raise_for_errors()
-    program = compiled.program
+    program = READER.compiled(compiled).program
     plan_path = plan_path or compiled.plan.file
     model_ref = model_ref or compiled.plan.model_ref or type(model).__name__
     body = _body(compiled, program, model)
@@ -478,8 +476,8 @@ def _sections(program) -> list[tuple[tuple, list]]:
     """The ops in program order, as sections of one kind each (the program keeps kinds together)."""
     sections: list[tuple[tuple, list]] = []
     for op in program.ops:
-        if not isinstance(op, _PRINTABLE):
-            raise EmitError(f"emit cannot print a `{type(op).__name__}` operation yet")
+        if not isinstance(op, _PRINTABLE):  # READER refused it above; kept for a kind added to READER only
+            raise UnknownKind(READER.interpreter, op)
         kind = (type(op), getattr(op, "direction", None))
         if sections and sections[-1][0] == kind:
             sections[-1][1].append(op)
@@ -611,6 +609,9 @@ def _module_text(program, body: list[str], plan_path: str, model_ref: str) -> st
 
 
 _PRINTABLE = (Parallelize, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod)
+# What emit prints: every op as `apply_plan`'s calls; the step (forward, backward, the loss in
+# `loss_parallel()`) is the user's training loop, as with `planc.apply`.
+READER = Reader("emit", _PRINTABLE, (FORWARD, FULL_BACKWARD), (LossParallel,))
 
 _TORCH_STYLES = vocab.TORCH_STYLES
 

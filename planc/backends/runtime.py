@@ -41,7 +41,7 @@ from planc.compiler import compile as compile_plan
 from planc.diagnostics import Diagnostic, PlanError, Span, sort_diagnostics
 from planc.lang import syntax as st
 from planc.lower.checkpointing import context_fn
-from planc.lower.job import LossParallel
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, UnknownKind
 from planc.lower.lowering import tensor_reties
 from planc.lower.program import (
     Checkpoint,
@@ -399,6 +399,8 @@ def apply(model: nn.Module, plan: st.Plan | CompiledPlan | str | os.PathLike, *,
             sharded; please report it.)
     """
     compiled, extra = _compile_live(plan, model, mesh)
+    if compiled.ok:
+        READER.compiled(compiled)  # before anything changes, so a refused job leaves the model as it was
     diagnostics = sort_diagnostics(list(compiled.diagnostics) + extra)
     if any(d.is_error for d in diagnostics):
         raise PlanError(diagnostics, compiled.sources)
@@ -531,6 +533,12 @@ def _retie(model: nn.Module, reties: list[tuple[str, str]]) -> None:
             setattr(model.get_submodule(owner), local, shared)
 
 
+# What the runtime runs: every op; the step is the user's loop (forward, backward, in
+# `AppliedPlan.loss_parallel()` for the `LossParallel` step op).
+READER = Reader("the runtime (planc.apply)", (Parallelize, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod),
+                (FORWARD, FULL_BACKWARD), (LossParallel,))
+
+
 def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: CompiledPlan) -> AppliedPlan:
     """Execute a lowered program on a live model, op by op, in the program's order.
 
@@ -539,6 +547,8 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
     """
     from torch.distributed._composable import checkpoint
 
+    READER.program(program)
+    READER.compiled(compiled)
     # tensor parallelism runs first (the lowering puts it first): it replaces parameters with
     # DTensors, so the `fully_shard` arguments are computed after it, on the parameters FSDP sees
     tp = [op for op in program.ops if isinstance(op, Parallelize)]
@@ -592,6 +602,6 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
             setter([handles[t] for t in op.targets])
         elif isinstance(op, UnitMethod):
             getattr(handles[op.unit], op.method)(*op.args)
-        else:
-            raise TypeError(f"the runtime cannot execute a `{type(op).__name__}` operation")
+        else:  # READER.program refused it above; kept for a kind added to READER and not here
+            raise UnknownKind(READER.interpreter, op)
     return applied

@@ -59,8 +59,9 @@ from planc.lower.fsdp import (
     reshard_group,
     shard_numel,
 )
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
 from planc.lower.lowering import tensor_dims
-from planc.lower.program import Program
+from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, Program, SetPrefetch, UnitMethod
 
 # "adamw"/"adam": torch's foreach implementation (the default); "*_fused": fused=True.
 OPTIMIZERS = ("adamw", "adamw_fused", "adam", "adam_fused", "sgd", "none")
@@ -416,6 +417,13 @@ class _Replay:
         return self.timeline
 
 
+# What the memory model plays: the units' FSDP state (`FullyShard`, their prefetch lists), the
+# tensor split of parameters (`Parallelize`), checkpointing and the loss through the trace;
+# `compile` and unit methods (gradient divide factor, sum reduction) change no byte of it.
+READER = Reader("the memory estimate", (FullyShard, Parallelize, Checkpoint, Compile, SetPrefetch, UnitMethod),
+                (FORWARD, FULL_BACKWARD), (LossParallel,))
+
+
 def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
              inputs=None, input_shape: tuple[int, ...] | None = None, loss=None) -> Estimate:
     """The per-rank memory of one training step of `compiled` at `world` ranks.
@@ -442,7 +450,7 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
     if world is not None:
         rank_count(world, "world")
     world = world or compiled.world_size or 1
-    program = compiled.program
+    program = READER.compiled(compiled).program
     replicate, shard = mesh_sizes(program, world)
     graph = compiled.graph
     if inputs is None and input_shape is not None and graph.model is not None:

@@ -27,6 +27,13 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from planc.estimate.trace import Event
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
+from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
+
+# What makes blocks' traced events equal: their units, checkpointing and tensor styles (in
+# `_signature`); compile, prefetch lists and unit methods change no traced byte.
+READER = Reader("the repeated-block trace", (FullyShard, Parallelize, Checkpoint, Compile, SetPrefetch, UnitMethod),
+                (FORWARD, FULL_BACKWARD), (LossParallel,))
 
 MIN_RUN = 5  # blocks: the two first, the two last, and at least one written out
 
@@ -46,7 +53,6 @@ class Run:
 
 def _signature(compiled, path: str, unit) -> tuple | None:
     """What a block's traced events depend on (None: it may not be written out as a copy)."""
-    from planc.lower.program import Checkpoint, Parallelize
     graph, program = compiled.graph, compiled.program
     mod = graph.model.get_submodule(path)
     prefix = path + "."
@@ -70,7 +76,7 @@ def _signature(compiled, path: str, unit) -> tuple | None:
 
 def find_runs(compiled, min_run: int = MIN_RUN) -> list[Run]:
     """The runs of at least `min_run` identical single-block units (see the module docstring)."""
-    graph, units = compiled.graph, compiled.program.units
+    graph, units = compiled.graph, READER.compiled(compiled).program.units
     unit_of = {u.modules[0]: i for i, u in enumerate(units) if not u.is_root and len(u.modules) == 1}
     runs: list[Run] = []
     for parent in dict.fromkeys(path.rpartition(".")[0] for path in unit_of if "." in path):

@@ -18,13 +18,19 @@ from __future__ import annotations
 from torch import nn
 
 from planc.lower.fsdp import fsdp_shape
+from planc.lower.job import Reader
 from planc.lower.lowering import tensor_dims
-from planc.lower.program import Parallelize
+from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
 from planc.resolve.tensor import Layout
+
+# The tensor split is `Parallelize`'s alone: FSDP, checkpointing, compile, prefetch lists and
+# unit methods leave a tensor rank's local shapes and layouts as they are.
+READER = Reader("the tensor-local emulation", (FullyShard, Parallelize, Checkpoint, Compile, SetPrefetch, UnitMethod))
 
 
 def local_shapes(program, graph, tp: int) -> dict[str, tuple[int, ...]]:
     """Canonical parameter -> its local shape on one tensor rank (only the split ones)."""
+    READER.program(program)
     return {name: fsdp_shape(graph.params[name].shape, dim, tp) for name, dim in tensor_dims(program, graph).items()}
 
 
@@ -120,7 +126,7 @@ def emulate_layouts(model: nn.Module, program, graph, tp: int, prefix: str = "")
     profiles it): only the ops inside it are hooked, by their paths relative to it.
     """
     handles = []
-    for op in program.of_type(Parallelize):
+    for op in READER.program(program).of_type(Parallelize):
         if prefix and op.module != prefix and not op.module.startswith(prefix + "."):
             continue
         module = model.get_submodule(op.module[len(prefix) + 1:] if prefix else op.module)

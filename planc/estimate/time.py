@@ -77,8 +77,9 @@ import torch
 from planc.estimate.hardware import Hardware
 from planc.estimate.hardware import hardware as hardware_of
 from planc.lower.fsdp import compute_dtypes, fsdp_shape, reshard_group, shard_numel
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
 from planc.lower.lowering import tensor_dims
-from planc.lower.program import FullyShard, Parallelize, Program
+from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, Program, SetPrefetch, UnitMethod
 
 PHASES = ("forward", "backward", "optimizer")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "host_to_device", "device_to_host")
@@ -337,7 +338,6 @@ def recompute_collectives(program: Program, profile, tp_cs: dict[str, list[Colle
     module starts before the stop, an output-side one when its module ends before it (a block's
     final reduce-scatter, feeding only a residual add, does not rerun).
     """
-    from planc.lower.program import Checkpoint
     out: dict[str, list[Collective]] = {}
     if profile is None or not tp_cs:
         return out
@@ -462,6 +462,13 @@ OUTSIDE = "(outside units)"  # the row of compute no unit owns (plans with `root
 OPTIMIZER_BYTES = {"adamw": 7, "adam": 7, "adamw_fused": 7, "adam_fused": 7, "sgd": 3, "none": 0}
 
 
+# What the step time plays: the units' collectives and prefetch order, the tensor styles'
+# collectives and FLOP split, checkpointing's recompute, the loss in the traced profile;
+# `compile` and unit methods are not modelled (the efficiency factor stands for kernels).
+READER = Reader("the step-time estimate", (FullyShard, Parallelize, Checkpoint, Compile, SetPrefetch, UnitMethod),
+                (FORWARD, FULL_BACKWARD), (LossParallel,))
+
+
 def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100", profile=None, graph=None,
                        input_shape: tuple[int, ...] | None = None, inputs=None, loss=None,
                        optimizer: str = "adamw", efficiency: float | None = None) -> StepTime:
@@ -470,11 +477,11 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
 
     notes: list[str] = []
     if isinstance(plan, Program):
-        program = plan
+        program = READER.program(plan)
         if graph is None:
             raise ValueError("estimating a Program needs its model graph")
     else:
-        program, graph = plan.program, graph or plan.graph
+        program, graph = READER.compiled(plan).program, graph or plan.graph
     hw = hardware_of(hardware)
     eff = hw.efficiency if efficiency is None else float(efficiency)
     if not 0 < eff <= 1:
@@ -564,7 +571,6 @@ def _compute(program: Program, graph, flops, div: int, per_unit: list[UnitTime],
     """Each unit's forward, backward and recompute FLOPs and seconds from a compute profile (one
     rank's FLOPs are the profile's / `div`), the model FLOPs, and the forward and backward compute
     segments (unit index, seconds) in execution order."""
-    from planc.lower.program import Checkpoint
 
     # recompute: what torch's checkpoint reruns of the module in backward (`full` or `selective`)
     recompute: dict[str, int] = {}

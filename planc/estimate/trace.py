@@ -21,6 +21,16 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
+from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
+
+# What the trace records: the units' hooks (`FullyShard`), checkpointing, each tensor style's
+# local shapes and layouts; prefetch lists, `compile` and unit methods change no byte it records
+# (the memory replay plays the prefetches). One forward and one backward of the one part, the
+# loss (in `loss_parallel()`) as one tensor rank computes it.
+READER = Reader("the trace", (FullyShard, Checkpoint, Parallelize, Compile, SetPrefetch, UnitMethod),
+                (FORWARD, FULL_BACKWARD), (LossParallel,))
+
 
 @dataclass
 class Event:
@@ -54,7 +64,7 @@ def _root_index(units) -> int | None:
 
 def synthetic_trace(compiled) -> Trace:
     """Events in module order (pre-order forward, reverse backward), no activations."""
-    graph, units = compiled.graph, compiled.program.units
+    graph, units = compiled.graph, READER.compiled(compiled).program.units
     of = _unit_modules(units)
     root = _root_index(units)
     remaining = {i: len(u.modules) for i, u in enumerate(units) if not u.is_root}
@@ -331,10 +341,9 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
     from torch.distributed._composable.checkpoint_activation import checkpoint as checkpoint_module
 
     from planc.lower.checkpointing import context_fn
-    from planc.lower.program import Checkpoint, Parallelize
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    program = compiled.program
+    program = READER.compiled(compiled).program
     tp = tp if any(True for _ in program.of_type(Parallelize)) else 1
     model = fake_model(compiled, fake_mode, tp)
     layout_handles = []
@@ -501,7 +510,6 @@ def _step_key(compiled) -> tuple:
     """What of a compiled plan one traced step depends on: the units (their modules,
     parameters and precision), the checkpointed modules, the ignored parameters and the
     tensor-parallel styles."""
-    from planc.lower.program import Checkpoint, Parallelize
     program = compiled.program
     units = tuple((u.modules, u.params, u.is_root, u.policy.precision) for u in program.units)
     checkpointed = tuple(sorted((op.module, op.mode) for op in program.of_type(Checkpoint)))
@@ -531,6 +539,7 @@ def trace_for(compiled, inputs: "tuple | dict | Example | None", loss: LossFn | 
               repeat: bool = False) -> Trace:
     """The (cached) trace of one step of `compiled` with `inputs` and `loss`, on one of `tp` tensor
     ranks; `repeat`: see `fake_trace` (the same events, so one cache entry serves both)."""
+    READER.compiled(compiled)  # before the cache: a job it cannot record is refused every time
     cache = _TRACES.setdefault(compiled.graph, {})
     example = None if inputs is None else Example.of(inputs)
     key = (_step_key(compiled), None if example is None else example.key(), loss, tp)

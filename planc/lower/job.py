@@ -57,7 +57,8 @@ class UnknownKind(ValueError):
     """An interpreter met a part, action or step op it does not know (it never skips one)."""
 
     def __init__(self, interpreter: str, what: object):
-        super().__init__(f"{interpreter} does not know how to run {what!r}: refusing rather than skipping it")
+        shown = f"the action {what}" if isinstance(what, Action) else f"a `{type(what).__name__}` ({what!r})"
+        super().__init__(f"{interpreter} has no rule for {shown}: refusing it rather than skipping it")
         self.interpreter, self.what = interpreter, what
 
 
@@ -172,6 +173,55 @@ class Role:
     @property
     def name(self) -> str:
         return f"pipeline rank {self.pipeline_rank}"
+
+
+@dataclass(frozen=True)
+class Reader:
+    """What one interpreter knows of a job: the op, action and step-op kinds it has a rule for.
+
+    Every interpreter (runtime, emit, trace, memory, time, tensor_local, repeat, comms,
+    explain, the shape check) reads the job or program through its reader before it walks
+    it, so a kind added to the lowering that an interpreter has no rule for is refused with
+    `UnknownKind` rather than left out of what it runs, prints or estimates. A kind an
+    interpreter deliberately has nothing to do for (the trace and `UnitMethod`) is listed as
+    known: the choice is written down, once, next to the interpreter.
+    """
+
+    interpreter: str
+    ops: tuple[type, ...]
+    actions: tuple[str, ...] = (FORWARD, FULL_BACKWARD)
+    step_ops: tuple[type, ...] = ()
+
+    def program(self, program: Program) -> Program:
+        """`program`, after checking that every op is of a kind this interpreter knows."""
+        for op in program.ops:
+            if not isinstance(op, self.ops):
+                raise UnknownKind(self.interpreter, op)
+        return program
+
+    def action(self, action: Action) -> Action:
+        """`action`, after checking its kind (and those of the actions it runs together)."""
+        if action.kind not in self.actions:
+            raise UnknownKind(self.interpreter, action)
+        for sub in action.sub:
+            self.action(sub)
+        return action
+
+    def job(self, job: "Job") -> "Job":
+        """`job`, after checking every part's program, every role's actions and every step op."""
+        for part in job.parts:
+            self.program(part.program)
+        for actions in job.schedule.actions:
+            for action in actions:
+                self.action(action)
+        for op in job.step_ops:
+            if not isinstance(op, self.step_ops):
+                raise UnknownKind(self.interpreter, op)
+        return job
+
+    def compiled(self, compiled) -> "Job":
+        """The job of a `CompiledPlan`, checked (`job`)."""
+        return self.job(compiled.job)
 
 
 @dataclass(frozen=True)
