@@ -352,131 +352,23 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
         layout_handles = emulate_layouts(model, program, compiled.graph, tp)
     for op in program.of_type(Checkpoint):
         checkpoint_module(model.get_submodule(op.module), context_fn=context_fn(op.mode))
-    events: list[Event] = []
-    where: list[str] = [""]
-    mode = _LiveBytes(lambda func: events.append(Event("op", live=mode.live, grads=mode.grads, where=where[-1])))
-    units = program.units
-    root = _root_index(units)
-    post_done: set[int] = set()   # units whose every module finished backward
-    names_of = {i: list(u.params) for i, u in enumerate(units)}
-    params_of = {i: [model.get_parameter(p) for p in names] for i, names in names_of.items()}
-    fwd_pending: dict[int, int] = {}
-    first_in: dict[int, nn.Module] = {}   # the member of each unit that ran forward first
-    bwd_started: set[int] = set()
-
-    def post_backward(i: int, final: bool) -> None:
-        """FSDP2's post-backward: reduce-scatter the gradients there are, then reshard.
-
-        A group unit (`fully_shard([a, b])`) runs it once: torch 2.13 registers its
-        post-backward on the inputs of the member that runs forward first, and its
-        pre-backward on the output of the member that completes the group, so the group is
-        gathered once in backward and reduce-scatters all its gradients together.
-        """
-        if i in post_done:
-            return
-        if final:
-            post_done.add(i)
-        ready = tuple(n for n, p in zip(names_of[i], params_of[i]) if p.grad is not None)
-        events.append(Event("bwd_post", i, live=mode.live, grads=mode.grads, params=ready))
-        for p in params_of[i]:
-            p.grad = None  # FSDP2 frees unsharded gradients once they are reduce-scattered
-
-    handles = []
-    for i, u in enumerate(units):
-        if u.is_root:
-            continue
-        mods = [model.get_submodule(m) for m in u.modules]
-
-        def pre(mod, args, i=i, u=u):
-            if fwd_pending.get(i, 0) == 0:
-                events.append(Event("fwd_pre", i, live=mode.live))
-                first_in[i] = mod  # its inputs carry the group's post-backward hook
-            fwd_pending[i] = fwd_pending.get(i, 0) + 1
-            where.append(u.name)
-            if u.policy.precision.casts_inputs:
-                return _cast(args, u.policy.precision.param_dtype)
-            return None
-
-        def post(mod, args, out, i=i, u=u):
-            where.pop()
-            if fwd_pending[i] == len(u.modules):
-                fwd_pending[i] = 0
-                events.append(Event("fwd_post", i, live=mode.live))
-            if u.policy.precision.output_dtype is not None:
-                return _cast(out, u.policy.precision.output_dtype)
-            return None
-
-        def bw_pre(mod, grad_out, i=i, u=u):
-            if i not in bwd_started:  # a group's pre-backward runs once, at its first member
-                bwd_started.add(i)
-                events.append(Event("bwd_pre", i, live=mode.live))
-            where.append(u.name)
-
-        def bw_post(mod, grad_in, grad_out, i=i, u=u):
-            where.pop() if len(where) > 1 else None
-            if all(g is None for g in grad_in):
-                # no input needs a gradient (token ids): torch fires this hook before the
-                # module's backward; FSDP2 reduces such units in its end-of-backward callback
-                return
-            if first_in.get(i) is mod:
-                post_backward(i, final=True)
-
-        for m in mods:
-            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post),
-                        m.register_full_backward_pre_hook(bw_pre), m.register_full_backward_hook(bw_post)]
-    owner = {id(p): i for i, ps in params_of.items() for p in ps}
-
-    def grad_done(p: torch.Tensor) -> None:
-        if p.grad is not None:
-            mode.mark_grad(p.grad)
-            if owner.get(id(p)) in post_done:  # its unit already reduce-scattered
-                p.grad = None
-
-    for p in model.parameters():
-        if p.requires_grad:
-            handles.append(p.register_post_accumulate_grad_hook(grad_done))
+    rec = _Recorder(model, program.units)
+    handles = rec.install()
     runs = []
     if repeat:
         from planc.estimate import repeat as repeated
         runs = repeated.find_runs(compiled)
         repeated.shorten(model, runs)
-        post_done.update(repeated.elided_units(runs))  # they never run: no end-of-backward reduce
+        rec.post_done.update(repeated.elided_units(runs))  # they never run: no end-of-backward reduce
 
     example = Example.of(inputs)
     with fake_mode:
         example = example.map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
     input_bytes = sum(t.nbytes for t in example.tensors())
-    mode.ignore([*model.parameters(), *model.buffers(), *example.tensors()])
+    rec.mode.ignore([*model.parameters(), *model.buffers(), *example.tensors()])
     step_loss = loss or default_loss(model, tp)
-    labels = example
-    root_precision = units[root].policy.precision if root is not None else None
-    if root_precision is not None and root_precision.casts_inputs:
-        example = Example(*_cast((example.args, example.kwargs), root_precision.param_dtype))
     try:
-        with fake_mode, mode:
-            if root is not None:
-                events.append(Event("fwd_pre", root))
-            # NOTE: as in a training loop (torchtitan: `pred = model(x); loss = loss_fn(pred, y);
-            # del pred`): the output lives while the loss is taken, not during backward
-            out = model(*example.args, **example.kwargs)
-            if root_precision is not None and root_precision.output_dtype is not None:
-                out = _cast(out, root_precision.output_dtype)
-            if root is not None:  # the root's post-forward runs as the model returns, before the loss
-                events.append(Event("fwd_post", root, live=mode.live))
-            value = step_loss(out, labels)
-            del out
-            if root is not None:
-                events.append(Event("bwd_pre", root, live=mode.live))
-            with warnings.catch_warnings():  # full backward hooks warn on int inputs; harmless here
-                warnings.simplefilter("ignore")
-                value.backward()
-            del value
-            for i in range(len(units)):  # FSDP2's end-of-backward callback
-                if i != root:
-                    post_backward(i, final=True)
-            if root is not None:
-                post_backward(root, final=True)
-            events.append(Event("end_backward", live=mode.live, grads=mode.grads))
+        events = _run_step(rec, model, example, step_loss, fake_mode)
     except Exception:
         if not runs:
             raise
@@ -485,12 +377,144 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
         for h in handles + layout_handles:
             h.remove()
     if runs:
-        events = repeated.restore(events, runs, units) if events is not None else None
+        events = repeated.restore(events, runs, program.units) if events is not None else None
         if events is None:
             return fake_trace(compiled, inputs, loss, tp)
     on = f" (one of {tp} tensor-parallel ranks, its local shapes)" if tp > 1 else ""
     return Trace(events, input_bytes, f"live tensors of one forward and backward{on} on fake CPU tensors, each "
-                 f"unit's precision and checkpointing applied; {loss_name(model, labels, loss)}")
+                 f"unit's precision and checkpointing applied; {loss_name(model, example, loss)}")
+
+
+class _Recorder:
+    """The events of one step as FSDP2's hooks would see them, recorded by module and gradient hooks."""
+
+    def __init__(self, model: nn.Module, units) -> None:
+        self.model, self.units = model, units
+        self.events: list[Event] = []
+        self.where: list[str] = [""]
+        self.mode = _LiveBytes(lambda func: self.events.append(
+            Event("op", live=self.mode.live, grads=self.mode.grads, where=self.where[-1])))
+        self.root = _root_index(units)
+        self.post_done: set[int] = set()   # units whose every module finished backward
+        self.names_of = {i: list(u.params) for i, u in enumerate(units)}
+        self.params_of = {i: [model.get_parameter(p) for p in names] for i, names in self.names_of.items()}
+        self.fwd_pending: dict[int, int] = {}
+        self.first_in: dict[int, nn.Module] = {}   # the member of each unit that ran forward first
+        self.bwd_started: set[int] = set()
+
+    def event(self, kind: str, unit: int = -1, **fields) -> None:
+        self.events.append(Event(kind, unit, live=self.mode.live, **fields))
+
+    def post_backward(self, i: int, final: bool) -> None:
+        """FSDP2's post-backward: reduce-scatter the gradients there are, then reshard.
+
+        A group unit (`fully_shard([a, b])`) runs it once: torch 2.13 registers its
+        post-backward on the inputs of the member that runs forward first, and its
+        pre-backward on the output of the member that completes the group, so the group is
+        gathered once in backward and reduce-scatters all its gradients together.
+        """
+        if i in self.post_done:
+            return
+        if final:
+            self.post_done.add(i)
+        ready = tuple(n for n, p in zip(self.names_of[i], self.params_of[i]) if p.grad is not None)
+        self.event("bwd_post", i, grads=self.mode.grads, params=ready)
+        for p in self.params_of[i]:
+            p.grad = None  # FSDP2 frees unsharded gradients once they are reduce-scattered
+
+    def install(self) -> list:
+        """Every unit's forward and backward hooks, and each parameter's gradient hook; the handles."""
+        handles = []
+        for i, u in enumerate(self.units):
+            if not u.is_root:
+                handles += self._unit_hooks(i, u)
+        owner = {id(p): i for i, ps in self.params_of.items() for p in ps}
+
+        def grad_done(p: torch.Tensor) -> None:
+            if p.grad is not None:
+                self.mode.mark_grad(p.grad)
+                if owner.get(id(p)) in self.post_done:  # its unit already reduce-scattered
+                    p.grad = None
+
+        for p in self.model.parameters():
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(grad_done))
+        return handles
+
+    def _unit_hooks(self, i: int, u) -> list:
+        def pre(mod, args):
+            if self.fwd_pending.get(i, 0) == 0:
+                self.event("fwd_pre", i)
+                self.first_in[i] = mod  # its inputs carry the group's post-backward hook
+            self.fwd_pending[i] = self.fwd_pending.get(i, 0) + 1
+            self.where.append(u.name)
+            if u.policy.precision.casts_inputs:
+                return _cast(args, u.policy.precision.param_dtype)
+            return None
+
+        def post(mod, args, out):
+            self.where.pop()
+            if self.fwd_pending[i] == len(u.modules):
+                self.fwd_pending[i] = 0
+                self.event("fwd_post", i)
+            if u.policy.precision.output_dtype is not None:
+                return _cast(out, u.policy.precision.output_dtype)
+            return None
+
+        def bw_pre(mod, grad_out):
+            if i not in self.bwd_started:  # a group's pre-backward runs once, at its first member
+                self.bwd_started.add(i)
+                self.event("bwd_pre", i)
+            self.where.append(u.name)
+
+        def bw_post(mod, grad_in, grad_out):
+            self.where.pop() if len(self.where) > 1 else None
+            if all(g is None for g in grad_in):
+                # no input needs a gradient (token ids): torch fires this hook before the
+                # module's backward; FSDP2 reduces such units in its end-of-backward callback
+                return
+            if self.first_in.get(i) is mod:
+                self.post_backward(i, final=True)
+
+        handles = []
+        for m in (self.model.get_submodule(path) for path in u.modules):
+            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post),
+                        m.register_full_backward_pre_hook(bw_pre), m.register_full_backward_hook(bw_post)]
+        return handles
+
+
+def _run_step(rec: _Recorder, model: nn.Module, example: Example, step_loss: LossFn, fake_mode) -> list[Event]:
+    """One forward, loss and backward on fake tensors, with the root's and end-of-backward events."""
+    units, root, mode = rec.units, rec.root, rec.mode
+    labels = example
+    root_precision = units[root].policy.precision if root is not None else None
+    if root_precision is not None and root_precision.casts_inputs:
+        example = Example(*_cast((example.args, example.kwargs), root_precision.param_dtype))
+    with fake_mode, mode:
+        if root is not None:
+            rec.events.append(Event("fwd_pre", root))
+        # NOTE: as in a training loop (torchtitan: `pred = model(x); loss = loss_fn(pred, y);
+        # del pred`): the output lives while the loss is taken, not during backward
+        out = model(*example.args, **example.kwargs)
+        if root_precision is not None and root_precision.output_dtype is not None:
+            out = _cast(out, root_precision.output_dtype)
+        if root is not None:  # the root's post-forward runs as the model returns, before the loss
+            rec.event("fwd_post", root)
+        value = step_loss(out, labels)
+        del out
+        if root is not None:
+            rec.event("bwd_pre", root)
+        with warnings.catch_warnings():  # full backward hooks warn on int inputs; harmless here
+            warnings.simplefilter("ignore")
+            value.backward()
+        del value
+        for i in range(len(units)):  # FSDP2's end-of-backward callback
+            if i != root:
+                rec.post_backward(i, final=True)
+        if root is not None:
+            rec.post_backward(root, final=True)
+        rec.event("end_backward", grads=mode.grads)
+    return rec.events
 
 
 def default_input(model: nn.Module, input_shape: tuple[int, ...] | None) -> tuple | None:
