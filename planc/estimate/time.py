@@ -605,150 +605,157 @@ def _compute(program: Program, graph, flops, div: int, per_unit: list[UnitTime],
 def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, float]],
               bwd: list[tuple[int, float]], hw: Hardware, root: int | None) -> tuple[float, float, _Net]:
     """Replay FSDP2's overlap of collectives with compute; returns (end of backward, compute seconds, network)."""
-    names = [u.name for u in per_unit]
-    index = {n: i for i, n in enumerate(names)}
-    net, pcie = _Net(), _Net()
-    t = 0.0
-    compute_s = 0.0
-    n = len(per_unit)
+    sim = _Overlap(per_unit, hw)
+    segs, order = sim.forward(program, fwd, root)
+    sim.backward(program, bwd, segs, order, root)
+    end = max(sim.t, sim.net.free, sim.pcie.free)
+    if end > sim.t and sim.last_rs is not None:  # the tail: collectives still running after the last compute
+        per_unit[sim.last_rs].exposed_s += end - sim.t
+    return end, sim.compute_s, sim.net
 
-    def wait(i: int, ready: float) -> float:
+
+class _Overlap:
+    """One rank's compute stream, its network and its host link, as FSDP2 drives them in one step."""
+
+    def __init__(self, per_unit: list[UnitTime], hw: Hardware) -> None:
+        self.per_unit, self.hw = per_unit, hw
+        self.names = [u.name for u in per_unit]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.net, self.pcie = _Net(), _Net()
+        self.t = self.compute_s = 0.0
+        self.last_rs: int | None = None  # the last unit that reduced its gradients
+
+    def wait(self, i: int, ready: float) -> None:
         """Compute of unit i waits for its all-gather: the wait is exposed communication, billed to i."""
-        if ready > t:
-            per_unit[i].exposed_s += ready - t
-            return ready
-        return t
+        if ready > self.t:
+            self.per_unit[i].exposed_s += ready - self.t
+            self.t = ready
 
-    def cols(i: int, kind: str, phase: str) -> list[Collective]:
-        return [c for c in per_unit[i].collectives if c.kind == kind and c.phase == phase and c.axis != "tensor"]
+    def compute(self, seconds: float) -> None:
+        self.t += seconds
+        self.compute_s += seconds
 
-    def gather(i: int, phase: str, ready: float) -> float:
+    def cols(self, i: int, kind: str, phase: str) -> list[Collective]:
+        return [c for c in self.per_unit[i].collectives if c.kind == kind and c.phase == phase and c.axis != "tensor"]
+
+    def gather(self, i: int, phase: str, ready: float) -> float:
         """Issue unit i's all-gather (after its host copy, if offloaded); returns when it is done."""
         done = ready
-        for c in cols(i, "host_to_device", phase):
-            done = pcie.run(done, collective_s(c, hw))
+        for c in self.cols(i, "host_to_device", phase):
+            done = self.pcie.run(done, collective_s(c, self.hw))
         end = done
-        for c in cols(i, "all_gather", phase):
-            end = net.run(done, collective_s(c, hw))
+        for c in self.cols(i, "all_gather", phase):
+            end = self.net.run(done, collective_s(c, self.hw))
         return end
 
     # ---------------------------------------------------------------- forward
-    order: list[int] = []
-    for i, _ in fwd:
-        if i not in order:
-            order.append(i)
-    if root is not None and root in order:
-        order.remove(root)
-    if root is not None:
-        order.insert(0, root)
-    order += [i for i in range(n) if i not in order]
-    pf_fwd = program.prefetch("forward")
-    ready_at: dict[int, float] = {}
-    starts: list[float] = []
-    issued: set[int] = set()
-    seen: set[int] = set()
+    def forward(self, program: Program, fwd: list[tuple[int, float]], root: int | None):
+        """Forward: all-gathers at each unit's pre-forward or by its prefetch list, at most two units
+        ahead of compute; returns the forward segments and the units in pre-forward order."""
+        n = len(self.per_unit)
+        order: list[int] = []
+        for i, _ in fwd:
+            if i not in order:
+                order.append(i)
+        if root is not None and root in order:
+            order.remove(root)
+        if root is not None:
+            order.insert(0, root)
+        order += [i for i in range(n) if i not in order]
+        pf_fwd = program.prefetch("forward")
+        ready_at: dict[int, float] = {}
+        starts: list[float] = []
+        issued: set[int] = set()
+        seen: set[int] = set()
 
-    def pre_forward(i: int, now: float) -> None:
-        # the all-gather streams wait for the copy-out two units back (at most two in flight)
-        k = len(starts)
-        limit = starts[k - 2] if k >= 2 else 0.0
-        targets = [i] + [index[x] for x in pf_fwd.get(names[i], ()) if x in index]
-        for j in targets:
-            if j not in issued:
-                issued.add(j)
-                ready_at[j] = gather(j, "forward", limit)
+        def pre_forward(i: int) -> None:
+            # the all-gather streams wait for the copy-out two units back (at most two in flight)
+            k = len(starts)
+            limit = starts[k - 2] if k >= 2 else 0.0
+            for j in [i] + [self.index[x] for x in pf_fwd.get(self.names[i], ()) if x in self.index]:
+                if j not in issued:
+                    issued.add(j)
+                    ready_at[j] = self.gather(j, "forward", limit)
 
-    segs = list(fwd)
-    if not segs:
-        segs = [(i, 0.0) for i in order]
-    if root is not None and (not segs or segs[0][0] != root):
-        segs.insert(0, (root, 0.0))
-    for i, sec in segs:
-        if i not in seen:
+        def start(i: int) -> None:
             seen.add(i)
-            pre_forward(i, t)
-            t = wait(i, ready_at.get(i, 0.0))
-            starts.append(t)
-        t += sec
-        compute_s += sec
-    for i in order:  # units with no compute of their own still gather
-        if i not in seen:
-            seen.add(i)
-            pre_forward(i, t)
-            t = wait(i, ready_at.get(i, 0.0))
-            starts.append(t)
+            pre_forward(i)
+            self.wait(i, ready_at.get(i, 0.0))
+            starts.append(self.t)
+
+        segs = list(fwd) or [(i, 0.0) for i in order]
+        if root is not None and segs[0][0] != root:
+            segs.insert(0, (root, 0.0))
+        for i, sec in segs:
+            if i not in seen:
+                start(i)
+            self.compute(sec)
+        for i in order:  # units with no compute of their own still gather
+            if i not in seen:
+                start(i)
+        return segs, order
 
     # ---------------------------------------------------------------- backward
-    post_forward = [i for i in order if i != root]
-    # post-forward order: the order each unit finished forward (its last forward segment)
-    last_fwd: dict[int, int] = {}
-    for k, (i, _) in enumerate(segs):
-        last_fwd[i] = k
-    post_forward.sort(key=lambda i: last_fwd.get(i, -1))
-    bwd_order = list(reversed(post_forward))
-    pf_bwd = program.prefetch("backward")
-    b_issued: set[int] = set()
-    b_ready: dict[int, float] = {}
+    def backward(self, program: Program, bwd: list[tuple[int, float]], segs, order: list[int],
+                 root: int | None) -> None:
+        """Backward: each unit's all-gather at its pre-backward, the next one prefetched (or its list);
+        its reduce-scatter (and all-reduce) after its last backward segment."""
+        post_forward = [i for i in order if i != root]
+        # post-forward order: the order each unit finished forward (its last forward segment)
+        last_fwd = {i: k for k, (i, _) in enumerate(segs)}
+        post_forward.sort(key=lambda i: last_fwd.get(i, -1))
+        bwd_order = list(reversed(post_forward))
+        pf_bwd = program.prefetch("backward")
+        b_ready: dict[int, float] = {}
 
-    def bgather(j: int, ready: float) -> None:
-        if j in b_issued:
-            return
-        b_issued.add(j)
-        b_ready[j] = gather(j, "backward", ready) if cols(j, "all_gather", "backward") else ready
+        def bgather(j: int, ready: float) -> None:
+            if j not in b_ready:
+                b_ready[j] = self.gather(j, "backward", ready) if self.cols(j, "all_gather", "backward") else ready
 
-    def pre_backward(i: int, now: float) -> None:
-        bgather(i, now)
-        if names[i] in pf_bwd:
-            targets = [index[x] for x in pf_bwd[names[i]] if x in index]
-        else:
-            k = bwd_order.index(i) if i in bwd_order else -1
-            targets = bwd_order[k + 1:k + 2] if k >= 0 else bwd_order[:1]
-        for j in targets:
-            bgather(j, now)
+        def pre_backward(i: int) -> None:
+            bgather(i, self.t)
+            if self.names[i] in pf_bwd:
+                targets = [self.index[x] for x in pf_bwd[self.names[i]] if x in self.index]
+            else:
+                k = bwd_order.index(i) if i in bwd_order else -1
+                targets = bwd_order[k + 1:k + 2] if k >= 0 else bwd_order[:1]
+            for j in targets:
+                bgather(j, self.t)
 
-    last_rs: list[int] | None = None
+        bsegs = list(bwd) or [(i, 0.0) for i in bwd_order]
+        last_b = {i: k for k, (i, _) in enumerate(bsegs)}
+        b_seen: set[int] = set()
+        if root is not None:
+            b_seen.add(root)
+            pre_backward(root)
+        for k, (i, sec) in enumerate(bsegs):
+            if i not in b_seen:
+                b_seen.add(i)
+                pre_backward(i)
+                self.wait(i, b_ready.get(i, self.t))
+            self.compute(sec)
+            if last_b[i] == k and i != root:
+                self.post_backward(i)
+        for i in bwd_order:  # units with no backward compute (token embeddings: reduced at the end)
+            if i not in b_seen:
+                b_seen.add(i)
+                pre_backward(i)
+                self.wait(i, b_ready.get(i, self.t))
+                self.post_backward(i)
+        if root is not None:
+            self.post_backward(root)
 
-    def post_backward(i: int, now: float) -> None:
-        nonlocal last_rs
-        if cols(i, "reduce_scatter", "backward") or cols(i, "all_reduce", "backward"):
-            last_rs = [i]
-        end = now
-        for c in cols(i, "reduce_scatter", "backward"):
-            end = net.run(end, collective_s(c, hw))
-        for c in cols(i, "all_reduce", "backward"):
-            end = net.run(end, collective_s(c, hw))
-        for c in cols(i, "device_to_host", "backward"):
-            pcie.run(end, collective_s(c, hw))
-
-    bsegs = list(bwd) or [(i, 0.0) for i in bwd_order]
-    last_b: dict[int, int] = {}
-    for k, (i, _) in enumerate(bsegs):
-        last_b[i] = k
-    b_seen: set[int] = set()
-    if root is not None:
-        b_seen.add(root)
-        pre_backward(root, t)
-    for k, (i, sec) in enumerate(bsegs):
-        if i not in b_seen:
-            b_seen.add(i)
-            pre_backward(i, t)
-            t = wait(i, b_ready.get(i, t))
-        t += sec
-        compute_s += sec
-        if last_b[i] == k and i != root:
-            post_backward(i, t)
-    for i in bwd_order:  # units with no backward compute (token embeddings: reduced at the end)
-        if i not in b_seen:
-            b_seen.add(i)
-            pre_backward(i, t)
-            t = wait(i, b_ready.get(i, t))
-            post_backward(i, t)
-    if root is not None:
-        post_backward(root, t)
-    end = max(t, net.free, pcie.free)
-    if end > t and last_rs is not None:  # the tail: collectives still running after the last compute
-        per_unit[last_rs[0]].exposed_s += end - t
-    return end, compute_s, net
+    def post_backward(self, i: int) -> None:
+        """Unit i's reduce-scatter, all-reduce across replicas, and host copy of its gradients."""
+        if self.cols(i, "reduce_scatter", "backward") or self.cols(i, "all_reduce", "backward"):
+            self.last_rs = i
+        end = self.t
+        for c in self.cols(i, "reduce_scatter", "backward"):
+            end = self.net.run(end, collective_s(c, self.hw))
+        for c in self.cols(i, "all_reduce", "backward"):
+            end = self.net.run(end, collective_s(c, self.hw))
+        for c in self.cols(i, "device_to_host", "backward"):
+            self.pcie.run(end, collective_s(c, self.hw))
 
 
 
