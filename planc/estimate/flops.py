@@ -233,6 +233,15 @@ def _recompute(prof: StepProfile, events: list[tuple[int, bool]], spans: dict[st
 _PROFILES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
+def _example(graph, inputs, input_shape: tuple[int, ...] | None) -> Example | None:
+    """The step's inputs: `inputs`, else token ids of `input_shape`; None without a model or an input."""
+    if graph.model is None:
+        return None
+    if inputs is None and input_shape is not None:
+        inputs = default_input(graph.model, input_shape)
+    return None if inputs is None else Example.of(inputs)
+
+
 def step_profile(graph, inputs=None, *, input_shape: tuple[int, ...] | None = None,
                  loss: LossFn | None = None, dtype: torch.dtype | None = None,
                  repeat: bool = False) -> StepProfile | None:
@@ -253,13 +262,9 @@ def step_profile(graph, inputs=None, *, input_shape: tuple[int, ...] | None = No
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if graph.model is None:
+    example = _example(graph, inputs, input_shape)
+    if example is None:
         return None
-    if inputs is None and input_shape is not None:
-        inputs = default_input(graph.model, input_shape)
-    if inputs is None:
-        return None
-    example = Example.of(inputs)
     cache = _PROFILES.setdefault(graph, {})
     key = (example.key(), loss, dtype)
     if key not in cache:
@@ -318,13 +323,9 @@ def tensor_rank_profile(graph, program, inputs=None, *, input_shape: tuple[int, 
     from planc.lower.program import Parallelize
 
     rules = tuple(program.of_type(Parallelize))
-    if graph.model is None or tp <= 1 or not rules:
+    example = _example(graph, inputs, input_shape)
+    if example is None or tp <= 1 or not rules:
         return None
-    if inputs is None and input_shape is not None:
-        inputs = default_input(graph.model, input_shape)
-    if inputs is None:
-        return None
-    example = Example.of(inputs)
     cache = _PROFILES.setdefault(graph, {})
     key = ("tensor rank", example.key(), loss, tp, rules)
     if key not in cache:

@@ -130,12 +130,12 @@ class MoEBlock(nn.Module):
         config: Model shape.
     """
 
-    def __init__(self, config: MoEConfig) -> None:
+    def __init__(self, config: MoEConfig, moe: type[nn.Module] | None = None) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(config.dim)
         self.attention = CausalSelfAttention(config.dim, config.n_heads, bias=False)
         self.ffn_norm = nn.RMSNorm(config.dim)
-        self.moe = MoE(config.dim, config.num_experts, config.hidden_dim, config.top_k)
+        self.moe = (moe or MoE)(config.dim, config.num_experts, config.hidden_dim, config.top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Transforms ``x`` ([batch, seq, dim]); the output has the same shape."""
@@ -157,11 +157,11 @@ class MoETransformer(nn.Module):
         config: The :class:`MoEConfig` the model was built from.
     """
 
-    def __init__(self, config: MoEConfig) -> None:
+    def __init__(self, config: MoEConfig, block: type[nn.Module] | None = None) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(MoEBlock(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList((block or MoEBlock)(config) for _ in range(config.n_layers))
         self.norm = nn.RMSNorm(config.dim)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 

@@ -21,8 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from planc.zoo.grouped import grouped_mm
-from planc.zoo.layers import CausalSelfAttention
-from planc.zoo.moe import MoEConfig
+from planc.zoo.moe import MoEBlock, MoEConfig, MoETransformer
 
 
 class Router(nn.Module):
@@ -88,38 +87,18 @@ class RoutedMoE(nn.Module):
         return mixed.view_as(x)
 
 
-class RoutedMoEBlock(nn.Module):
-    """Pre-norm block: `h = x + attention(attention_norm(x))`, then `h + moe(ffn_norm(h))`."""
+class RoutedMoEBlock(MoEBlock):
+    """Pre-norm block: `h = x + attention(attention_norm(x))`, then `h + moe(ffn_norm(h))`, routed."""
 
     def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(config.dim)
-        self.attention = CausalSelfAttention(config.dim, config.n_heads, bias=False)
-        self.ffn_norm = nn.RMSNorm(config.dim)
-        self.moe = RoutedMoE(config.dim, config.num_experts, config.hidden_dim, config.top_k)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x))
-        return h + self.moe(self.ffn_norm(h))
+        super().__init__(config, moe=RoutedMoE)
 
 
-class RoutedMoETransformer(nn.Module):
+class RoutedMoETransformer(MoETransformer):
     """Decoder of `RoutedMoEBlock`s (see the module docstring for its tree)."""
 
     def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(RoutedMoEBlock(config) for _ in range(config.n_layers))
-        self.norm = nn.RMSNorm(config.dim)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids [batch, seq] -> next-token logits [batch, seq, vocab]."""
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(self.norm(h))
+        super().__init__(config, block=RoutedMoEBlock)
 
 
 # DeepSeek-V2-Lite-like routing at a size one node trains: 64 experts, 6 per token.
