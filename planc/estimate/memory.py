@@ -53,10 +53,12 @@ from planc.limits import rank_count
 from planc.lower.fsdp import (
     STEP_COUNTER_BYTES,
     compute_dtypes,
+    default_backward_prefetch,
     fsdp_shape,
     has_moments,
     optimizer_state_bytes,
     reshard_group,
+    root_index,
     shard_numel,
 )
 from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
@@ -396,8 +398,7 @@ class _Replay:
                     continue
                 targets = prefetch_backward.get(name)
                 if targets is None:
-                    order = [j for j in reversed(self.post_forward_order) if not units[j].is_root]
-                    nxt = order[order.index(i) + 1:order.index(i) + 2] if i in order else order[:1]
+                    nxt = default_backward_prefetch(self.post_forward_order, i, root_index(units))
                     targets = tuple(names[j] for j in nxt)
                 for t in targets:
                     if t in names:

@@ -76,7 +76,8 @@ import torch
 
 from planc.estimate.hardware import Hardware
 from planc.estimate.hardware import hardware as hardware_of
-from planc.lower.fsdp import compute_dtypes, fsdp_shape, reshard_group, shard_numel
+from planc.lower.fsdp import compute_dtypes, default_backward_prefetch, fsdp_shape, reshard_group, root_index, shard_numel
+from planc.lower.fsdp import owners as fsdp_owners
 from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
 from planc.lower.lowering import tensor_dims
 from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, Program, SetPrefetch, UnitMethod
@@ -378,23 +379,8 @@ def _module_dtype(graph, path: str, compute: dict[str, torch.dtype]) -> torch.dt
 
 
 def owners(program: Program, graph, paths: Iterable[str]) -> dict[str, int]:
-    """Module path -> index of the unit whose parameters it uses (nearest unit module above it, else
-    the root; without a root unit, `len(program.units)`: outside every unit)."""
-    units = program.units
-    unit_of = {m: i for i, u in enumerate(units) if not u.is_root for m in u.modules}
-    root = next((i for i, u in enumerate(units) if u.is_root), len(units))
-    out: dict[str, int] = {}
-    for path in paths:
-        p = path
-        while True:
-            if p in unit_of:
-                out[path] = unit_of[p]
-                break
-            if not p:
-                out[path] = root
-                break
-            p = p.rpartition(".")[0]
-    return out
+    """Module path -> index of the unit whose parameters it uses (`planc.lower.fsdp.owners`)."""
+    return fsdp_owners(program.units, paths)
 
 
 def _ancestors_in(marked: Iterable[str], paths: Iterable[str]) -> dict[str, tuple[str, ...]]:
@@ -497,7 +483,7 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     for i, u in enumerate(units):
         if u.params:
             per_unit[i].compute_dtype = str(compute[u.params[0]]).replace("torch.", "")
-    root = next((i for i, u in enumerate(units) if u.is_root), None)
+    root = root_index(units)
     if root is None:  # `root none`: compute outside every unit has a row of its own, with no collectives
         per_unit.append(UnitTime(OUTSIDE, len(units)))
 
@@ -717,8 +703,7 @@ class _Overlap:
             if self.names[i] in pf_bwd:
                 targets = [self.index[x] for x in pf_bwd[self.names[i]] if x in self.index]
             else:
-                k = bwd_order.index(i) if i in bwd_order else -1
-                targets = bwd_order[k + 1:k + 2] if k >= 0 else bwd_order[:1]
+                targets = default_backward_prefetch(post_forward, i, root)
             for j in targets:
                 bgather(j, self.t)
 

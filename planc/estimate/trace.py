@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from planc.lower.fsdp import root_index, unit_of_module
 from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
 from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
 
@@ -54,19 +55,11 @@ class Trace:
     source: str = "module order (no input: activations not counted)"
 
 
-def _unit_modules(units) -> dict[str, int]:
-    return {m: i for i, u in enumerate(units) if not u.is_root for m in u.modules}
-
-
-def _root_index(units) -> int | None:
-    return next((i for i, u in enumerate(units) if u.is_root), None)
-
-
 def synthetic_trace(compiled) -> Trace:
     """Events in module order (pre-order forward, reverse backward), no activations."""
     graph, units = compiled.graph, READER.compiled(compiled).program.units
-    of = _unit_modules(units)
-    root = _root_index(units)
+    of = unit_of_module(units)
+    root = root_index(units)
     remaining = {i: len(u.modules) for i, u in enumerate(units) if not u.is_root}
     fwd: list[Event] = []
     post_order: list[int] = []
@@ -394,7 +387,7 @@ class _Recorder:
         self.where: list[str] = [""]
         self.mode = _LiveBytes(lambda func: self.events.append(
             Event("op", live=self.mode.live, grads=self.mode.grads, where=self.where[-1])))
-        self.root = _root_index(units)
+        self.root = root_index(units)
         self.post_done: set[int] = set()   # units whose every module finished backward
         self.names_of = {i: list(u.params) for i, u in enumerate(units)}
         self.params_of = {i: [model.get_parameter(p) for p in names] for i, names in self.names_of.items()}

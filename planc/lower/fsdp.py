@@ -8,12 +8,15 @@
   least the shard size) frees the unsharded parameters after forward and all-gathers again in
   backward over the whole shard axis; False keeps them; an int N keeps a copy sharded over N
   ranks (ZeRO++ hpZ) and re-gathers within groups of N;
-* the optimizer's state per parameter (`optimizer_state_bytes`).
+* the optimizer's state per parameter (`optimizer_state_bytes`);
+* which unit owns a module (`owners`), the root unit (`root_index`), and the unit FSDP2
+  prefetches in backward when the plan lists none (`default_backward_prefetch`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Iterable, Sequence
 
 import torch
 
@@ -64,3 +67,36 @@ def optimizer_state_bytes(per_rank: int, dtype: torch.dtype, optimizer: str) -> 
     if not has_moments(optimizer):
         return 0
     return 2 * per_rank * torch.empty((), dtype=dtype, device="meta").element_size() + STEP_COUNTER_BYTES
+
+
+def root_index(units) -> int | None:
+    """The index of the root unit (`fully_shard(model)`), or None for a plan with `root none`."""
+    return next((i for i, u in enumerate(units) if u.is_root), None)
+
+
+def unit_of_module(units) -> dict[str, int]:
+    """Module path -> the index of the (non-root) unit that names it."""
+    return {m: i for i, u in enumerate(units) if not u.is_root for m in u.modules}
+
+
+def owners(units, paths: Iterable[str]) -> dict[str, int]:
+    """Module path -> the index of the unit whose parameters it uses: the nearest unit module above
+    it, else the root (without a root unit, `len(units)`: outside every unit)."""
+    unit_of = unit_of_module(units)
+    root = root_index(units)
+    root = len(units) if root is None else root
+    out: dict[str, int] = {}
+    for path in paths:
+        p = path
+        while p not in unit_of and p:
+            p = p.rpartition(".")[0]
+        out[path] = unit_of.get(p, root)
+    return out
+
+
+def default_backward_prefetch(post_forward: Sequence[int], i: int, root: int | None) -> list[int]:
+    """FSDP2's implicit backward prefetch: at unit i's pre-backward, the unit that ran its
+    post-forward just before i's (backward runs in reverse post-forward order; the root never
+    prefetched); at a unit outside that order (the root), the first unit of backward."""
+    order = [j for j in reversed(post_forward) if j != root]
+    return order[order.index(i) + 1:order.index(i) + 2] if i in order else order[:1]
