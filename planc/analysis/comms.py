@@ -131,7 +131,8 @@ def _attributed(recorder: _Recorder, names: dict[int, str]):
 def record_collectives(plan, build: Callable[[], nn.Module], world: int, *,
                        inputs: Callable[[nn.Module], tuple] | tuple | None = None,
                        loss: LossFn | None = None) -> list[Recorded]:
-    """The collectives of one training step (forward, loss, backward) of `plan` as rank 0 of `world`.
+    """The collectives of one training step (forward, loss, backward of each of the plan's
+    microbatches, the batch split as `AppliedPlan.accumulate` splits it) of `plan` as rank 0 of `world`.
 
     Args:
         plan: a plan path, `Plan` or `CompiledPlan`.
@@ -162,12 +163,17 @@ def record_collectives(plan, build: Callable[[], nn.Module], world: int, *,
             example = fake_step_inputs(model, inputs, fake)
             step_loss = loss or default_loss(model)
             with _attributed(recorder, names), recorder:
-                pred = model(*example.args, **example.kwargs)
-                with applied.loss_parallel():  # vocabulary-sharded logits (`loss_parallel`), as a training loop's
-                    value = step_loss(pred, example)
-                    del pred
-                    recorder.phase = "backward"
-                    value.backward()
+                k = applied.microbatches
+                for mb in range(k):  # the plan's microbatches, each with its gradient sync
+                    applied.gradient_sync(mb)
+                    part = example.microbatch(k, mb)
+                    recorder.phase = "forward"
+                    pred = model(*part.args, **part.kwargs)
+                    with applied.loss_parallel():  # vocabulary-sharded logits (`loss_parallel`), as a training loop's
+                        value = step_loss(pred, part)
+                        del pred
+                        recorder.phase = "backward"
+                        value.backward()
         return recorder.found
     finally:
         dist.destroy_process_group()

@@ -138,7 +138,8 @@ def time_report(st) -> dict[str, Any]:
         units.append({
             "name": u.name,
             "collectives": [{"kind": c.kind, "axis": c.axis, "ranks": c.ranks, "bytes": c.bytes, "phase": c.phase,
-                             "what": c.what} for c in u.collectives],
+                             "what": c.what, **({"times": c.times} if c.times != 1 else {})}
+                            for c in u.collectives],
             "forward_flops": u.forward_flops, "backward_flops": u.backward_flops,
             "recompute_flops": u.recompute_flops, "compute_dtype": u.compute_dtype,
             "forward_s": _sig(u.forward_s), "backward_s": _sig(u.backward_s), "comm_s": _sig(u.comm_s),
@@ -216,6 +217,10 @@ def report(compiled, est: Estimate, measured=None, model_ref: str | None = None,
             "notes": est.notes,
         },
     }
+    if res.step is not None:  # the plan's `step` line (without one: one microbatch, nothing shown)
+        acc = res.step.value
+        out["step"] = {"microbatches": acc.microbatches, "gradient_sync": acc.sync, "text": acc.show(),
+                       "line": f"{res.step.span.file}:{res.step.span.line}"}
     if step_time is not None:
         out["time"] = time_report(step_time)
     if measured is not None:
@@ -362,6 +367,8 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
     out = [style.bold(f"plan {data['plan']}") + f"  model {data['model'] or '(given)'}  "
            f"world {data['world_size']} (replicate {mesh['replicate']} x shard {mesh['shard']}{tensor})  "
            f"optimizer {data['optimizer']}", ""]
+    if "step" in data:
+        out[-1:-1] = [f"step: {data['step']['text']} ({data['step']['line']})"]
     out += _tree(compiled, style) + [""]
     rows = []
     for group in _runs(data["units"], _row_key):
@@ -450,7 +457,8 @@ def flops(n: float) -> str:
 
 
 def _unit_bytes(u: dict, kind: str, phase: str | None = None, axis: str | None = None) -> int:
-    return sum(c["bytes"] for c in u["collectives"] if c["kind"] == kind and (phase is None or c["phase"] == phase)
+    """A unit's bytes of one collective kind per step (a collective run per microbatch counted each time)."""
+    return sum(c["bytes"] * c.get("times", 1) for c in u["collectives"] if c["kind"] == kind and (phase is None or c["phase"] == phase)
                and (axis is None or c["axis"] == axis))
 
 

@@ -231,7 +231,9 @@ def simulate(plan, build: Callable[[], nn.Module], world: int, *, rank: int = 0,
         applied = apply(model, compiled.plan, mesh=mesh)
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             example = fake_step_inputs(model, inputs, fake)
-            return _measure(model, example, optimizer, steps, loss, clip, applied.loss_parallel)
+            schedule = compiled.job.schedule
+            return _measure(model, example, optimizer, steps, loss, clip, applied.loss_parallel,
+                            schedule.microbatches, schedule.gradient_sync)
     finally:
         dist.destroy_process_group()
 
@@ -296,9 +298,13 @@ def use_all_reduce_slice(model: nn.Module) -> None:
 
 
 def _measure(model: nn.Module, example: Example, optimizer: str, steps: int, loss: LossFn | None,
-             clip: float | None, loss_context=contextlib.nullcontext) -> Measurement:
+             clip: float | None, loss_context=contextlib.nullcontext, microbatches: int = 1,
+             sync: str = "every") -> Measurement:
     """Run `steps` training steps under the tracker; the last one is measured. The loss and
-    backward run inside `loss_context()` (`AppliedPlan.loss_parallel`: vocabulary-sharded logits)."""
+    backward run inside `loss_context()` (`AppliedPlan.loss_parallel`: vocabulary-sharded logits).
+    A step of several microbatches runs each forward and backward on its slice of the batch,
+    as a hand-written accumulation loop does: with `sync = "last"`, FSDP2's
+    `set_requires_gradient_sync(False)` before all but the last."""
     opt = _optimizer(model, optimizer)
     tracker = _tracker_class()(model, opt)
     tracker.track_inputs((example.args, example.kwargs))
@@ -307,12 +313,17 @@ def _measure(model: nn.Module, example: Example, optimizer: str, steps: int, los
         for step in range(steps):
             tracker.recording = step == steps - 1
             tracker.reset_mod_stats()  # the tracker refuses a second iteration otherwise
-            pred = model(*example.args, **example.kwargs)
-            with loss_context():
-                value = step_loss(pred, example)
-                del pred  # as torchtitan's step: the output is not kept during backward
-                value.backward()
-                del value
+            for mb in range(microbatches):
+                part = example.microbatch(microbatches, mb)
+                if sync == "last":
+                    model.set_requires_gradient_sync(mb == microbatches - 1)
+                pred = model(*part.args, **part.kwargs)
+                with loss_context():
+                    value = step_loss(pred, part)
+                    del pred  # as torchtitan's step: the output is not kept during backward
+                    value.backward()
+                    del value
+                del part
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], clip,
                                                foreach=True)

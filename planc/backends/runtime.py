@@ -234,6 +234,49 @@ class AppliedPlan:
             return loss_parallel()
         return contextlib.nullcontext()
 
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per optimizer step (`step { accumulate N }`; 1 without a `step` line).
+        Divide each microbatch's loss by it for the mean over the step's batch."""
+        return self.compiled.job.schedule.microbatches
+
+    def accumulate(self, *batch: torch.Tensor):
+        """The step's microbatches, as the plan's `step` line says: yields, per microbatch, the
+        slices of `batch` (each tensor split on its first dimension into `microbatches` equal
+        parts), with FSDP2's gradient sync set for it (`gradient_sync`). Run forward and
+        backward on each; call the optimizer after the loop::
+
+            for tokens_mb, labels_mb in applied.accumulate(tokens, labels):
+                loss = loss_fn(model(tokens_mb), labels_mb) / applied.microbatches
+                loss.backward()
+            optimizer.step()
+
+        Raises:
+            ValueError: a tensor's first dimension does not divide into the microbatches.
+        """
+        k = self.microbatches
+        for t in batch:
+            if t.dim() == 0 or t.shape[0] % k:
+                raise ValueError(f"a batch tensor of shape {tuple(t.shape)} does not split into the plan's {k} "
+                                 f"microbatches (`step {{ accumulate {k} }}`): give a batch that is a multiple of {k}")
+        chunks = [t.chunk(k) for t in batch]
+        try:
+            for mb in range(k):
+                self.gradient_sync(mb)
+                yield tuple(c[mb] for c in chunks)
+        finally:  # a loop left early must not leave the next step without its reduction
+            self.gradient_sync(k - 1)
+
+    def gradient_sync(self, microbatch: int) -> bool:
+        """Set FSDP2's gradient sync for `microbatch` of the step as the plan says (`step {
+        accumulate N, sync = last }`: off before the last microbatch, `set_requires_gradient_sync`;
+        otherwise on); returns whether this microbatch's backward reduces its gradients."""
+        schedule = self.compiled.job.schedule
+        sync = schedule.gradient_sync == "every" or microbatch == schedule.microbatches - 1
+        for applied in self.units:
+            applied.handle.set_requires_gradient_sync(sync, recurse=False)
+        return sync
+
     def unit(self, name: str) -> AppliedUnit:
         """The applied unit called `name` (`<root>`, `layers.0`, `[norm, output]`)."""
         for applied in self.units:

@@ -139,6 +139,14 @@ def _expect_memory(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
                   (f"add the input to the line: `at {_at_clause(s, world, 'BxS')}`, with B the batch size "
                    "and S the sequence length in tokens (e.g. `2x512`)",), severity="warning")
         return
+    step = ctx.res.step
+    if shape is not None and step is not None and shape[0] % step.value.microbatches:
+        k = step.value.microbatches
+        yield err("P160", f"a batch of {shape[0]} does not divide into the {k} microbatches of a step",
+                  s.input_span or s.span, f"{shape[0]} rows do not split in {k}",
+                  (f"give a batch that is a multiple of {k} (e.g. `input = {show_shape((k, *shape[1:]))}`), or "
+                   "accumulate fewer microbatches",), related=((step.span, f"{k} microbatches per step"),))
+        return
     from planc.estimate.trace import TraceError
     try:
         actual = ctx.metrics(s.metric, world, shape)

@@ -60,6 +60,11 @@ CODES: dict[str, Code] = {
                  "the innermost dimension: `mesh (shard = *, tensor = 8)`.\n\n"
                  "    mesh (shard = *)\n    parallel layers.*.attention.wq colwise   # error: no tensor axis"),
     # --- selectors (P2xx)
+    "P160": Code("batch does not divide into microbatches", "The plan's `step { accumulate N }` splits each rank's "
+                 "batch of one optimizer step into N equal microbatches, but the input's batch (from `input = BxS` "
+                 "or `--input-shape`) is not a multiple of N. Give a batch that is, or accumulate fewer "
+                 "microbatches.\n\n    step { accumulate 4 }\n    expect memory.peak <= 70GiB at world = 8, "
+                 "input = 2x4096   # 2 rows do not split in 4"),
     "P201": Code("selector matches nothing", "A selector matches no module of the model. Check the path "
                  "with `planc tree`; mark the rule `optional` if matching nothing is fine.\n\n"
                  "    unit layer.*   # did you mean `layers`?"),

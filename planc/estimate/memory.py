@@ -61,7 +61,7 @@ from planc.lower.fsdp import (
     root_index,
     shard_numel,
 )
-from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, Schedule, step_schedule
 from planc.lower.lowering import tensor_dims
 from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, Program, SetPrefetch, UnitMethod
 
@@ -229,24 +229,37 @@ class Estimate:
 
 
 class _Replay:
-    """FSDP2's per-unit memory state machine, driven by a trace's events."""
+    """FSDP2's per-unit memory state machine, driven by a trace's events through the schedule.
+
+    The trace holds one microbatch's forward (up to the root's pre-backward: the loss is in
+    it) and backward; each action of the role replays one of them, the backward reducing its
+    gradients or, when the schedule does not reduce on that microbatch (`step { accumulate N,
+    sync = last }`), keeping the unsharded gradients for the next one as FSDP2 does under
+    `set_requires_gradient_sync(False)`.
+    """
 
     def __init__(self, program: Program, mem: list[UnitMemory], optimizer: str, replicated: int, trace: Trace,
-                 shard: int, buffers: int = 0):
+                 shard: int, buffers: int = 0, schedule: Schedule | None = None, input_bytes: int | None = None):
         self.program, self.mem, self.optimizer, self.trace, self.shard = program, mem, optimizer, trace, shard
+        self.schedule = schedule or step_schedule()
         self.units = program.units
         self.state = ["sharded"] * len(mem)     # sharded | unsharded | post_forward | prefetched
         self.slices: set[int] = set()           # post-forward slices still alive while re-gathered
-        self.reduced: dict[int, set[str]] = {i: set() for i in range(len(mem))}  # reduce-scattered params
+        self.reduced: dict[int, set[str]] = {i: set() for i in range(len(mem))}  # params with sharded grads
+        self.reduced_now: dict[int, set[str]] = {i: set() for i in range(len(mem))}  # ... in this backward
+        self.kept: dict[int, int] = {}          # unit -> unsharded gradient bytes kept for the next microbatch
+        self.reduces = True                     # this backward reduce-scatters (else keeps, see `kept`)
         self.ag_kept = 0                        # forward: previous all-gather result, freed at next copy-out
         self.rs_kept = 0                        # last reduce-scatter input, freed at next reduce-scatter
         self.post_forward_order: list[int] = []
         self.replicated = replicated
         self.buffers = buffers
+        self.input_bytes = trace.input_bytes if input_bytes is None else input_bytes  # the step's whole batch
         self.timeline: list[Moment] = []
         self.live = self.live_grads = 0
         self.phase = "forward"
         self.where = ""
+        self.prefix = ""                        # `microbatch 2: ` when the step has several
         self.transient: dict[str, int] = {}
 
     # --------------------------------------------------------------- accounting
@@ -271,13 +284,22 @@ class _Replay:
             b["unsharded_params"] += self.mem[i].post_forward
         b["all_gather"] += self.ag_kept
         b["reduce_scatter"] = self.rs_kept
-        b["unsharded_grads"] = self.live_grads
+        b["unsharded_grads"] = self.live_grads + sum(self.kept.values())
         b["activations"] = self.live - self.live_grads
-        b["inputs"] = self.trace.input_bytes
+        b["inputs"] = self.input_bytes
         b["buffers"] = self.buffers
         for k, v in self.transient.items():
             b[k] += v
-        self.timeline.append(Moment(label, self.phase, self.where, b))
+        self.timeline.append(Moment(self.prefix + label, self.phase, self.where, b))
+
+    def _grads_now(self, grads: int) -> int:
+        """The trace's live unsharded gradients as they are in this backward: with gradients kept
+        from an earlier microbatch in the parameter's own dtype, autograd adds each new one into
+        them in place (the trace's copy is not alive); kept in another dtype (`reduce` dtype
+        differs), the new ones live beside them until the unit's post-backward adds them in."""
+        if self.kept and all(self.mem[i].reduce_dtype == self.mem[i].param_dtype for i in self.kept):
+            return 0
+        return grads
 
     # --------------------------------------------------------------- FSDP2 actions
     def issue(self, i: int, label: str) -> None:
@@ -327,20 +349,30 @@ class _Replay:
         self.state[i] = "sharded"
 
     def post_backward(self, i: int, grads_before: int, names: Iterable[str] | None = None) -> None:
-        """Reduce-scatter the gradients of `names` (default: all not yet reduced), reshard."""
+        """Reduce-scatter the gradients of `names` (default: all not yet reduced), reshard; in a
+        backward that does not reduce, reshard and keep the unit's unsharded gradients."""
         m = self.mem[i]
-        names = set(m.reduce_of if names is None else names) - self.reduced[i]
-        rs, _ = m.reduce_bytes(names)
+        names = set(m.reduce_of if names is None else names) - self.reduced_now[i]
+        self.reduced_now[i] |= names
+        if not self.reduces:
+            self.reshard(i)
+            if names:  # kept in the reduce dtype (FSDP2's `unsharded_accumulated_grad`)
+                self.kept[i] = m.grad_unsharded * _itemsize(m.reduce_dtype) // _itemsize(m.param_dtype)
+            return
+        rs, new = m.reduce_bytes(names)
+        kept = self.kept.pop(i, 0)
         self.rs_kept = 0  # the oldest reduce-scatter input is released first
         self.reshard(i)   # NOTE: FSDP2 frees the unsharded parameters before reducing gradients
         if rs:
             # copy-in: the unsharded gradients and the reduce-scatter input both alive
-            self.transient = {"reduce_scatter": rs, "unsharded_grads": m.shard_dim_copy}
+            self.transient = {"reduce_scatter": rs, "unsharded_grads": m.shard_dim_copy + kept}
             self.live_grads = max(grads_before, self.live_grads)
             self.snapshot(f"reduce-scatter {m.name}")
-            # the collective itself: unsharded gradients freed. (Stock gloo also clones its
+            # the collective itself: unsharded gradients freed; on a later microbatch its output
+            # is added into the sharded gradients already there. (Stock gloo also clones its
             # input, freed whenever its work object dies; NCCL does not: not modelled.)
-            self.transient = {"reduce_scatter": rs}
+            accumulated = new if names & self.reduced[i] else 0
+            self.transient = {"reduce_scatter": rs, "sharded_grads": accumulated}
             live, grads = self.live, self.live_grads
             self.live, self.live_grads = live - grads, 0
             self.snapshot(f"reduce-scatter {m.name}")
@@ -351,25 +383,54 @@ class _Replay:
 
     # --------------------------------------------------------------- driver
     def run(self) -> list[Moment]:
+        """Replay each action of the (one) role, then the optimizer step."""
+        events = self.trace.events
+        split = next((k for k, ev in enumerate(events) if ev.kind == "bwd_pre"), len(events))
+        forward, backward = events[:split], events[split:]
+        (actions,) = self.schedule.actions
+        for action in actions:
+            if self.schedule.microbatches > 1:
+                self.prefix = f"microbatch {action.microbatch}: "
+            if action.kind == FORWARD:
+                self.post_forward_order = []
+                self.phase = "forward"
+                self._play(forward)
+            else:
+                self.reduces = self.schedule.reduces(action)
+                self.reduced_now = {i: set() for i in range(len(self.mem))}
+                self._play(backward)
+        self.prefix = ""
+        self.phase, self.where = "optimizer", "optimizer step"
+        self.live = self.live_grads = 0
+        temp = 0
+        if foreach_temp(self.optimizer):  # foreach AdamW: sqrt(exp_avg_sq) as one temporary
+            temp = sum(m.sharded for m in self.mem if not m.offload and m.grads) + self.replicated
+        self.transient = {"optimizer_temp": temp}
+        self.snapshot("optimizer step")
+        self.transient = {}
+        return self.timeline
+
+    def _op(self, ev) -> None:
+        self.live, self.live_grads = ev.live, self._grads_now(ev.grads)
+        if ev.where:
+            self.where = ev.where
+        self.snapshot(f"{self.phase} of {self.where or '<root>'}")
+
+    def _play(self, events) -> None:
+        """Replay a forward or a backward segment (a backward may run forward hooks again:
+        checkpointed modules recompute)."""
         units, names = self.units, [u.name for u in self.units]
         prefetch_forward, prefetch_backward = self.program.prefetch("forward"), self.program.prefetch("backward")
-        ev_list = self.trace.events
-        last_bwd_pre = {ev.unit: k for k, ev in enumerate(ev_list) if ev.kind == "bwd_pre"}
-        for k, ev in enumerate(ev_list):
+        last_bwd_pre = {ev.unit: k for k, ev in enumerate(events) if ev.kind == "bwd_pre"}
+        for k, ev in enumerate(events):
             if ev.kind == "op":
-                self.live, self.live_grads = ev.live, ev.grads
+                self.live, self.live_grads = ev.live, self._grads_now(ev.grads)
                 if ev.where:
                     self.where = ev.where
                 self.snapshot(f"{self.phase} of {self.where or '<root>'}")
                 continue
             if ev.kind == "end_backward":
-                self.live, self.live_grads = 0, 0
-                for i in range(len(units)):
-                    if self.reduced[i] != set(self.mem[i].reduce_of):
-                        self.post_backward(i, 0)
-                    self.reshard(i)
-                self.rs_kept = 0
-                self.snapshot("end of backward")
+                self._end_backward()
                 continue
             i, name = ev.unit, names[ev.unit]
             if ev.kind in ("fwd_pre", "bwd_pre"):
@@ -381,16 +442,7 @@ class _Replay:
                     if j in names:
                         self.prefetch(names.index(j))
             elif ev.kind == "fwd_post":
-                self.post_forward_order.append(i)
-                if units[i].is_root:
-                    # torch 2.13: the root's post-forward frees the last forward all-gather result
-                    # (without a root unit it lives until the first all-gather of backward)
-                    self.ag_kept = 0
-                    continue
-                if self.mem[i].post_forward == 0:
-                    self.reshard(i)
-                elif self.mem[i].post_forward < self.mem[i].unsharded:
-                    self.state[i] = "post_forward"
+                self._post_forward(i)
             elif ev.kind == "bwd_pre":
                 self.phase = "backward"
                 self.unshard(i, f"all-gather {name} (backward)")
@@ -404,18 +456,30 @@ class _Replay:
                     if t in names:
                         self.prefetch(names.index(t))
             elif ev.kind == "bwd_post":
-                self.live, self.live_grads = ev.live, ev.grads
-                self.post_backward(i, ev.grads, ev.params)
+                self.live, self.live_grads = ev.live, self._grads_now(ev.grads)
+                self.post_backward(i, self.live_grads, ev.params)
                 self.live_grads = 0
-        self.phase, self.where = "optimizer", "optimizer step"
-        self.live = self.live_grads = 0
-        temp = 0
-        if foreach_temp(self.optimizer):  # foreach AdamW: sqrt(exp_avg_sq) as one temporary
-            temp = sum(m.sharded for m in self.mem if not m.offload and m.grads) + self.replicated
-        self.transient = {"optimizer_temp": temp}
-        self.snapshot("optimizer step")
-        self.transient = {}
-        return self.timeline
+
+    def _post_forward(self, i: int) -> None:
+        self.post_forward_order.append(i)
+        if self.units[i].is_root:
+            # torch 2.13: the root's post-forward frees the last forward all-gather result
+            # (without a root unit it lives until the first all-gather of backward)
+            self.ag_kept = 0
+        elif self.mem[i].post_forward == 0:
+            self.reshard(i)
+        elif self.mem[i].post_forward < self.mem[i].unsharded:
+            self.state[i] = "post_forward"
+
+    def _end_backward(self) -> None:
+        """FSDP2's end-of-backward callback: units not yet reduced (or kept) are, all resharded."""
+        self.live, self.live_grads = 0, 0
+        for i in range(len(self.units)):
+            if self.reduced_now[i] != set(self.mem[i].reduce_of):
+                self.post_backward(i, 0)
+            self.reshard(i)
+        self.rs_kept = 0
+        self.snapshot("end of backward")
 
 
 # What the memory model plays: the units' FSDP state (`FullyShard`, their prefetch lists), the
@@ -451,31 +515,37 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
     if world is not None:
         rank_count(world, "world")
     world = world or compiled.world_size or 1
-    program = READER.compiled(compiled).program
+    job = READER.compiled(compiled)
+    program = job.program
     replicate, shard = mesh_sizes(program, world)
     graph = compiled.graph
     if inputs is None and input_shape is not None and graph.model is not None:
         inputs = default_input(graph.model, input_shape)
-    example = None if inputs is None else Example.of(inputs)
+    step = None if inputs is None else Example.of(inputs)
+    example = None if step is None else step.microbatch(job.schedule.microbatches)
     trace = trace_for(compiled, example, loss, (program.mesh.sizes(world) or {}).get("tensor", 1))
     mem = unit_memory(program, graph, world, optimizer)
     replicated = sum(graph.params[n].nbytes for n in _replicated_params(program, graph))
     buffers = buffer_bytes(graph)
     host = sum(m.sharded + m.grads + m.optimizer for m in mem if m.offload)
-    timeline = _Replay(program, mem, optimizer, replicated, trace, shard, buffers).run()
+    input_bytes = trace.input_bytes if step is None else sum(t.nbytes for t in step.tensors())
+    timeline = _Replay(program, mem, optimizer, replicated, trace, shard, buffers, job.schedule, input_bytes).run()
     peak = max(timeline, key=lambda m: m.total)
     activations = None if example is None else max((e.live - e.grads for e in trace.events), default=0)
-    lower = lower_bound(program, graph, mem, replicated, optimizer, activations or 0, trace.input_bytes)
+    lower = lower_bound(program, graph, mem, replicated, optimizer, activations or 0, input_bytes)
     full = sum(p.nbytes for p in graph.params.values())
     n_params = len(graph.params)
     opt_full = (2 * full + STEP_COUNTER_BYTES * n_params) if has_moments(optimizer) else 0
     temp_full = full if foreach_temp(optimizer) else 0
-    baseline = 2 * full + opt_full + max(activations or 0, temp_full) + trace.input_bytes + buffers
-    shape = tuple(example.tensors()[0].shape) if example is not None and example.tensors() else None
+    baseline = 2 * full + opt_full + max(activations or 0, temp_full) + input_bytes + buffers
+    shape = tuple(step.tensors()[0].shape) if step is not None and step.tensors() else None
     est = Estimate(world, replicate, shard, optimizer, mem, replicated, host, peak, timeline, lower, baseline,
                    activations, trace.source, shape)
     if example is None:
         est.notes.append("activations not counted: give an input shape (--input-shape BxS)")
+    if job.schedule.microbatches > 1:
+        est.notes.append(f"{job.schedule.origin.value.show()}: activations are one microbatch's, "
+                         f"the input is the step's batch")
     return est
 
 

@@ -78,7 +78,7 @@ from planc.estimate.hardware import Hardware
 from planc.estimate.hardware import hardware as hardware_of
 from planc.lower.fsdp import compute_dtypes, default_backward_prefetch, fsdp_shape, reshard_group, root_index, shard_numel
 from planc.lower.fsdp import owners as fsdp_owners
-from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, Schedule, step_schedule
 from planc.lower.lowering import tensor_dims
 from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, Program, SetPrefetch, UnitMethod
 
@@ -107,6 +107,7 @@ class Collective:
     what: str = ""          # "params", "grads", or the module a TP collective belongs to
     stride: int = 1         # distance between consecutive ranks of the group (link class)
     side: str = ""          # TP, forward: "input" (before the module's ops) or "output" (after)
+    times: int = 1          # how often one step runs it: per microbatch, or once (`step { accumulate N }`)
 
 
 @dataclass
@@ -126,7 +127,7 @@ class UnitTime:
     exposed_s: float = 0.0     # compute waiting for this unit's gathers (and the step's tail, on the last reducer)
 
     def bytes(self, kind: str | None = None, axis: str | None = None, phase: str | None = None) -> int:
-        return sum(c.bytes for c in self.collectives if (kind is None or c.kind == kind)
+        return sum(c.bytes * c.times for c in self.collectives if (kind is None or c.kind == kind)
                    and (axis is None or c.axis == axis) and (phase is None or c.phase == phase))
 
     @property
@@ -142,8 +143,11 @@ def _group_dtype(op: FullyShard, graph) -> torch.dtype:
     return infos[0].dtype if infos else torch.float32
 
 
-def unit_collectives(program: Program, graph, world: int) -> list[list[Collective]]:
+def unit_collectives(program: Program, graph, world: int, schedule: Schedule | None = None) -> list[list[Collective]]:
     """Every `fully_shard` unit's collectives for one step at `world` ranks (FSDP part only).
+
+    With several microbatches per step (`schedule`), the all-gathers run once per microbatch,
+    the gradient reductions once per microbatch or, with `sync = last`, once (`Collective.times`).
 
     Bytes are exact for torch 2.13's FSDP2: per parameter `ceil(dim / shard) * rest` elements
     per rank (`Shard(d)` placements pad dim d instead), the tensor-parallel local shape when
@@ -190,8 +194,18 @@ def unit_collectives(program: Program, graph, world: int) -> list[list[Collectiv
                                  stride * shard))
         if offload and rs:
             cs.append(Collective("device_to_host", "host", 1, sharded_grad, "backward", "grads"))
-        out.append(cs)
+        out.append([dataclasses.replace(c, times=_times(c, schedule)) for c in cs])
     return out
+
+
+def _times(c: Collective, schedule: Schedule | None) -> int:
+    """How often one step runs `c`: a gradient reduction once per reducing backward, the rest
+    once per microbatch."""
+    if schedule is None:
+        return 1
+    if c.what == "grads":
+        return sum(1 for a in schedule.actions[0] if schedule.reduces(a))
+    return schedule.microbatches
 
 
 def totals(units: Iterable[UnitTime]) -> dict[str, dict[str, int]]:
@@ -200,7 +214,7 @@ def totals(units: Iterable[UnitTime]) -> dict[str, dict[str, int]]:
     for u in units:
         for c in u.collectives:
             out.setdefault(c.kind, {}).setdefault(c.axis, 0)
-            out[c.kind][c.axis] += c.bytes
+            out[c.kind][c.axis] += c.bytes * c.times
     return out
 
 
@@ -462,12 +476,19 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     from planc.estimate.flops import step_profile
 
     notes: list[str] = []
+    schedule = step_schedule()
     if isinstance(plan, Program):
         program = READER.program(plan)
         if graph is None:
             raise ValueError("estimating a Program needs its model graph")
     else:
-        program, graph = READER.compiled(plan).program, graph or plan.graph
+        job = READER.compiled(plan)
+        program, graph, schedule = job.program, graph or plan.graph, job.schedule
+    k = schedule.microbatches
+    if k > 1:  # the profile is one microbatch's; the schedule runs it k times
+        inputs, input_shape = _microbatch(inputs, input_shape, k)
+        notes.append(f"{schedule.origin.value.show()}: compute, gathers and tensor-parallel collectives "
+                     f"per microbatch; the input is the step's batch")
     hw = hardware_of(hardware)
     eff = hw.efficiency if efficiency is None else float(efficiency)
     if not 0 < eff <= 1:
@@ -477,7 +498,7 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     sizes = program.mesh.sizes(world) or {"shard": world}
     tp = sizes.get("tensor", 1)
     units = program.units
-    fsdp = unit_collectives(program, graph, world)
+    fsdp = unit_collectives(program, graph, world, schedule)
     per_unit = [UnitTime(u.name, i, list(cs)) for i, (u, cs) in enumerate(zip(units, fsdp))]
     compute = compute_dtypes(program, graph)
     for i, u in enumerate(units):
@@ -501,17 +522,21 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
         tp_cs = tp_collectives(program, graph, profile, world)
         for path, cs in recompute_collectives(program, profile, tp_cs).items():
             tp_cs[path] = tp_cs[path] + cs
+        tp_cs = {path: [dataclasses.replace(c, times=k) for c in cs] for path, cs in tp_cs.items()}
         for path, cs in tp_cs.items():
             per_unit[own.get(path, root if root is not None else len(units))].collectives.extend(cs)
     for u in per_unit:
-        u.comm_s = sum(collective_s(c, hw) for c in u.collectives)
+        u.comm_s = sum(collective_s(c, hw) * c.times for c in u.collectives)
 
     # TP collectives: blocking, at their module's forward / backward
-    tp_fwd = {p: sum(collective_s(c, hw) for c in cs if c.phase == "forward") for p, cs in tp_cs.items()}
-    tp_bwd = {p: sum(collective_s(c, hw) for c in cs if c.phase == "backward") for p, cs in tp_cs.items()}
-    tp_s = sum(tp_fwd.values()) + sum(tp_bwd.values())
+    tp_s = sum(collective_s(c, hw) * c.times for cs in tp_cs.values() for c in cs)
 
-    total_s, compute_s, net = _schedule(program, per_unit, fwd_segments, bwd_segments, hw, root)
+    total_s, compute_s, net = _schedule(program, per_unit, fwd_segments, bwd_segments, hw, root, schedule)
+    for u in per_unit:  # `_compute` filled in one microbatch's
+        u.forward_flops, u.backward_flops, u.recompute_flops = k * u.forward_flops, k * u.backward_flops, \
+            k * u.recompute_flops
+        u.forward_s, u.backward_s = k * u.forward_s, k * u.backward_s
+    model_flops *= k
     total_s += tp_s
     compute_s_all = compute_s
     on_device = on_host = 0
@@ -530,7 +555,7 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     exposed = max(0.0, total_s - compute_s_all - optimizer_s)
     tokens = None
     if profile is not None and profile.tokens:
-        tokens = profile.tokens * (world // tp)
+        tokens = profile.tokens * k * (world // tp)
     return StepTime(world, hw, per_unit, compute_s_all, net.busy + tp_s, exposed, optimizer_s, total_s, tokens,
                     model_flops, _assumptions(hw, eff, tp) + notes, efficiency=eff, tp=tp)
 
@@ -588,12 +613,33 @@ def _compute(program: Program, graph, flops, div: int, per_unit: list[UnitTime],
     return flops.total // div, fwd, bwd
 
 
+def _microbatch(inputs, input_shape, k: int):
+    """The inputs of one of `k` microbatches of a step's (`MicrobatchError` when they do not divide)."""
+    from planc.estimate.trace import Example, MicrobatchError
+
+    if inputs is not None:
+        return Example.of(inputs).microbatch(k), input_shape
+    if input_shape is not None:
+        if input_shape[0] % k:
+            raise MicrobatchError(f"a batch of {input_shape[0]} does not divide into {k} microbatches")
+        return None, (input_shape[0] // k, *input_shape[1:])
+    return None, None
+
+
 def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, float]],
-              bwd: list[tuple[int, float]], hw: Hardware, root: int | None) -> tuple[float, float, _Net]:
-    """Replay FSDP2's overlap of collectives with compute; returns (end of backward, compute seconds, network)."""
+              bwd: list[tuple[int, float]], hw: Hardware, root: int | None,
+              schedule: Schedule | None = None) -> tuple[float, float, _Net]:
+    """Replay FSDP2's overlap of collectives with compute over the schedule's actions (forward and
+    backward of each microbatch); returns (end of backward, compute seconds, network)."""
+    schedule = schedule or step_schedule()
     sim = _Overlap(per_unit, hw)
-    segs, order = sim.forward(program, fwd, root)
-    sim.backward(program, bwd, segs, order, root)
+    segs, order = [], []
+    for action in schedule.actions[0]:
+        if action.kind == FORWARD:
+            segs, order = sim.forward(program, fwd, root)
+        else:
+            sim.reducing = schedule.reduces(action)
+            sim.backward(program, bwd, segs, order, root)
     end = max(sim.t, sim.net.free, sim.pcie.free)
     if end > sim.t and sim.last_rs is not None:  # the tail: collectives still running after the last compute
         per_unit[sim.last_rs].exposed_s += end - sim.t
@@ -610,6 +656,8 @@ class _Overlap:
         self.net, self.pcie = _Net(), _Net()
         self.t = self.compute_s = 0.0
         self.last_rs: int | None = None  # the last unit that reduced its gradients
+        self.reducing = True             # this backward reduces gradients (not so before the last
+        # microbatch under `sync = last`)
 
     def wait(self, i: int, ready: float) -> None:
         """Compute of unit i waits for its all-gather: the wait is exposed communication, billed to i."""
@@ -653,11 +701,12 @@ class _Overlap:
         starts: list[float] = []
         issued: set[int] = set()
         seen: set[int] = set()
+        begin = self.t  # a later microbatch's forward starts after the previous backward
 
         def pre_forward(i: int) -> None:
             # the all-gather streams wait for the copy-out two units back (at most two in flight)
             k = len(starts)
-            limit = starts[k - 2] if k >= 2 else 0.0
+            limit = starts[k - 2] if k >= 2 else begin
             for j in [i] + [self.index[x] for x in pf_fwd.get(self.names[i], ()) if x in self.index]:
                 if j not in issued:
                     issued.add(j)
@@ -732,6 +781,8 @@ class _Overlap:
 
     def post_backward(self, i: int) -> None:
         """Unit i's reduce-scatter, all-reduce across replicas, and host copy of its gradients."""
+        if not self.reducing:  # FSDP2 keeps the unsharded gradients for the next microbatch
+            return
         if self.cols(i, "reduce_scatter", "backward") or self.cols(i, "all_reduce", "backward"):
             self.last_rs = i
         end = self.t

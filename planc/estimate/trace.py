@@ -164,7 +164,11 @@ def known_cause(reason: str) -> str | None:
     return None
 
 
-@dataclass
+class MicrobatchError(ValueError):
+    """A step's batch does not divide into the plan's microbatches (`step { accumulate N }`)."""
+
+
+@dataclass(frozen=True)
 class Example:
     """Example inputs of one step: positional and keyword arguments of `model(...)`.
 
@@ -200,6 +204,24 @@ class Example:
         from torch.utils._pytree import tree_map
         args, kwargs = tree_map(lambda t: fn(t) if isinstance(t, torch.Tensor) else t, (self.args, self.kwargs))
         return Example(tuple(args), kwargs)
+
+    def microbatch(self, microbatches: int, index: int = 0) -> "Example":
+        """Microbatch `index` of `microbatches` equal ones of this step's batch: every tensor's
+        first dimension (the batch) divided, as the training loop splits it (`AppliedPlan.accumulate`).
+
+        Raises:
+            MicrobatchError: a tensor's batch does not divide into the microbatches.
+        """
+        if microbatches == 1:
+            return self
+        if not 0 <= index < microbatches:
+            raise ValueError(f"microbatch {index} of {microbatches}")
+        for t in self.tensors():
+            if t.dim() == 0 or t.shape[0] % microbatches:
+                size = "a scalar" if t.dim() == 0 else f"a batch of {t.shape[0]}"
+                raise MicrobatchError(f"an input of shape {tuple(t.shape)} has {size}, which does not divide "
+                                      f"into {microbatches} microbatches")
+        return self.map(lambda t: t.chunk(microbatches)[index])
 
 
 # A step's loss: (model output, the example) -> scalar tensor. `--loss pkg.module:fn`.

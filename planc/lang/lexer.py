@@ -14,11 +14,12 @@ from pygments.token import Comment, Keyword, Name, Number, Operator, Punctuation
 __all__ = ["PlanLexer"]
 
 from planc.lang.vocabulary import BOOLS, CLAUSES, DTYPES, FSDP1_WORDS, STATEMENTS
-from planc.lang.vocabulary import OPTIONS as _ALL_OPTIONS
+from planc.lang.vocabulary import OPTIONS as _UNIT_OPTIONS
+from planc.lang.vocabulary import STEP_OPTIONS
 
 CONSTANTS = BOOLS
 # block options that are not also statement keywords (those are highlighted as keywords)
-OPTIONS = tuple(o for o in _ALL_OPTIONS if o not in STATEMENTS)
+OPTIONS = tuple(o for o in _UNIT_OPTIONS + STEP_OPTIONS if o not in STATEMENTS)
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 

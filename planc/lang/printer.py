@@ -130,6 +130,7 @@ _HEADS: dict[str, Callable[[Any], str]] = {
     "ParallelStmt": lambda s: f"{_optional(s)}parallel {_selector(s.selector)} {s.style.value}",
     "IgnoreStmt": lambda s: f"{_optional(s)}ignore {_selector(s.selector)}",
     "PlaceStmt": lambda s: f"{_optional(s)}place {_selector(s.selector)} {_call(s.placement)}",
+    "StepStmt": lambda s: "step",
     "ExpectUnit": lambda s: f"expect {'not ' if s.negated else ''}unit {text(s.target)}",
     "ExpectMetric": _expect_metric,
 }
@@ -156,6 +157,7 @@ _RULE_NAMES: dict[str, Callable[[Any], str]] = {
     "CheckpointStmt": lambda s: f"checkpoint {_selector(s.selector)}",
     "CompileStmt": lambda s: f"compile {_selector(s.selector)}",
     "ParallelStmt": lambda s: f"parallel {_selector(s.selector)} {s.style.value}",
+    "StepStmt": lambda s: "step",
 }
 
 

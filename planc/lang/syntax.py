@@ -294,6 +294,14 @@ class ParallelStmt:
 
 
 @_node
+class StepStmt:
+    """`step { accumulate 4, sync = last }`: what one optimizer step runs (planc/resolve/step.py)."""
+
+    span: Span
+    block: Block
+
+
+@_node
 class CompileStmt:
     span: Span
     selector: Selector
@@ -345,7 +353,7 @@ class ExpectMetric:
 
 Statement = Union[
     ModelStmt, IncludeStmt, MeshStmt, DefaultsStmt, UnitStmt, RootStmt, CheckpointStmt,
-    CompileStmt, IgnoreStmt, PlaceStmt, ExpectUnit, ExpectMetric,
+    CompileStmt, IgnoreStmt, PlaceStmt, StepStmt, ExpectUnit, ExpectMetric,
 ]
 
 

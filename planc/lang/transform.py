@@ -120,6 +120,10 @@ class ToSyntax(Transformer):
                                style=st.Name(span=self._tok(style), value=str(style)), block=block)
 
     @v_args(meta=True)
+    def step_stmt(self, meta, items):
+        return st.StepStmt(span=self._span(meta), block=items[0])
+
+    @v_args(meta=True)
     def compile_stmt(self, meta, items):
         optional, selector = items
         return st.CompileStmt(span=self._span(meta), selector=selector, optional=optional is not None)

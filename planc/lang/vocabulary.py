@@ -17,16 +17,18 @@ from pathlib import Path
 
 # Statement keywords of the grammar, in the order the grammar lists them.
 STATEMENTS = ("model", "include", "mesh", "defaults", "unit", "root", "checkpoint", "parallel", "compile",
-              "ignore", "place", "expect")
+              "ignore", "place", "step", "expect")
 # The same with `optional`, likeliest first: the order syntax-error help lists them in.
 STATEMENT_ORDER = ("unit", "checkpoint", "compile", "defaults", "root", "mesh", "model", "include",
-                   "ignore", "place", "expect", "parallel", "optional")
+                   "ignore", "place", "expect", "parallel", "step", "optional")
 OPTIONAL_STATEMENTS = ("unit", "checkpoint", "parallel", "compile", "ignore", "place")
 # Keywords inside statements.
 CLAUSES = ("optional", "except", "where", "not", "at", "world", "input", "none", "units", "unit")
 # Block option names (`options.OPTIONS`), FSDP1 spellings included.
 OPTIONS = ("precision", "reshard", "offload", "prefetch", "reduction", "checkpoint", "compile", "strategy",
            "sharding_strategy", "mixed_precision", "cpu_offload")
+# Options of the `step` block (`planc/resolve/step.py`).
+STEP_OPTIONS = ("accumulate",)
 # Dtype words (`options.DTYPES`, without `none`, which is a clause word).
 DTYPES = ("fp32", "float32", "f32", "bf16", "bfloat16", "fp16", "float16", "half")
 # Boolean words (`options.BOOLS`).
@@ -64,7 +66,7 @@ def tmlanguage(template: dict) -> dict:
     boolean["match"] = rf"(?<![\w.*])\b({_alternation(BOOLS)})\b(?![.*])"
     dtype["match"] = rf"(?<![\w.*])\b({_alternation(DTYPES)})\b(?![.*])"
     fsdp1["match"] = rf"\b({_alternation(FSDP1_WORDS)})\b"
-    options = [o for o in OPTIONS if o not in STATEMENTS]
+    options = [o for o in OPTIONS + STEP_OPTIONS if o not in STATEMENTS]
     repo["option"]["match"] = rf"(?<![\w.*])\b({_alternation(options)})\b(?![.*=])"
     return template
 

@@ -34,6 +34,7 @@ from typing import Union
 from planc.lower.program import Program
 from planc.resolve.ir import Setting
 from planc.resolve.mesh import Axis, Mesh
+from planc.resolve.step import GRADIENT_SYNC
 
 # torch.distributed.pipelining's `_ComputationType` values (torch 2.13), the words of an action.
 FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "I", "W"
@@ -44,10 +45,9 @@ ACTION_KINDS = (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, UNSHARD
                 SEND_F, RECV_F, SEND_B, RECV_B, OVERLAP_F_B)
 COMPUTE_KINDS = (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, OVERLAP_F_B)
 
-# When a stage's backward reduces its gradients over the data-parallel axes: after every
-# microbatch's backward, or only after the last microbatch's (FSDP2's
-# `set_requires_gradient_sync(False)` before the others: gradient accumulation without sync).
-GRADIENT_SYNC = ("every", "last")
+# When a stage's backward reduces its gradients over the data-parallel axes (`GRADIENT_SYNC`,
+# from the plan's `step` line): after every microbatch's backward, or only after the last
+# microbatch's (FSDP2's `set_requires_gradient_sync(False)` before the others).
 
 DENSE = "dense"    # the view every module that is not an expert lives on
 EXPERT = "expert"  # the view expert-parallel experts live on

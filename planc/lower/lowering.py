@@ -157,9 +157,11 @@ def lower(res: Resolution, graph: ModelGraph) -> Program:
 
 def lower_job(res: Resolution, graph: ModelGraph) -> Job:
     """The job for a resolution without errors: today one part (the whole model), the dense
-    view, the one-stage schedule, and `loss_parallel()` as a step op when the plan asks for it."""
+    view, the one-stage schedule over the `step` line's microbatches, and `loss_parallel()`
+    as a step op when the plan asks for it."""
     program = lower(res, graph)
     step_ops = tuple(LossParallel(op.module, op.origin) for op in program.of_type(Parallelize)
                      if op.style.loss_parallel)
-    return Job(res.mesh, (View(DENSE, res.mesh.device_axes),), (Part(0, ("",), program),), step_schedule(),
-               step_ops)
+    step = res.step
+    schedule = step_schedule() if step is None else step_schedule(step.value.microbatches, step.value.sync, step)
+    return Job(res.mesh, (View(DENSE, res.mesh.device_axes),), (Part(0, ("",), program),), schedule, step_ops)

@@ -79,6 +79,7 @@ class Resolution:
     rule_effects: dict[int, int] = field(default_factory=dict)             # statement index -> effects
     conflicted: set[int] = field(default_factory=set)                      # rules dropped by P203
     broken: set[int] = field(default_factory=set)                          # rules with a bad option
+    step: Setting | None = None                                            # `step`: an Accumulation
 
     def unit(self, name: str) -> Unit:
         for u in self.units:

@@ -24,6 +24,7 @@ from planc.resolve.ir import DEFAULT_SETTINGS, Resolution, Setting, Unit
 from planc.resolve.mesh import Role, resolve_mesh
 from planc.resolve.options import CHECKPOINT_MODES, MODULE_SETTINGS, Assignment, parse_option
 from planc.resolve.selectors import check_regexes, match_modules, match_params
+from planc.resolve.step import resolve_step
 from planc.resolve.tensor import TensorStyle, tensor_style
 
 DEFAULTS_ORDER = -(10**9)  # defaults sort below every rule, whatever their position
@@ -88,6 +89,7 @@ class Resolver:
         models = [s for s in stmts if isinstance(s, st.ModelStmt)]
         for stale in models[:-1]:
             self._replaced(stale, models[-1], "model")
+        self.out.step = resolve_step(stmts, self.plan.file, self.diags)
         roots = [s for s in stmts if isinstance(s, st.RootStmt)]
         self.out.root_disabled = bool(roots) and roots[-1].disabled
 

@@ -1,0 +1,97 @@
+"""The `step` statement: what one optimizer step runs, resolved from the plan.
+
+    step { accumulate 4, sync = last }
+
+`accumulate N` splits each rank's batch of one optimizer step into N microbatches, each run
+forward and backward before the one optimizer step (gradient accumulation). `sync` says when
+the data-parallel gradients are reduced: `every` microbatch (FSDP2's default: each backward
+reduce-scatters and the sharded gradients accumulate), or only on the `last` (FSDP2's
+`set_requires_gradient_sync(False)` before the others: the unsharded gradients accumulate on
+every rank, one reduce-scatter per step). The lowering turns it into the job's schedule
+(`planc/lower/job.py::step_schedule`); without a `step` line a step is one microbatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planc.diagnostics import Diagnostic, suggestion
+from planc.lang import syntax as st
+from planc.resolve.ir import Setting
+from planc.resolve.options import OptionSpec, Param, _Bad, _bind, enum, positive_int
+
+# When the gradients are reduced over the data-parallel axes (see the module docstring).
+GRADIENT_SYNC = ("every", "last")
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """Microbatches per optimizer step and when their gradients are reduced (`GRADIENT_SYNC`)."""
+
+    microbatches: int = 1
+    sync: str = "every"
+
+    def show(self) -> str:
+        if self.microbatches == 1:
+            return "one microbatch per step"
+        when = "after every microbatch" if self.sync == "every" else "once, after the last microbatch"
+        return f"{self.microbatches} microbatches per step, gradients reduced {when}"
+
+
+STEP_OPTIONS: dict[str, OptionSpec] = {
+    "accumulate": OptionSpec(
+        params=(Param("microbatches", positive_int, None), Param("sync", enum(*GRADIENT_SYNC), None)),
+        positional=("microbatches",),
+        summary="gradient accumulation: run N microbatches forward and backward per optimizer step; "
+                "`sync = every` reduces gradients after each (the default), `sync = last` only after the last"),
+}
+
+
+def resolve_step(stmts: tuple, file: str, diags: list[Diagnostic]) -> Setting | None:
+    """The `Accumulation` of the plan's last `step` line as a `Setting` (None without one).
+
+    Diagnoses unknown options (P101), bad arguments (P103) and an option given twice (P207);
+    an earlier `step` line of the plan itself is replaced by the last (P207).
+    """
+    steps = [(i, s) for i, s in enumerate(stmts) if isinstance(s, st.StepStmt)]
+    if not steps:
+        return None
+    for _, stale in steps[:-1]:
+        if stale.span.file == file:
+            diags.append(Diagnostic(
+                code="P207", severity="warning", span=stale.span,
+                message="this `step` line has no effect: a later `step` line replaces it",
+                label="replaced", related=((steps[-1][1].span, "this one counts"),), help=("keep one `step` line",)))
+    setting = None
+    for order, stmt in steps:  # a replaced line's mistakes are still mistakes
+        setting = _resolve_block(order, stmt, diags)
+    return setting
+
+
+def _resolve_block(order: int, stmt: st.StepStmt, diags: list[Diagnostic]) -> Setting:
+    values: dict = {}
+    seen: st.Option | None = None
+    for opt in stmt.block.options:
+        spec = STEP_OPTIONS.get(opt.name)
+        if spec is None:
+            diags.append(Diagnostic(
+                code="P101", severity="error", message=f"unknown option `{opt.name}` in a `step` block",
+                span=opt.name_span, label="not a step option",
+                help=suggestion(opt.name, STEP_OPTIONS) or
+                ("a `step` block takes " + ", ".join(f"`{o}`" for o in STEP_OPTIONS)
+                 + ", e.g. `step { accumulate 4, sync = last }`",)))
+            continue
+        try:
+            bound = _bind(spec, opt)
+        except _Bad as bad:
+            diags.append(bad.diag)
+            continue
+        if seen is not None:
+            diags.append(Diagnostic(
+                code="P207", severity="warning", span=seen.span,
+                message=f"`{opt.name}` is set twice in one block: this value has no effect",
+                label="set again later in this block", related=((opt.span, "this one counts"),),
+                help=(f"keep one `{opt.name}`",)))
+        seen, values = opt, bound
+    span = seen.span if seen is not None else stmt.span
+    return Setting(Accumulation(values.get("microbatches", 1), values.get("sync", "every")), span, "step", order)
