@@ -230,6 +230,17 @@ async def test_hover_selector_option_and_expect(client):
 
 
 @ASYNC
+async def test_hover_on_the_step_line(client):
+    text = "model planc.zoo:gpt_tiny\nunit blocks.*\nstep { accumulate 4, sync = last }\n"
+    uri, diags = await open_doc(client, text)
+    assert diags == []
+    assert "4 microbatches per step, gradients reduced once, after the last microbatch" in \
+        await hover(client, uri, text, "step")
+    assert "gradient accumulation" in await hover(client, uri, text, "accumulate")
+    assert "accepts `every`, `last`" in await hover(client, uri, text, "sync")
+
+
+@ASYNC
 async def test_hover_on_a_diagnostic_explains_its_code(client):
     text = "model planc.zoo:gpt_tiny\nunit blocks.* : GPTBlok\n"
     uri, diags = await open_doc(client, text)

@@ -24,11 +24,13 @@ LR = 1e-2
 FP32 = "\ndefaults { precision param = fp32, reduce = fp32 }\n"
 
 
-def llama_fp32_plan():
-    """plans/llama.plan with fp32 params and reductions (the exact comparison needs fp32)."""
+def llama_fp32_plan(accumulate: int = 1):
+    """plans/llama.plan with fp32 params and reductions (the exact comparison needs fp32), and
+    `accumulate` microbatches per step (`step { accumulate N }`, synced on the last)."""
     import planc
     path = ROOT / "plans" / "llama.plan"
-    return planc.loads(path.read_text() + FP32, filename=str(path))
+    step = f"step {{ accumulate {accumulate}, sync = last }}\n" if accumulate > 1 else ""
+    return planc.loads(path.read_text() + FP32 + step, filename=str(path))
 
 
 def dataset(vocab: int) -> list[dict]:
@@ -55,16 +57,18 @@ def hf_trainer_run(rank: int, world: int, accumulate: int = 1) -> dict:
     torch.manual_seed(0)
     model = build_hf_model("llama-tiny", device="cpu")
     units = []
-    if world > 1:
-        from planc.integrations.hf import shard_for_trainer
-        applied = shard_for_trainer(model, llama_fp32_plan())
+    accumulation = {"gradient_accumulation_steps": accumulate}
+    if world > 1:  # the accumulation comes from the plan's `step` line
+        from planc.integrations.hf import shard_for_trainer, trainer_arguments
+        applied = shard_for_trainer(model, llama_fp32_plan(accumulate))
         units = sorted(applied.unit_of_module)
+        accumulation = trainer_arguments(applied)
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             output_dir=out, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
             max_steps=STEPS, learning_rate=LR, seed=0, dataloader_num_workers=0,
             per_device_train_batch_size=GLOBAL_BATCH // world // accumulate,
-            gradient_accumulation_steps=accumulate, train_sampling_strategy="sequential")
+            train_sampling_strategy="sequential", **accumulation)
         trainer = Trainer(model=model, args=args, train_dataset=dataset(model.config.vocab_size))
         trainer.train()
     from torch.distributed.fsdp import FSDPModule

@@ -458,8 +458,8 @@ def flops(n: float) -> str:
 
 def _unit_bytes(u: dict, kind: str, phase: str | None = None, axis: str | None = None) -> int:
     """A unit's bytes of one collective kind per step (a collective run per microbatch counted each time)."""
-    return sum(c["bytes"] * c.get("times", 1) for c in u["collectives"] if c["kind"] == kind and (phase is None or c["phase"] == phase)
-               and (axis is None or c["axis"] == axis))
+    return sum(c["bytes"] * c.get("times", 1) for c in u["collectives"] if c["kind"] == kind
+               and (phase is None or c["phase"] == phase) and (axis is None or c["axis"] == axis))
 
 
 def _time_text(t: dict[str, Any], style: _Style) -> list[str]:

@@ -465,11 +465,43 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     if model is None:
         raise ValueError("emit needs a plan compiled against a model")
     compiled.raise_for_errors()
-    program = READER.compiled(compiled).program
+    job = READER.compiled(compiled)
+    program = job.program
     plan_path = plan_path or compiled.plan.file
     model_ref = model_ref or compiled.plan.model_ref or type(model).__name__
     body = _body(compiled, program, model)
-    return _module_text(program, body, plan_path, model_ref)
+    return _module_text(program, body, plan_path, model_ref) + _accumulate_source(job.schedule)
+
+
+def _accumulate_source(schedule) -> str:
+    """`accumulate(model, *batch)` for a plan with several microbatches per step (what
+    `AppliedPlan.accumulate` does); nothing for one microbatch."""
+    k = schedule.microbatches
+    if k == 1:
+        return ""
+    sync = "True" if schedule.gradient_sync == "every" else f"mb == {k - 1}"
+    why = ("gradients reduced after every microbatch" if schedule.gradient_sync == "every" else
+           "gradients reduced only after the last\n    (FSDP2 keeps the unsharded ones until then)")
+    return f"""
+
+def accumulate(model, *batch):
+    \"\"\"The plan's step: {k} microbatches, {why}.
+
+    Yields each microbatch's slices of `batch` (split on dim 0); divide each loss by {k}:
+
+        for tokens, labels in accumulate(model, tokens, labels):
+            (loss_fn(model(tokens), labels) / {k}).backward()
+        optimizer.step()
+    \"\"\"
+    from torch.distributed.fsdp import FSDPModule
+
+    chunks = [t.chunk({k}) for t in batch]
+    for mb in range({k}):
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_requires_gradient_sync({sync}, recurse=False)
+        yield tuple(c[mb] for c in chunks)
+"""
 
 
 def _sections(program) -> list[tuple[tuple, list]]:
@@ -610,7 +642,8 @@ def _module_text(program, body: list[str], plan_path: str, model_ref: str) -> st
 
 _PRINTABLE = (Parallelize, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod)
 # What emit prints: every op as `apply_plan`'s calls; the step (forward, backward, the loss in
-# `loss_parallel()`) is the user's training loop, as with `planc.apply`.
+# `loss_parallel()`) is the user's training loop, as with `planc.apply`; several microbatches
+# per step add `accumulate(model, *batch)`, as `AppliedPlan.accumulate`.
 READER = Reader("emit", _PRINTABLE, (FORWARD, FULL_BACKWARD), (LossParallel,))
 
 _TORCH_STYLES = vocab.TORCH_STYLES

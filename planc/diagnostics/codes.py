@@ -309,6 +309,13 @@ CODES: dict[str, Code] = {
                  "`initialize_weights`), else `reset_parameters()` per module. Pass `init=` with the model's "
                  "real initialiser, covering every module named.\n\n"
                  "    planc.materialize(model, \"cuda\", init=lambda m: m.init_rope_cache())"),
+    "P607": Code("Trainer accumulates differently", "`planc.integrations.hf.trainer_arguments` turns the plan's "
+                 "`step { accumulate N, sync = ... }` into the Trainer's `gradient_accumulation_steps` (and "
+                 "`sync_each_batch` for `sync = every`). Under HSDP the Trainer defers only the all-reduce across "
+                 "replicas to the last microbatch and reduce-scatters every microbatch, which is neither of planc's "
+                 "two modes, so its memory and time estimates would not describe the run. Write `sync = every` "
+                 "(the Trainer then syncs each microbatch), or shard without a replicate axis.\n\n"
+                 "    mesh (replicate = 2, shard = *)\n    step { accumulate 4, sync = last }   # P607 with the Trainer"),
     # --- importing accelerate FSDP configs (P7xx; `planc import`, planc/importers/accelerate.py)
     "P701": Code("not an accelerate FSDP config", "The file is not YAML, not a mapping, or has no "
                  "`fsdp_config` section (accelerate writes one with `accelerate config` when "

@@ -57,6 +57,40 @@ def shard_for_trainer(model: nn.Module, plan, *, mesh=None):
     return applied
 
 
+def trainer_arguments(applied) -> dict:
+    """The `TrainingArguments` keywords the plan's `step` line stands for, so that the Trainer
+    accumulates as planc estimated: `gradient_accumulation_steps` = the microbatches (the
+    Trainer's `per_device_train_batch_size` is then one microbatch: the plan's step batch / N);
+    `sync = last` is the Trainer's own default (it turns FSDP2's gradient sync off before all but
+    the last microbatch of a model sharded this way); `sync = every` adds accelerate's
+    `sync_each_batch`.
+
+        TrainingArguments(..., **trainer_arguments(applied))
+
+    Raises:
+        PlanError: P607 for `sync = last` on a mesh with replicas, where the Trainer defers only the
+            all-reduce across replicas.
+    """
+    from planc.resolve.mesh import Role
+    schedule = applied.compiled.job.schedule
+    out: dict = {"gradient_accumulation_steps": schedule.microbatches}
+    if schedule.microbatches == 1:
+        return out
+    if schedule.gradient_sync == "every":
+        out["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+        return out
+    replicas = dict(zip(applied.mesh.mesh_dim_names or (), applied.mesh.mesh.shape)).get(
+        applied.compiled.mesh.axis_name(Role.REPLICATE), 1)
+    if replicas > 1:
+        step = schedule.origin
+        raise PlanError([Diagnostic(
+            code="P607", severity="error", span=step.span if step is not None else None,
+            message=f"the Trainer would reduce-scatter every microbatch on this mesh ({replicas} replicas): it "
+                    "defers only the all-reduce across replicas, not what `sync = last` estimates",
+            label="sync = last", help=("write `sync = every`, or train without a replicate axis",))])
+    return out
+
+
 def distributed_config(mesh, axes):
     """transformers' `DistributedConfig` for a planc mesh: the shard axis -> fsdp, the replicate
     axis -> replicas, found by their roles in the plan (`axes`, the compiled plan's `Mesh`), since a

@@ -13,9 +13,8 @@ from pygments.token import Comment, Keyword, Name, Number, Operator, Punctuation
 
 __all__ = ["PlanLexer"]
 
-from planc.lang.vocabulary import BOOLS, CLAUSES, DTYPES, FSDP1_WORDS, STATEMENTS
+from planc.lang.vocabulary import BOOLS, CLAUSES, DTYPES, FSDP1_WORDS, STATEMENTS, STEP_OPTIONS
 from planc.lang.vocabulary import OPTIONS as _UNIT_OPTIONS
-from planc.lang.vocabulary import STEP_OPTIONS
 
 CONSTANTS = BOOLS
 # block options that are not also statement keywords (those are highlighted as keywords)

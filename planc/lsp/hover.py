@@ -21,6 +21,7 @@ from planc.lsp.locate import chain_at
 from planc.lsp.positions import contains
 from planc.resolve.options import DTYPES, OPTIONS, Param
 from planc.resolve.selectors import match_modules, match_params
+from planc.resolve.step import STEP_OPTIONS
 
 SHOW_PATHS = 5   # matched module paths listed before "... and N more"
 SHOW_UNITS = 3
@@ -80,7 +81,18 @@ def _node_hover(analysis: Analysis, chain: list[Any], line: int, column: int) ->
         return f"includes `{target}`{there}: its statements stand here, and later lines override them", stmt.span
     if isinstance(stmt, st.MeshStmt) and analysis.compiled is not None:
         return f"mesh `{_safe(lambda: str(analysis.compiled.mesh))}`", stmt.span
+    if isinstance(stmt, st.StepStmt):
+        return _step_hover(analysis), stmt.span
     return None, None
+
+
+def _step_hover(analysis: Analysis) -> str:
+    """What one optimizer step runs, as the plan resolved it (the last `step` line counts)."""
+    res = getattr(analysis.compiled, "resolution", None) if analysis.compiled is not None else None
+    step = getattr(res, "step", None)
+    what = step.value.show() if step is not None else "one microbatch per step"
+    return (f"**step**: {what}\n\nthe input (`input = BxS`, `--input-shape`) is the step's batch; train with "
+            "`for mb in applied.accumulate(tokens, labels): ...`")
 
 
 def _safe(f, default: str = "?"):
@@ -108,7 +120,7 @@ def values_of(param: Param) -> list[str]:
 
 
 def _option_hover(opt: st.Option, line: int, column: int) -> tuple[str | None, Span | None]:
-    spec = OPTIONS.get(opt.name)
+    spec = OPTIONS.get(opt.name) or STEP_OPTIONS.get(opt.name)
     if spec is None:
         return None, opt.name_span
     for arg in opt.args:
