@@ -246,9 +246,13 @@ CODES: dict[str, Code] = {
                  "their parameters are 2-D DTensors (data parallel x tensor) after `fully_shard`; the "
                  "parameters of modules no `parallel` line covers are 1-D. `clip_grad_norm_` fails on the "
                  "mix (torch 2.13: `All operands in aten.stack.default must have the same mesh`; "
-                 "pytorch#180346), as foreach optimizers were reported to (pytorch#134212). Give such "
-                 "modules the `replicate` style (torchtitan's "
-                 "`NoParallel`) so every parameter lives on the same meshes.\n\n"
+                 "pytorch#180346), as foreach optimizers were reported to (pytorch#134212). The fix is "
+                 "read from the layout chain: a Linear a colwise output feeds needs `rowwise`, a projection "
+                 "missing beside split ones `colwise`, a module with weights on head-sharded activations "
+                 "(a per-head `q_norm` after a colwise `q_proj`) `sequence { sequence_dim 2; local_output "
+                 "true }` (P423: `replicate` would not reduce its gradient), and any other module "
+                 "`replicate` (torchtitan's `NoParallel`), so every parameter lives on the same meshes. A "
+                 "module whose own `parallel` rule has an error is not reported again.\n\n"
                  "    parallel **.self_attn.q_proj colwise\n"
                  "    # error: model.norm is left out: add `parallel model.norm replicate`"),
     "P419": Code("loss parallel not on the output projection", "`loss_parallel` belongs on the projection that "
@@ -276,6 +280,18 @@ CODES: dict[str, Code] = {
                  "    parallel **.self_attn.{q_proj, k_proj, v_proj} replicate\n"
                  "    parallel **.self_attn.o_proj rowwise   # warning: nothing colwise feeds it",
                  "warning"),
+    "P423": Code("replicate on weights that see head-sharded activations", "Inside a module whose colwise "
+                 "child leaves its output sharded on the heads or features (`Shard(-1)`: `q_proj` before a "
+                 "per-head `q_norm`, as in Qwen3, Qwen3-MoE and Gemma 3), a module with weights sees 1/tp of "
+                 "the heads on each rank. `replicate` (torchtitan's `NoParallel`) keeps its weight "
+                 "replicated but never reduces its gradient over the tensor axis: each rank keeps the "
+                 "gradient of its own heads (checked on 2 gloo ranks: 68-71% off on the tiny Qwen3), and the "
+                 "copies drift apart. The shapes are fine, so the simulation cannot see it. Write "
+                 "`sequence { sequence_dim 2; local_output true }` (the input is (batch, seq, heads, ...), "
+                 "heads split: the gradient is summed over the tensor axis, as Hugging Face's "
+                 "`replicated_with_grad_allreduce` does), or gather the producer's output.\n\n"
+                 "    parallel **.self_attn.{q_proj, k_proj, v_proj} colwise\n"
+                 "    parallel **.self_attn.{q_norm, k_norm} replicate   # error: gradient not reduced"),
     # --- expectations (P5xx)
     "P501": Code("expectation failed", "An `expect` statement does not hold for the resolved plan."),
     "P502": Code("memory expectation failed", "An `expect memory...` bound does not hold under planc's "
