@@ -292,6 +292,21 @@ CODES: dict[str, Code] = {
                  "`replicated_with_grad_allreduce` does), or gather the producer's output.\n\n"
                  "    parallel **.self_attn.{q_proj, k_proj, v_proj} colwise\n"
                  "    parallel **.self_attn.{q_norm, k_norm} replicate   # error: gradient not reduced"),
+    "P424": Code("colwise on a fused projection", "A fused projection makes several parts in one "
+                 "output (Phi-3's `gate_up_proj` = [gate | up], `qkv_proj` = [q | k | v]) that the forward "
+                 "cuts apart along the features (`chunk`, `split`, a slice). `colwise` splits the output "
+                 "features contiguously, so rank 0 holds all of `gate` and rank 1 all of `up`: each rank "
+                 "then cuts its own shard in two and computes another function. When the parts are as wide "
+                 "as the rowwise consumer expects (the MLP's `down_proj`), every shape chains and the plan "
+                 "trains silently wrong (checked on 2 gloo ranks: the tiny Phi-3's loss is off by 8.6e-4). "
+                 "planc reports it where the rowwise consumer reads fewer features than the colwise layer "
+                 "makes and the model, run on fake tensors up to that block, cuts the output along its last "
+                 "dim first (a per-head fused output, GPT-NeoX's `query_key_value` viewed as (heads, 3 x "
+                 "head_dim), keeps each head's parts together and is fine). Gather the output "
+                 "(`colwise { output replicate }`, and `rowwise { input replicate }` on the consumer), or "
+                 "split the fused weight into one Linear per part.\n\n"
+                 "    parallel **.mlp.gate_up_proj colwise   # error: [gate | up] split contiguously\n"
+                 "    parallel **.mlp.down_proj rowwise"),
     # --- expectations (P5xx)
     "P501": Code("expectation failed", "An `expect` statement does not hold for the resolved plan."),
     "P502": Code("memory expectation failed", "An `expect memory...` bound does not hold under planc's "
