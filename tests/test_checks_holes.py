@@ -71,6 +71,16 @@ def test_p423_from_a_replicate_covering_the_attention(graphs):
     assert len(found) == 1 and _line(text, found[0]) == "parallel model.layers.*.self_attn replicate"
 
 
+def test_p423_silent_for_a_module_before_the_colwise_layer():
+    # torchtitan's root: `norm` is registered (and runs) before the `output` projection left Shard(-1)
+    from ui_models import tp_net
+
+    text = (ROOT / "tests/fixtures/tp/tp_net.plan").read_text()
+    text = text.replace("parallel norm sequence", "parallel norm replicate")
+    text = text.replace("output colwise { input shard(1); loss_parallel }", "output colwise { input shard(1) }")
+    assert "P423" not in _codes(text, ModelGraph.from_module(tp_net()))
+
+
 # ----------------------------------------------------------------- P424
 
 

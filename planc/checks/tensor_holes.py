@@ -73,6 +73,14 @@ def _find_regions(ctx: Context) -> dict[str, str]:
     return regions
 
 
+def in_region(ctx: Context, owner: str) -> str | None:
+    """The colwise producer whose output `owner` runs on: a sibling left `Shard(-1)` registered
+    before it (a per-head `q_norm` comes after `q_proj`; a root `norm` before the `output`
+    projection runs before it), or None."""
+    producer = head_regions(ctx).get(_parent(owner)) if owner else None
+    return producer if producer is not None and ctx.graph.pre(producer) < ctx.graph.pre(owner) else None
+
+
 def _covering(ctx: Context, styles: dict[str, Setting], owner: str) -> tuple[str, Setting] | None:
     """(module, style) that places `owner`'s own parameters: its own style, else the nearest
     enclosing `sequence` / `replicate` (which cover a subtree)."""
@@ -113,15 +121,15 @@ def check_replicated_head_params(ctx: Context) -> Iterator[Diagnostic]:
     styles = styled(ctx)
     if not styles:
         return
-    regions = head_regions(ctx)
     found = []
     for owner in _trained_owners(ctx):
-        if not owner or _parent(owner) not in regions or isinstance(ctx.graph.module(owner), (nn.Linear, nn.Embedding)):
+        producer = in_region(ctx, owner)
+        if producer is None or isinstance(ctx.graph.module(owner), (nn.Linear, nn.Embedding)):
             continue  # (a Linear there is a forgotten colwise / rowwise: its shapes fail, P416 / P418 say which)
         cover = _covering(ctx, styles, owner)
         if cover is None or cover[1].value.kind != "replicate":
             continue
-        found.append(((cover[1].span, pattern(regions[_parent(owner)])), owner))
+        found.append(((cover[1].span, pattern(producer)), owner))
     for (span, producer), mods in by_key(found).items():
         names = patterns(mods)
         verb = "runs" if len(names) == 1 else "run"
@@ -210,7 +218,7 @@ def chain_fix(ctx: Context, owner: str) -> str:
     if not owner or parent not in regions:
         return "replicate"
     if not isinstance(ctx.graph.module(owner), nn.Linear):
-        return REDUCING  # weights on head-sharded activations
+        return REDUCING if in_region(ctx, owner) else "replicate"  # weights on head-sharded activations
     view = _view(ctx)
     fed = any(p == parent and reader for p, reader in zip(view.parents, view.rowwise_reader))
     return "colwise" if fed else "rowwise"  # a projection beside split ones / the colwise output's consumer
