@@ -16,6 +16,7 @@ import contextlib
 import copy
 import logging
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -126,12 +127,25 @@ def _quiet():
         logger.disabled = was
 
 
+# model -> {modules probed: result}: a plan checked again (the LSP on every edit, several world
+# sizes) probes the same model once
+_PROBED: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
 def first_uses(model: nn.Module | None, modules: list[str]) -> dict[str, Use] | None:
     """Module path -> the first operation its output meets in the model's forward (fake tensors,
     `PROBE_TOKENS` token ids, stopped once the parent of every module has returned); None when the
-    model does not run that far on token ids."""
+    model does not run that far on token ids. Cached per model and module list."""
     if model is None or not modules:
         return None
+    cache = _PROBED.setdefault(model, {})
+    key = tuple(sorted(modules))
+    if key not in cache:
+        cache[key] = _probe(model, list(key))
+    return cache[key]
+
+
+def _probe(model: nn.Module, modules: list[str]) -> dict[str, Use] | None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
