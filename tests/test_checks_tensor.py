@@ -266,7 +266,11 @@ def test_p417_not_for_norms_inside_attention():
     for layer in model.layers:
         layer.attention.q_norm = nn.RMSNorm(layer.attention.head_dim)
     text = TP_NET_PLAN + "parallel layers.*.attention.q_norm replicate\n"
-    assert _codes(text, model) == []
+    # not P417; but it sees 1/tp of the heads (after the colwise wq), and `replicate` would not
+    # reduce its gradient: P423 (tests/test_holes_dist.py), fixed by the reducing `sequence` form
+    assert _codes(text, model) == ["P423"]
+    fixed = TP_NET_PLAN + "parallel layers.*.attention.q_norm sequence { sequence_dim 2; local_output true }\n"
+    assert _codes(fixed, model) == []
 
 
 # ----------------------------------------------------------------- P418 / P421

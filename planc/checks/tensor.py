@@ -13,8 +13,10 @@ when it is `*`), at any world size and without `torch.distributed`:
   nothing produces (warnings); P417 a norm with weights
   between sequence-sharded activations that is not `sequence`; P419 `loss_parallel` on a
   module that does not make the logits; P420 colwise / rowwise on a module torch cannot split;
-* P418 parameters no style covers next to tensor-parallel ones; P421 a tied parameter placed
-  differently by its owners.
+* P421 a tied parameter placed differently by its owners.
+
+P418 (parameters left out) and the rules for plans whose shapes chain but whose numbers do not
+(P423, P424) are in planc/checks/tensor_holes.py.
 
 What planc cannot see is the forward code: producer -> consumer order is read from the module
 tree (registration order, siblings, enclosing blocks), so the chaining checks that depend on
@@ -615,74 +617,7 @@ def check_sequence_norms(ctx: Context) -> Iterator[Diagnostic]:
                       "tensor-parallel ranks drift apart",))
 
 
-# ===================================================================== P418 / P421: meshes
-
-
-def _on_tensor_axis(ctx: Context, styles: dict[str, Setting]) -> set[str]:
-    """Canonical parameters a style puts on the tensor axis (split or replicated)."""
-    covered: set[str] = set()
-    for path, setting in styles.items():
-        kind = setting.value.kind
-        if kind in COVER_SUBTREE:
-            covered |= ctx.graph.subtree_params(path)
-        elif kind in SPLIT:
-            covered.update(c for _, c in ctx.graph.own_params(path))
-    return covered
-
-
-def _nearest_style(ctx: Context, styles: dict[str, Setting], order: list[str], pres: list[int],
-                   path: str) -> Setting:
-    """The style of the tensor-parallel module nearest `path` in the tree (for a location)."""
-    for anc in [path, *ctx.graph.ancestors(path)]:
-        lo = ctx.graph.pre(anc)
-        k = bisect.bisect_left(pres, lo)
-        if k < len(order) and pres[k] < lo + ctx.graph.subtree_size(anc):
-            return styles[order[k]]
-    return styles[order[0]]
-
-
-def check_same_meshes(ctx: Context) -> Iterator[Diagnostic]:
-    """P418: with any module on the tensor axis, every trained parameter is (replicate style for
-    the modules no split covers). Frozen parameters are left out (the optimizer and gradient
-    clipping never see them), and so are ignored ones (FSDP does not manage them)."""
-    styles = styled(ctx)
-    if not styles:
-        return
-    graph = ctx.graph
-    covered = _on_tensor_axis(ctx, styles)
-    skip = {norm for norm, _ in _sequence_norms(ctx, styles)}  # P417 asks for `sequence` there
-    unsplittable = [p for p, s in styles.items()  # P420 already says these are wrong
-                    if s.value.kind in SPLIT and not isinstance(graph.module(p), (nn.Linear, nn.Embedding))]
-    order = list(styles)
-    pres = [graph.pre(p) for p in order]
-    left: dict[str, int] = {}
-    for name, info in graph.params.items():
-        if name in covered or name in ctx.res.ignored or not info.requires_grad:
-            continue
-        owner = graph.owners(name)[0]
-        if owner not in skip and not any(graph.is_within(owner, p) for p in unsplittable):
-            left[owner] = left.get(owner, 0) + 1
-    found = []
-    for owner in left:
-        near = _nearest_style(ctx, styles, order, pres, owner)
-        found.append(((near.span,), owner))
-    for (span,), mods in by_key(found).items():
-        names = [n or "<root>" for n in patterns(mods)]
-        styleable = [n for n in names if n != "<root>"]
-        count = sum(left[m] for m in mods)
-        fixes = []
-        if styleable:
-            fixes.append("add " + ", ".join(f"`parallel {n} replicate`" for n in styleable[:3])
-                         + (" (and the others)" if len(styleable) > 3 else ""))
-        if "<root>" in names:  # a selector never matches the root: its own parameters need another way
-            own = [c for _, c in graph.own_params("") if c in graph.params and c not in covered]
-            fixes.append(f"the root's own parameters ({listed(own)}) cannot take a style (a selector never "
-                         "matches the root): move them into a submodule and give it `replicate`")
-        fixes[-1] += (": `clip_grad_norm_` fails when some parameters are 2-D DTensors and others 1-D "
-                      "(`All operands in aten.stack.default must have the same mesh`)")
-        yield err("P418", f"{listed(names)} {'is' if len(names) == 1 else 'are'} left out of the tensor-parallel "
-                  f"plan ({count} parameter{_s(count)}) next to modules on the tensor axis", span,
-                  "puts the modules next to it on the tensor axis", fixes)
+# ===================================================================== P421: tied placements
 
 
 def _placement(ctx: Context, styles: dict[str, Setting], owner: str, local: str) -> str:

@@ -30,7 +30,6 @@ from planc.checks.tensor import (
     check_colwise_consumed,
     check_heads,
     check_rowwise_fed,
-    check_same_meshes,
     check_sequence_length,
     check_sequence_norms,
     check_split_modules,
@@ -38,6 +37,7 @@ from planc.checks.tensor import (
     check_tensor_last,
     check_tied_placements,
 )
+from planc.checks.tensor_holes import check_fused_colwise, check_replicated_head_params, check_same_meshes
 from planc.diagnostics import Diagnostic
 
 __all__ = ["CHECKS", "METRICS", "Check", "Context", "metric_problems", "validate"]
@@ -67,6 +67,8 @@ CHECKS: tuple[Check, ...] = (
     Check(check_rowwise_fed, _MODEL),
     Check(check_sequence_norms, _MODEL),
     Check(check_same_meshes, _MODEL),
+    Check(check_replicated_head_params, _MODEL),
+    Check(check_fused_colwise, _MODEL),
     Check(check_tied_placements, _MODEL),
     Check(check_root_reshard, _MODEL),
     Check(check_shadowed, _MODEL),
