@@ -37,8 +37,10 @@ WORLD = re.compile(r"#\s*world-size:\s*([0-9 ]+)")
 # P442 / P443 (a style torch refuses, parameters on different meshes in the simulated step)
 # are reported by `planc check --simulate` only when the static checks let the plan through,
 # and every case of them known is caught first by P420 / P418; tests/test_shapecheck.py
-# reaches them with `check_step(..., after_static=True)`. Every other code needs a golden here.
-OTHER_COMMANDS = ("P6", "P7", "P457", "P458", "P459", "P442", "P443", "P95")
+# reaches them with `check_step(..., after_static=True)`. P425 / P426 come from `planc check
+# --verify` (real processes, tens of seconds a plan): tests/test_verify.py reaches both.
+# Every other code needs a golden here.
+OTHER_COMMANDS = ("P6", "P7", "P457", "P458", "P459", "P442", "P443", "P95", "P425", "P426")
 
 
 def reachable_from_check(code: str) -> bool:

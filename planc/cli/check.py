@@ -9,6 +9,8 @@ from planc.diagnostics import Diagnostic, render, sort_diagnostics
 
 
 def cmd_check(args) -> int:
+    if getattr(args, "verify_model", None) and not getattr(args, "verify", False):
+        raise UsageError("--verify-model names the model --verify runs: add --verify")
     if getattr(args, "input_shape", None) and not getattr(args, "simulate", False):
         raise UsageError("--input-shape is the input of --simulate's step: add --simulate (memory `expect` lines "
                          "take `input = BxS` on the line)")
@@ -25,12 +27,18 @@ def cmd_check(args) -> int:
                 and not any(d.is_error for d in diags):
             found, simulated = simulate_plan(path, args, compiled)
             diags = sort_diagnostics(diags + found)
+        verified = None
+        if getattr(args, "verify", False) and compiled and compiled[0].graph is not None \
+                and not any(d.is_error for d in diags):
+            found, verified = verify_plan(path, args, compiled[0])
+            diags = sort_diagnostics(diags + found)
         all_diags += diags
         sources.update(srcs)
         if compiled:
             # units is null without a model: nothing was resolved, only syntax and values checked
             summaries.append({"file": path, "units": len(compiled[0].units) if compiled[0].graph else None,
-                              "errors": sum(d.is_error for d in diags), **({"simulated": simulated} if simulated else {})})
+                              "errors": sum(d.is_error for d in diags), **({"simulated": simulated} if simulated else {}),
+                              **({"verified": verified} if verified else {})})
     if args.format == "json":
         print(render.render_json(all_diags, plans=summaries))
     elif args.format == "github":
@@ -44,7 +52,7 @@ def cmd_check(args) -> int:
         if not any(d.is_error for d in all_diags) and not io_problem:
             for s in summaries:
                 sim = (f"; one training step simulated at world {', '.join(map(str, s['simulated']))}"
-                       if s.get("simulated") else "")
+                       if s.get("simulated") else "") + (f"; {s['verified']}" if s.get("verified") else "")
                 print(f"{s['file']}: ok ({s['units']} units{sim})" if s["units"] is not None else
                       f"{s['file']}: ok (no model: selectors not resolved; add a `model` line or --model)")
     if io_problem:
@@ -77,3 +85,19 @@ def simulate_plan(path: str, args, compiled) -> tuple[list[Diagnostic], list[int
                 seen.add((d.code, d.span, d.message))
                 out.append(d)
     return out, worlds
+
+
+def verify_plan(path: str, args, compiled) -> tuple[list[Diagnostic], str | None]:
+    """`--verify`: the plan trained on local processes against one process (`planc.analysis.verify`);
+    the mismatches (P425), or why it could not run (P426), and the verdict's summary when it passed."""
+    import os
+
+    from planc.analysis import verify
+
+    base = None if args.model else os.path.dirname(os.path.abspath(path))
+    try:
+        verdict = verify.verify(compiled, base=base, twin=getattr(args, "verify_model", None) or
+                                (args.model if args.model else None))
+    except verify.VerifyError as err:
+        return [verify.not_verified(compiled, str(err))], None
+    return verify.diagnostics(compiled, verdict), (verdict.summary() if verdict.ok else None)

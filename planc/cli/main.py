@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "training step on fake tensors (the shape-level check of tensor parallelism)")
     c.add_argument("--input-shape", metavar="BxS", help="with --simulate: batch x sequence of token ids "
                    "(default 2x16, the sequence rounded up to a multiple of the tensor size)")
+    c.add_argument("--verify", action="store_true", help="also train the plan on a small twin of the model on local "
+                   "gloo processes and compare losses, gradients and weights with one unsharded process (P425)")
+    c.add_argument("--verify-model", metavar="REF", help="with --verify: the small model to run (a `planc.zoo:`/"
+                   "`hf:` reference or MODULE:CALLABLE; default: the plan model's shipped tiny twin)")
     c.set_defaults(func=check.cmd_check)
 
     t = sub.add_parser("tree", help="print a model's module tree, to write selectors")

@@ -308,6 +308,18 @@ CODES: dict[str, Code] = {
                  "    parallel **.mlp.gate_up_proj colwise   # error: [gate | up] split contiguously\n"
                  "    parallel **.mlp.down_proj rowwise"),
     # --- expectations (P5xx)
+    "P425": Code("trains differently from one process", "`planc check --verify` trained the plan on a small "
+                 "twin of the model on local processes (gloo, the smallest world that keeps every mesh axis "
+                 "> 1) and the same steps unsharded in one process, in fp32, and a loss, gradient or updated "
+                 "parameter differed by more than 1e-5 + 1e-4 x its size. The error is located on the rule "
+                 "that shapes the differing parameters' gradients (the `parallel` line that styles the "
+                 "module, else its `unit`), with the worst error. Run `planc check --simulate` and read the "
+                 "tensor-parallel rules for that line.\n\n"
+                 "    parallel layers.*.attn.q_norm replicate   # P425: its gradient is not reduced over tensor"),
+    "P426": Code("plan not verified", "`planc check --verify` could not run the plan: no small twin of the "
+                 "model is known (pass `--verify-model`), the mesh needs more local processes than the machine "
+                 "runs (4), the plan does not apply or train on the twin, or the run did not finish in time. "
+                 "The message says which.\n\n    planc check plans/big.plan --verify --verify-model pkg.mod:tiny"),
     "P501": Code("expectation failed", "An `expect` statement does not hold for the resolved plan."),
     "P502": Code("memory expectation failed", "An `expect memory...` bound does not hold under planc's "
                  "analytic per-rank memory model. With `input = BxS` on the line, activations for that "

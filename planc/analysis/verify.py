@@ -1,0 +1,439 @@
+"""`planc check --verify`: a plan's training steps on real processes, against one unsharded process.
+
+The shape simulation (`check --simulate`) proves that a plan runs; this proves that it trains
+the function the model computes. A small twin of the model (`twin_reference`: the zoo model's
+tiny variant, the Hugging Face config's tiny sibling, or a factory the user names) is built
+with one seed on every rank and in the reference; the plan is applied for real on local gloo
+processes at the smallest world that keeps every axis of its mesh > 1 (`simulation_world`:
+the fixed axes, 2 ranks for the `*` one); every rank trains `STEPS` AdamW steps on its slice
+of the same global batches (ranks of one tensor group take the same slice), through the
+plan's own step (`applied.accumulate`, `applied.loss_parallel`), and the losses, every
+gradient (before each optimizer step) and the updated parameters are compared with one
+process training the unsharded twin on the whole batches.
+
+Why real processes: torch 2.13's `LocalTensorMode` simulates tensor parallelism in one
+process but not FSDP2 (its hooks and collectives need a process group), and a fake process
+group computes nothing. Why fp32: the comparison must see errors of 1e-3 (a fused projection
+split across parts moves the loss by 8.6e-4) that bf16 round-off would hide, so every unit's
+mixed-precision policy is replaced by fp32 for the run (what is verified is the sharding, not
+the precision). Dropout is turned off in both runs (each process would draw other masks).
+AdamW runs with `eps = 1e-3`: Adam moves a parameter by about the learning
+rate whatever the size of its gradient, so a gradient that is zero but for round-off (an
+attention key bias) would move by round-off-sized noise times lr / eps; the larger eps keeps
+the comparison of updated parameters meaningful while exercising the same optimizer code.
+
+A mismatch is a located diagnostic (P425) on the rule whose modules' gradients differ: the
+`parallel` line that styles the module (or its nearest styled ancestor), else the `unit` that
+shards it; with the worst error and what that rule does to the gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import socket
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from planc.diagnostics import Diagnostic
+
+STEPS = 2
+LR = 1e-2
+EPS = 1e-3
+ATOL, RTOL = 1e-5, 1e-4   # |sharded - one process| <= ATOL + RTOL * max|one process|, per tensor
+MAX_PROCESSES = 4         # what this kind of machine runs at once (2 cores)
+SEQ = 16
+
+# Shipped Hugging Face configs and their small twins (planc/model/configs/).
+HF_TWINS = {"llama-3-8b": "llama-tiny", "mixtral-8x7b": "mixtral-tiny", "gpt2": "gpt2-tiny",
+            "bert-base": "bert-tiny", "t5-base": "t5-tiny"}
+
+# What each tensor-parallel style does to a weight's gradient (for the mismatch message).
+STYLE_GRADIENT = {
+    "colwise": "splits the weight's output features over the tensor axis; its input's gradient is summed "
+               "over the tensor ranks",
+    "rowwise": "splits the weight's input features over the tensor axis; its output is summed over the ranks",
+    "sequence": "keeps the weight whole and sums its gradient over the tensor axis",
+    "replicate": "keeps the weight whole on every tensor rank and does not reduce its gradient over the tensor axis",
+}
+
+
+class VerifyError(Exception):
+    """The plan cannot be verified here (no twin, too many processes, a model that does not run)."""
+
+
+@dataclass
+class Mismatch:
+    param: str
+    error: float        # max |sharded - one process|
+    scale: float        # max |one process|
+    what: str           # "gradient (step 1)", "parameter after step 2", "loss (step 1)"
+    step: float = 0     # when it shows: a step's loss and gradients at `step`, the updated parameters after
+
+
+@dataclass
+class Verdict:
+    """What `verify` compared and found."""
+
+    world: int
+    sizes: dict[str, int]
+    twin: str
+    compared: int                       # tensors compared (losses, gradients, parameters)
+    mismatches: list[Mismatch] = field(default_factory=list)
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def summary(self) -> str:
+        mesh = " x ".join(f"{k} {v}" for k, v in self.sizes.items() if v > 1) or "1 rank"
+        return (f"verified at {self.world} ranks ({mesh}) against one process on `{self.twin}`: {STEPS} AdamW steps, "
+                f"{self.compared} losses, gradients and parameters within {ATOL:g} + {RTOL:g} x max, fp32")
+
+
+# ===================================================================== the twin
+
+
+def twin_reference(ref: str) -> str:
+    """The small model a plan for `ref` is verified on (the same module tree, names, heads and tying)."""
+    from planc import zoo
+
+    if ref.startswith("hf:"):
+        name = ref[3:]
+        twin = HF_TWINS.get(name) or (name if name.endswith("-tiny") else None)
+        if twin is None:
+            from planc.model.hf import shipped_configs
+            twin = f"{name}-tiny" if f"{name}-tiny" in shipped_configs() else None
+        if twin is None:
+            raise VerifyError(f"no small twin of `{ref}` is shipped: pass --verify-model MODULE:FN, a factory of a "
+                              "small model with the same module names, head counts and tying")
+        return f"hf:{twin}"
+    if ref.startswith("planc.zoo:"):
+        name = ref.split(":", 1)[1]
+        return ref if name.endswith("_tiny") or f"{name}_tiny" not in zoo.ZOO else f"planc.zoo:{name}_tiny"
+    return ref  # a factory the user named (or torchtitan's debug model): taken as it is
+
+
+def _build(ref: str, base: str | None) -> nn.Module:
+    from planc.model.build import build_model
+
+    torch.manual_seed(0)
+    model = build_model(ref, device="cpu", base=base)
+    if hasattr(getattr(model, "config", None), "use_cache"):
+        model.config.use_cache = False
+    for module in model.modules():  # dropout draws other masks in every process: off, in both runs
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    return model.float()
+
+
+def _batches(model: nn.Module, global_batch: int, seq: int) -> list[torch.Tensor]:
+    from planc.estimate.trace import vocab_sizes
+
+    vocab = min(vocab_sizes(model) or {64})
+    gen = torch.Generator().manual_seed(1234)
+    return [(torch.randint(0, vocab, (global_batch, 1), generator=gen) + torch.arange(seq)) % vocab
+            for _ in range(STEPS)]
+
+
+# ===================================================================== one training run
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().clone()
+
+
+def _train(model: nn.Module, data: list[torch.Tensor], steps_of, loss_context, microbatches: int,
+           reduce_loss) -> dict[str, Any]:
+    """STEPS AdamW steps; `steps_of(batch)` yields the microbatches (1-tuples) of a step."""
+    from planc.estimate.trace import Example, default_loss
+
+    loss_fn = default_loss(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    out: dict[str, Any] = {"losses": [], "grads": [], "params": None}
+    for batch in data:
+        total = torch.zeros(())
+        for (mb,) in steps_of(batch):
+            with loss_context():
+                value = loss_fn(_forward(model, mb), Example((mb,))) / microbatches
+                value.backward()
+            total += _full(value)
+        out["grads"].append({n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(reduce_loss(total))
+    out["params"] = {n: _full(p) for n, p in model.named_parameters()}
+    return out
+
+
+def _forward(model: nn.Module, tokens: torch.Tensor):
+    """The model on token ids; an encoder-decoder (T5) gets them as its decoder's ids too."""
+    import inspect
+
+    if "decoder_input_ids" in inspect.signature(model.forward).parameters:
+        return model(input_ids=tokens, decoder_input_ids=tokens)
+    return model(tokens)
+
+
+def _fp32(compiled):
+    """The compiled plan with every unit's mixed precision replaced by fp32 (see the module docstring)."""
+    from planc.lower.program import FullyShard, Precision
+
+    job = compiled.job
+    parts = []
+    for part in job.parts:
+        ops = tuple(dataclasses.replace(op, policy=dataclasses.replace(op.policy, precision=Precision()))
+                    if isinstance(op, FullyShard) else op for op in part.program.ops)
+        parts.append(dataclasses.replace(part, program=dataclasses.replace(part.program, ops=ops)))
+    compiled.__dict__["job"] = dataclasses.replace(job, parts=tuple(parts))
+    return compiled
+
+
+def _rank(rank: int, world: int, port: int, out_dir: str, spec: dict) -> None:
+    """One rank of the sharded run; rank 0 writes what it gathered to `out_dir`."""
+    import torch.distributed as dist
+
+    import planc
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    warnings.simplefilter("ignore")  # the ranks' own warnings are not the verdict (it is written by rank 0)
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from planc.backends.runtime import build_mesh, run
+
+        model = _build(spec["twin"], spec["base"])
+        compiled = planc.compile(planc.loads(spec["text"], filename=spec["file"]), model, world, strict=False,
+                                 check_memory=False)
+        blocking = [d for d in compiled.diagnostics if d.is_error and d.code not in spec["allow"]]
+        if blocking:
+            raise VerifyError(f"{blocking[0].code} on the twin: {blocking[0].message}")
+        compiled = _fp32(compiled)  # then made real as `planc.apply` does, op by op
+        applied = run(compiled.job.program, model, build_mesh(compiled.mesh, world), compiled)
+        mesh = applied.mesh
+        names = mesh.mesh_dim_names or ()
+        tensor = applied.compiled.mesh.axis_name("tensor")
+        dp_axes = [n for n in names if n != tensor]
+        dp_rank, dp = 0, 1
+        for n in dp_axes:  # this rank's place among the data-parallel ranks (outermost first)
+            dp_rank, dp = dp_rank * mesh[n].size() + mesh.get_local_rank(n), dp * mesh[n].size()
+        per = spec["global_batch"] // dp
+
+        def reduce_loss(total: torch.Tensor) -> float:
+            total = total.clone()
+            dist.all_reduce(total)  # tensor ranks hold the same loss: the mean over all is the data-parallel mean
+            return (total / world).item()
+
+        data = [b[dp_rank * per:(dp_rank + 1) * per] for b in _batches(model, spec["global_batch"], spec["seq"])]
+        scale = _loss_scale(compiled, dp)
+        out = _train(model, data, applied.accumulate, applied.loss_parallel, applied.microbatches / scale,
+                     lambda total: reduce_loss(total / scale))
+        if rank == 0:
+            torch.save({"ok": True, "out": out}, os.path.join(out_dir, "0.pt"))
+        dist.barrier()
+    except BaseException as err:
+        torch.save({"ok": False, "error": f"{type(err).__name__}: {err}"}, os.path.join(out_dir, f"e{rank}.pt"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss_scale(compiled, dp: int) -> float:
+    """What each rank's loss is multiplied by so that the reduced gradients are the one-process mean: FSDP2
+    divides the summed gradients by the data-parallel size unless the plan says otherwise (`reduction
+    divide_factor = 1.0`: torchtitan sums, having divided its loss by the global token count)."""
+    from planc.lower.program import UnitMethod
+
+    factors = {op.unit: float(op.args[0]) for op in compiled.job.program.ops
+               if isinstance(op, UnitMethod) and op.method == "set_gradient_divide_factor"}
+    found = {factors.get(u.name, float(dp)) for u in compiled.job.program.units if u.params}
+    if len(found) > 1:
+        raise VerifyError(f"the units divide their gradients by different factors ({sorted(found)}): no one loss "
+                          "scale makes them the one-process mean")
+    return found.pop() / dp if found else 1.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(world: int, spec: dict, timeout: float) -> dict:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(_rank, args=(world, _free_port(), out_dir, spec), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() >= deadline:
+                    for p in ctx.processes:
+                        p.kill()
+                    raise VerifyError(f"the sharded run did not finish in {timeout:.0f} s (a hang?)")
+        except VerifyError:
+            raise
+        except Exception:
+            errors = [torch.load(os.path.join(out_dir, f)) for f in sorted(os.listdir(out_dir)) if f.startswith("e")]
+            first = errors[0]["error"] if errors else "a rank died"
+            raise VerifyError(f"the plan did not train on {world} ranks: {first}") from None
+        return torch.load(os.path.join(out_dir, "0.pt"))["out"]
+
+
+# ===================================================================== compare and locate
+
+
+def _compare(got: dict, ref: dict) -> tuple[int, list[Mismatch]]:
+    found: list[Mismatch] = []
+    count = 0
+
+    def check(name: str, a: torch.Tensor, b: torch.Tensor, what: str, step: float) -> None:
+        nonlocal count
+        count += 1
+        scale = float(b.abs().max()) if b.numel() else 0.0
+        error = float((a - b).abs().max()) if a.shape == b.shape else math.inf
+        if not error <= ATOL + RTOL * scale:
+            found.append(Mismatch(name, error, scale, what, step))
+
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), 1):
+        check("", torch.tensor(a), torch.tensor(b), f"loss (step {step})", step)
+    for step, (ga, gb) in enumerate(zip(got["grads"], ref["grads"]), 1):
+        for name, g in gb.items():
+            check(name, ga.get(name, torch.full_like(g, math.nan)), g, f"gradient (step {step})", step)
+    for name, p in ref["params"].items():
+        check(name, got["params"].get(name, torch.full_like(p, math.nan)), p, f"parameter after step {STEPS}",
+              STEPS + 0.5)
+    return count, found
+
+
+def _rule_of(compiled, param: str) -> tuple[Any, str]:
+    """The plan line a parameter's gradient is shaped by, and what it does to it."""
+    res, graph = compiled.resolution, compiled.graph
+    module = param.rpartition(".")[0]
+    for path in [module, *graph.ancestors(module)] if module else [""]:  # the nearest styled module
+        if path in res.parallel:
+            setting = res.parallel[path]
+            return setting.span, STYLE_GRADIENT.get(setting.value.kind, f"applies `{setting.value.kind}`")
+    unit = res.enclosing(module, graph)
+    if unit is not None and unit.span is not None:
+        return unit.span, "FSDP2 shards it and averages its gradient over the data-parallel ranks"
+    return compiled.mesh.span, "the mesh decides how its gradient is reduced"
+
+
+def diagnostics(compiled, verdict: Verdict) -> list[Diagnostic]:
+    """P425 per plan line whose parameters trained differently from one process, from the first step
+    anything differs (after one wrong update every later gradient differs: the first is the cause)."""
+    by_rule: dict[Any, list[Mismatch]] = {}
+    meaning: dict[Any, str] = {}
+    first = min((m.step for m in verdict.mismatches), default=0)
+    for m in (m for m in verdict.mismatches if m.step == first):
+        span, what = _rule_of(compiled, m.param) if m.param else (compiled.mesh.span, "the loss")
+        by_rule.setdefault(span, []).append(m)
+        meaning[span] = what
+    out = []
+    for span, ms in by_rule.items():
+        worst = max(ms, key=lambda m: m.error / (m.scale or 1.0))
+        names = sorted({m.param or "the loss" for m in ms})
+        shown = ", ".join(f"`{n}`" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        rel = f"{100 * worst.error / worst.scale:.3g}%" if worst.scale else f"{worst.error:.3g}"
+        out.append(Diagnostic(
+            code="P425", severity="error", span=span,
+            message=f"trains differently from one process: {shown} ({worst.what} of `{worst.param or 'the loss'}` "
+                    f"off by {rel}, max error {worst.error:.3g})",
+            label="sharded here",
+            notes=(f"this rule {meaning[span]}",
+                   f"{verdict.world} ranks against one process on `{verdict.twin}`, fp32, tolerance {ATOL:g} + "
+                   f"{RTOL:g} x max"),
+            help=("run `planc check --simulate` and read the P4xx rules for this line; a module with weights on "
+                  "sharded activations needs the style that reduces its gradient",)))
+    return out
+
+
+# ===================================================================== entry point
+
+
+def verify(compiled, *, base: str | None = None, twin: str | None = None, timeout: float = 240.0,
+           allow: frozenset[str] = frozenset()) -> Verdict:
+    """Train the plan on its twin on local processes and compare with one process (see the module docstring).
+
+    Args:
+        compiled: the plan compiled against its model (any size: the twin is what runs).
+        base: the plan's folder (relative `hf:` config paths).
+        twin: the model reference to run (default `twin_reference` of the plan's `model` line).
+        allow: error codes the run goes on despite (the tests verify the plans P423/P424 refuse,
+            to show that the static rules and this oracle agree); `planc check` verifies only
+            plans without errors.
+
+    Raises:
+        VerifyError: no twin, a mesh needing more than `MAX_PROCESSES` processes, a plan that does not
+            apply or train on the twin, or a run past `timeout`.
+    """
+    from planc.analysis.shapecheck import simulation_world
+
+    start = time.monotonic()
+    ref = compiled.plan.model_ref
+    if twin is None:
+        if ref is None:
+            raise VerifyError("the plan has no `model` line: pass --model or --verify-model")
+        twin = twin_reference(ref)
+    world = simulation_world(compiled.mesh)
+    if world > MAX_PROCESSES:
+        raise VerifyError(f"the mesh needs {world} processes at its smallest ({compiled.mesh}); this machine runs "
+                          f"at most {MAX_PROCESSES} at once")
+    sizes = compiled.mesh.sizes(world) or {}
+    tp = sizes.get("tensor", 1)
+    k = compiled.job.schedule.microbatches
+    spec = {"twin": twin, "base": base, "text": _plan_text(compiled), "file": compiled.plan.file, "allow": allow,
+            "global_batch": 2 * k * (world // tp), "seq": -(-SEQ // tp) * tp}
+    try:
+        reference_model = _build(twin, base)
+        data = _batches(reference_model, spec["global_batch"], spec["seq"])
+        ref_out = _train(reference_model, data, lambda b: iter([(b,)]), _null, 1, lambda t: t.item())
+    except Exception as err:  # any model code: the twin must train on token ids in one process first
+        raise VerifyError(f"the twin `{twin}` does not train in one process on token ids of shape "
+                          f"{spec['global_batch']}x{spec['seq']}: {type(err).__name__}: {err}") from err
+    got = _launch(world, spec, timeout)
+    compared, mismatches = _compare(got, ref_out)
+    return Verdict(world, {str(getattr(r, "value", r)): v for r, v in sizes.items()}, twin, compared, mismatches,
+                   time.monotonic() - start)
+
+
+def not_verified(compiled, why: str) -> Diagnostic:
+    """P426: `--verify` was asked for and could not run (at the `model` line)."""
+    model = next((s for s in compiled.plan.statements if type(s).__name__ == "ModelStmt"), None)
+    return Diagnostic(code="P426", severity="error", span=model.span if model is not None else None,
+                      message=f"the plan was not verified: {why}", label="this model",
+                      help=("`--verify-model REF` names a small model with the same module names, head counts and "
+                            "tying (a `planc.zoo:`/`hf:` reference or MODULE:CALLABLE)",))
+
+
+def _plan_text(compiled) -> str:
+    source = compiled.plan.source(compiled.plan.file)
+    if source is None:
+        raise VerifyError("the plan's text is not available to the processes")
+    return source
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,75 @@
+"""`planc check --verify`: plans trained on local gloo processes against one unsharded process.
+
+The oracle is one process training the same twin on the whole batches (planc/analysis/verify.py).
+Every shipped plan must pass; a plan the static rules refuse for training silently wrong
+(P423, a replicated per-head norm) must fail here too, located on the same line: the static
+rule and the dynamic oracle agree.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+import planc
+from planc.analysis import verify
+from planc.cli.main import main as planc_main
+from planc.model.build import build_model
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PLANS = sorted((ROOT / "plans").glob("*.plan"))
+
+
+def _compiled(path: pathlib.Path, strict: bool = True):
+    plan = planc.load(path)
+    return planc.compile(plan, build_model(plan.model_ref, device="meta", base=path.parent), strict=strict)
+
+
+def test_twins_are_the_small_siblings():
+    assert verify.twin_reference("hf:llama-3-8b") == "hf:llama-tiny"
+    assert verify.twin_reference("hf:qwen3-tiny") == "hf:qwen3-tiny"
+    assert verify.twin_reference("planc.zoo:seed_transformer") == "planc.zoo:seed_transformer_tiny"
+    assert verify.twin_reference("planc.zoo:gpt_tiny") == "planc.zoo:gpt_tiny"
+    with pytest.raises(verify.VerifyError, match="--verify-model"):
+        verify.twin_reference("hf:no-such-model")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("path", PLANS, ids=[p.stem for p in PLANS])
+def test_every_shipped_plan_trains_like_one_process(path):
+    compiled = _compiled(path)
+    verdict = verify.verify(compiled, base=str(path.parent))
+    assert verdict.ok, [d.message for d in verify.diagnostics(compiled, verdict)]
+    assert verdict.compared > 10
+    ones = {a.role.value for a in compiled.mesh.axes if a.size == 1}  # axes the plan itself sets to 1
+    assert all(size > 1 for axis, size in verdict.sizes.items() if axis not in ones), verdict.sizes
+
+
+@pytest.mark.dist
+def test_a_replicated_head_norm_fails_on_its_own_line():
+    """Qwen3's q_norm/k_norm under `replicate` after colwise q/k projections (P423 statically): the
+    first step's gradients of exactly those norms differ, by tens of percent, located on that line."""
+    path = ROOT / "tests" / "ui" / "p423_replicate_head_norm.plan"
+    compiled = _compiled(path, strict=False)
+    assert [d.code for d in compiled.diagnostics if d.is_error] == ["P423"]
+    verdict = verify.verify(compiled, base=str(path.parent), allow=frozenset({"P423"}))
+    assert not verdict.ok
+    (diag,) = verify.diagnostics(compiled, verdict)
+    assert diag.code == "P425" and diag.span.line == 14  # `parallel ...{q_norm,k_norm} replicate`
+    assert "q_norm.weight" in diag.message and "gradient (step 1)" in diag.message
+    worst = max(m.error / m.scale for m in verdict.mismatches if m.step == 1)
+    assert worst > 0.2
+    assert "does not reduce its gradient over the tensor axis" in diag.notes[0]
+
+
+def test_a_mesh_too_large_for_this_machine_is_not_verified(capsys):
+    path = ROOT / "tests" / "ui" / "verify_too_many_ranks.plan"
+    assert planc_main(["check", str(path.relative_to(ROOT)), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "error[P426]: the plan was not verified: the mesh needs 16 processes" in out
+
+
+def test_verify_model_needs_verify(capsys):
+    assert planc_main(["check", "plans/seed.plan", "--verify-model", "planc.zoo:seed_transformer_tiny"]) == 2
+    assert "add --verify" in capsys.readouterr().err
