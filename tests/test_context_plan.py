@@ -1,0 +1,53 @@
+"""A context-parallel plan, statically: the `context` axis and style resolve and lower to the job
+(`AttendOverContext` ops, FSDP over the flattened shard x context axis, the `ShardBatch` step op)."""
+
+from __future__ import annotations
+
+import planc
+from planc.lower.job import ShardBatch
+from planc.lower.program import AttendOverContext, FullyShard
+from planc.resolve.mesh import Mesh, Role
+from planc.zoo import llama_tiny
+
+PLAN = """model planc.zoo:llama_tiny
+mesh (shard = *, context = 2)
+unit layers.*
+parallel layers.*.attention context
+"""
+
+
+def _compiled(text: str = PLAN, world: int = 4):
+    return planc.compile(planc.loads(text), llama_tiny(), world, strict=False)
+
+
+def test_context_plan_lowers_to_attention_ops_flat_fsdp_and_batch_sharding():
+    c = _compiled()
+    assert c.ok, c.diagnostics
+    job = c.job
+    attends = job.program.of_type(AttendOverContext)
+    assert [(op.module, op.axis) for op in attends] == [("layers.0.attention", "context"), ("layers.1.attention", "context")]
+    assert {op.axes for op in job.program.of_type(FullyShard)} == {("shard_context",)}
+    (shard,) = job.step_op(ShardBatch)
+    assert (shard.axis, shard.balance) == ("context", "head-tail")
+    assert dict(shard.tensors) == {"tokens": 1, "labels": 1, "positions": 0}
+    assert shard.origin.span.line == 4
+
+
+def test_flattened_axes_keep_the_plans_words_and_replicate_stays_outside():
+    mesh = Mesh.of({Role.REPLICATE: 2, Role.SHARD: None, Role.CONTEXT: 2}, {Role.SHARD: "dp_shard", Role.CONTEXT: "cp"})
+    assert mesh.flattened == {"dp_shard_cp": ("dp_shard", "cp")}
+    assert mesh.fsdp_axis_names == ("replicate", "dp_shard_cp")
+    assert Mesh().flattened == {} and Mesh().fsdp_axis_names == ("shard",)
+
+
+def test_cp_spelling_is_the_context_axis():
+    c = _compiled(PLAN.replace("context = 2", "cp = 2"))
+    assert c.ok, c.diagnostics
+    assert c.mesh.axis_name(Role.CONTEXT) == "cp" and c.mesh.sizes(4)[Role.CONTEXT] == 2
+
+
+def test_context_style_needs_a_context_axis_and_takes_no_options():
+    c = _compiled(PLAN.replace("mesh (shard = *, context = 2)", "mesh (shard = *)"))
+    assert [d.code for d in c.errors] == ["P490"]
+    c = _compiled(PLAN.replace("attention context", "attention context { balance round_robin }"))
+    assert [d.code for d in c.errors] == ["P491"]
