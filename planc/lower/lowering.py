@@ -32,8 +32,8 @@ from planc.lower.program import (
     UnitMethod,
 )
 from planc.model.graph import ModelGraph
-from planc.resolve.ir import Resolution, Unit
 from planc.resolve.context import BALANCE, BATCH_TENSORS
+from planc.resolve.ir import Resolution, Unit
 from planc.resolve.mesh import Role
 
 # Unit settings applied by calling an `FSDPModule` method after sharding: setting -> method.
