@@ -51,3 +51,22 @@ def test_context_style_needs_a_context_axis_and_takes_no_options():
     assert [d.code for d in c.errors] == ["P490"]
     c = _compiled(PLAN.replace("attention context", "attention context { balance round_robin }"))
     assert [d.code for d in c.errors] == ["P491"]
+
+
+def test_supported_attention_is_the_zoo_llamas_and_not_other_modules():
+    from planc.checks.context_parallel import KNOWN, supports_context
+    from planc.zoo import llama3
+
+    assert supports_context(llama3.Attention) and f"{llama3.Attention.__module__}.Attention" in KNOWN
+    assert not supports_context(llama3.FeedForward) and not supports_context(llama3.TransformerBlock)
+
+
+def test_one_error_per_mistake():
+    """A broken `context` line is not also a P492; a context axis alone is; the sequence rule reads `input =`."""
+    bare = "model planc.zoo:llama_tiny\nmesh (shard = *, context = 2)\nunit layers.*\n"
+    assert [d.code for d in _compiled(bare).errors] == ["P492"]
+    broken = bare + "parallel layers.*.attention context { x }\n"
+    assert [d.code for d in _compiled(broken).errors] == ["P491"]
+    fits = PLAN + "expect memory.peak <= 1GiB at world = 4, input = 2x16\n"
+    assert _compiled(fits).errors == []
+    assert [d.code for d in _compiled(fits.replace("2x16", "2x18")).errors] == ["P495"]
