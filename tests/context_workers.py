@@ -59,9 +59,29 @@ PLANS = {
 }
 
 
-def plan_case(rank: int, world: int, name: str, steps: int) -> dict:
-    """zoo Llama tiny fp32 under `PLANS[name]` through `planc.apply` and `applied.shard_batch`, 3 AdamW
-    steps, vs one unsharded process: losses, gradients and final weights."""
+def _emitted(model, plan):
+    """`model` sharded by the code `planc emit` prints for `plan`: (shard_batch, data-parallel (rank, size), unshard)."""
+    import planc
+    from planc.backends import runtime
+    from planc.backends.emit import emit_python
+
+    compiled = planc.compile(plan, model, dist.get_world_size())
+    scope: dict = {}
+    exec(compile(emit_python(compiled), "<emitted>", "exec"), scope)
+    mesh = runtime.build_mesh(compiled.mesh)
+    scope["apply_plan"](model, mesh)
+    dp_rank, dp = mesh["shard"].get_local_rank(), mesh["shard"].size()
+
+    def shard_batch(tokens, labels):
+        return context.Batch(*scope["shard_batch"](tokens, labels, mesh))
+
+    return shard_batch, (dp_rank, dp), lambda t: context.unshard(t, 1, mesh["context"].get_group())
+
+
+def plan_case(rank: int, world: int, name: str, steps: int, via: str = "apply") -> dict:
+    """zoo Llama tiny fp32 under `PLANS[name]` through `planc.apply` and `applied.shard_batch` (or
+    through the code `planc emit` prints, `via="emit"`), 3 AdamW steps, vs one unsharded process:
+    losses, gradients and final weights."""
     import copy
 
     import torch.nn.functional as F
@@ -72,8 +92,11 @@ def plan_case(rank: int, world: int, name: str, steps: int) -> dict:
     torch.manual_seed(0)
     ref = llama3.llama_tiny()
     model = copy.deepcopy(ref)
-    applied = planc.apply(model, planc.loads(PLANS[name]))
-    dp_rank, dp = applied.data_parallel_rank()
+    if via == "emit":
+        shard_batch, (dp_rank, dp), unshard = _emitted(model, planc.loads(PLANS[name]))
+    else:
+        applied = planc.apply(model, planc.loads(PLANS[name]))
+        shard_batch, (dp_rank, dp), unshard = applied.shard_batch, applied.data_parallel_rank(), applied.unshard_sequence
     opt_ref, opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model))
     seq, per_rank, g = 16, 2, torch.Generator().manual_seed(1)
     out = {"ref": [], "cp": [], "grad": [], "dp": (dp_rank, dp),
@@ -85,7 +108,7 @@ def plan_case(rank: int, world: int, name: str, steps: int) -> dict:
         loss = F.cross_entropy(ref(inputs).flatten(0, 1), labels.flatten())
         loss.backward()
         mine = slice(per_rank * dp_rank, per_rank * (dp_rank + 1))
-        batch = applied.shard_batch(inputs[mine], labels[mine])
+        batch = shard_batch(inputs[mine], labels[mine])
         logits = model(batch.tokens, positions=batch.positions)
         local = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten())  # the plain per-rank mean
         local.backward()
@@ -100,7 +123,7 @@ def plan_case(rank: int, world: int, name: str, steps: int) -> dict:
             o.zero_grad()
     out["params"] = max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
     logits = model(batch.tokens, positions=batch.positions)
-    whole = applied.unshard_sequence(logits.detach())
+    whole = unshard(logits.detach())
     out["unshard"] = (whole - ref(inputs[mine]).detach()).abs().max().item()
     return out
 
@@ -113,4 +136,5 @@ def launch_two(rank: int, world: int) -> dict:
 def launch_four(rank: int, world: int) -> dict:
     """The 4-rank launch: attention at context 4, the 2-D-mesh fact, shard x context and replicate x context plans."""
     return {"attention": attention_worker(rank, world, 16), "fsdp_mesh": fsdp_mesh_worker(rank, world),
-            **{name: plan_case(rank, world, name, 3) for name in ("shard x context", "replicate x context")}}
+            **{name: plan_case(rank, world, name, 3) for name in ("shard x context", "replicate x context")},
+            "emitted shard x context": plan_case(rank, world, "shard x context", 3, via="emit")}
