@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import planc
 from planc.lower.job import ShardBatch
 from planc.lower.program import AttendOverContext, FullyShard
@@ -70,3 +72,29 @@ def test_one_error_per_mistake():
     fits = PLAN + "expect memory.peak <= 1GiB at world = 4, input = 2x16\n"
     assert _compiled(fits).errors == []
     assert [d.code for d in _compiled(fits.replace("2x16", "2x18")).errors] == ["P495"]
+
+
+def _cli(*argv: str) -> tuple[int, str]:
+    import contextlib
+    import io
+    import os
+
+    from planc import cli
+
+    err, cwd = io.StringIO(), os.getcwd()
+    os.chdir(pathlib.Path(__file__).resolve().parent.parent)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            code = cli.main(list(argv))
+    finally:
+        os.chdir(cwd)
+    return code, err.getvalue()
+
+
+def test_shipped_plan_checks_and_estimating_commands_refuse_it_clearly():
+    """`planc check` passes the shipped context plan; `explain` (the estimators refuse the
+    `AttendOverContext` / `ShardBatch` kinds) says so at the plan line, no internal error."""
+    assert _cli("check", "plans/zoo-llama-context.plan", "--world-size", "8")[0] == 0
+    code, err = _cli("explain", "plans/zoo-llama-context.plan", "--world-size", "8")
+    assert code == 1 and "internal error" not in err
+    assert "plans/zoo-llama-context.plan:24: context parallelism is not yet estimated" in err
