@@ -98,3 +98,11 @@ def test_shipped_plan_checks_and_estimating_commands_refuse_it_clearly():
     code, err = _cli("explain", "plans/zoo-llama-context.plan", "--world-size", "8")
     assert code == 1 and "internal error" not in err
     assert "plans/zoo-llama-context.plan:24: context parallelism is not yet estimated" in err
+
+
+def test_fmt_writes_the_context_axis_and_style_canonically():
+    from planc.lang.fmt import format_plan
+
+    messy = "model planc.zoo:llama_tiny\nmesh (shard=*,cp=2)\nparallel   layers.*.attention   context\n"
+    assert format_plan(messy) == ("model planc.zoo:llama_tiny\n\nmesh (shard = *, cp = 2)\n\n"
+                                  "parallel layers.*.attention context\n")
