@@ -75,6 +75,7 @@ def test_one_error_per_mistake():
 
 
 def _cli(*argv: str) -> tuple[int, str]:
+    """`planc ARGV` from the repository root: (exit code, stdout and stderr together)."""
     import contextlib
     import io
     import os
@@ -84,7 +85,7 @@ def _cli(*argv: str) -> tuple[int, str]:
     err, cwd = io.StringIO(), os.getcwd()
     os.chdir(pathlib.Path(__file__).resolve().parent.parent)
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(err), contextlib.redirect_stderr(err):
             code = cli.main(list(argv))
     finally:
         os.chdir(cwd)
@@ -106,3 +107,12 @@ def test_fmt_writes_the_context_axis_and_style_canonically():
     messy = "model planc.zoo:llama_tiny\nmesh (shard=*,cp=2)\nparallel   layers.*.attention   context\n"
     assert format_plan(messy) == ("model planc.zoo:llama_tiny\n\nmesh (shard = *, cp = 2)\n\n"
                                   "parallel layers.*.attention context\n")
+
+
+def test_check_simulate_says_the_step_is_not_simulated_and_checks_the_input_shape():
+    code, err = _cli("check", "--simulate", "--input-shape", "2x18", "plans/zoo-llama-context.plan", "--world-size", "8")
+    assert code == 1 and "internal error" not in err
+    assert "error[P495]: context = 2 cuts each sequence into 4 chunks, but `input = 2x18`" in err
+    assert "warning[P497]: `--simulate` did not run a step" in err
+    code, err = _cli("check", "--simulate", "--input-shape", "2x16", "plans/zoo-llama-context.plan", "--world-size", "8")
+    assert code == 0 and "P495" not in err and "P497" in err

@@ -99,24 +99,45 @@ def check_context_modules(ctx: Context) -> Iterator[Diagnostic]:
                        + ", ".join(f"`{k}`" for k in KNOWN),))
 
 
+def sequence_problem(ctx_mesh, world: int | None, shape: tuple[int, ...], span, related=()) -> Diagnostic | None:
+    """P495 when the sequence of a (batch, seq) `shape` does not cut into 2 x context chunks at `world`."""
+    axis = ctx_mesh.axis(Role.CONTEXT)
+    if axis is None or len(shape) != 2:
+        return None
+    sizes = ctx_mesh.sizes(world)
+    cp = axis.size if axis.size is not None else (sizes or {}).get(Role.CONTEXT)
+    seq = shape[1]
+    if not cp or not seq or seq % (2 * cp) == 0:
+        return None
+    n = 2 * cp
+    lower, upper = seq - seq % n, seq - seq % n + n
+    return err("P495", f"context = {cp} cuts each sequence into {n} chunks, but `input = "
+               f"{'x'.join(map(str, shape))}` has {seq} tokens", span, f"{seq} tokens % {n} != 0",
+               (f"use a sequence length that is a multiple of 2 x context = {n}"
+                + (f" ({lower} or {upper})" if lower else f" ({upper})"),), related=related)
+
+
 def check_context_sequence(ctx: Context) -> Iterator[Diagnostic]:
     """P495: each `input = BxS` the plan writes has a sequence that cuts into 2 x context chunks."""
-    axis = _context_axis(ctx)
-    if axis is None:
-        return
+    mesh = ctx.res.mesh
+    related = ((mesh.span, "the context axis"),) if mesh.span else ()
     for s in ctx.plan.statements:
-        if not isinstance(s, st.ExpectMetric) or s.input_shape is None or len(s.input_shape) != 2:
-            continue
-        sizes = ctx.res.mesh.sizes(s.world or ctx.world_size)
-        cp = axis.size if axis.size is not None else (sizes or {}).get(Role.CONTEXT)
-        seq = s.input_shape[1]
-        if not cp or not seq or seq % (2 * cp) == 0:
-            continue
-        n = 2 * cp
-        lower, upper = seq - seq % n, seq - seq % n + n
-        yield err("P495", f"context = {cp} cuts each sequence into {n} chunks, but `input = "
-                  f"{'x'.join(map(str, s.input_shape))}` has {seq} tokens", s.input_span or s.span,
-                  f"{seq} tokens % {n} != 0",
-                  (f"use a sequence length that is a multiple of 2 x context = {n}"
-                   + (f" ({lower} or {upper})" if lower else f" ({upper})"),),
-                  related=((ctx.res.mesh.span, "the context axis"),) if ctx.res.mesh.span else ())
+        if isinstance(s, st.ExpectMetric) and s.input_shape is not None:
+            found = sequence_problem(mesh, s.world or ctx.world_size, s.input_shape, s.input_span or s.span, related)
+            if found is not None:
+                yield found
+
+
+def not_simulated(res, worlds: list[int], shape: tuple[int, ...] | None) -> list[Diagnostic]:
+    """`check --simulate` on a context plan: P495 for an `--input-shape` the context axis cannot
+    cut, and P497 (warning): the step is not simulated (the shape check refuses `ShardBatch`)."""
+    mesh = res.mesh
+    axis = mesh.axis(Role.CONTEXT)
+    origin = next(iter(res.context.values()), None)
+    span = origin.span if origin is not None else mesh.span
+    found = [sequence_problem(mesh, w, shape, span) for w in worlds] if shape else []
+    out = [d for d in found if d is not None][:1]
+    out.append(err("P497", "`--simulate` did not run a step: context parallelism is not yet estimated", span,
+                   "not simulated", (f"the simulated step does not model the context axis (`{axis}`) yet; "
+                                     "`planc.apply` runs it (tests/test_context_dist.py)",), severity="warning"))
+    return out
