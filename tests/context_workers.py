@@ -54,6 +54,8 @@ def fsdp_mesh_worker(rank: int, world: int) -> dict:
 PLANS = {
     "context": "mesh (shard = *, context = 2)\nunit layers.*\nparallel layers.*.attention context\n",
     "shard x context": "mesh (shard = 2, context = 2)\nunit layers.*\nparallel layers.*.attention context\n",
+    "context + checkpoint": ("mesh (shard = *, context = 2)\nunit layers.*\ncheckpoint layers.*\n"
+                             "parallel layers.*.attention context\n"),
     "replicate x context": ("mesh (replicate = 2, shard = 1, cp = 2)\nunit layers.*\n"
                             "parallel layers.*.attention context\n"),
 }
@@ -129,8 +131,9 @@ def plan_case(rank: int, world: int, name: str, steps: int, via: str = "apply") 
 
 
 def launch_two(rank: int, world: int) -> dict:
-    """The 2-rank launch: attention at context 2, then the `context` plan."""
-    return {"attention": attention_worker(rank, world, 16), "context": plan_case(rank, world, "context", 3)}
+    """The 2-rank launch: attention at context 2, then the `context` plan, and with activation checkpointing."""
+    return {"attention": attention_worker(rank, world, 16), "context": plan_case(rank, world, "context", 3),
+            "context + checkpoint": plan_case(rank, world, "context + checkpoint", 3)}
 
 
 def launch_four(rank: int, world: int) -> dict:

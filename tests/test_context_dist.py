@@ -85,6 +85,13 @@ def test_llama_tiny_context_2_plan_trains_like_one_process(two):
 
 
 @pytest.mark.dist
+def test_llama_tiny_context_with_checkpointing_trains_like_one_process(two):
+    """`checkpoint layers.*` recomputes each block, attention included, in backward: the K/V
+    gathers run again inside the recomputation and the result is the same."""
+    _trains_like_one_process(two, "context + checkpoint", 1)
+
+
+@pytest.mark.dist
 def test_llama_tiny_shard_x_context_plan_trains_like_one_process(four):
     """4 ranks, (shard = 2, context = 2): FSDP shards over all 4 ranks (flattened), not HSDP."""
     _trains_like_one_process(four, "shard x context", 2)
