@@ -116,3 +116,13 @@ def test_check_simulate_says_the_step_is_not_simulated_and_checks_the_input_shap
     assert "warning[P497]: `--simulate` did not run a step" in err
     code, err = _cli("check", "--simulate", "--input-shape", "2x16", "plans/zoo-llama-context.plan", "--world-size", "8")
     assert code == 0 and "P495" not in err and "P497" in err
+
+
+def test_fsdp_group_checks_count_the_flattened_shard_x_context_ranks():
+    """`reshard after_forward = N` must divide the group FSDP shards over: shard x context (4 here)."""
+    assert _compiled(PLAN.replace("mesh (shard = *, context = 2)", "mesh (shard = 2, context = 2)")
+                     + "defaults { reshard after_forward = 4 }\n").errors == []
+    bad = _compiled(PLAN.replace("mesh (shard = *, context = 2)", "mesh (shard = 2, context = 2)")
+                    + "defaults { reshard after_forward = 3 }\n")
+    assert [d.code for d in bad.errors] == ["P402"]
+    assert Mesh.of({Role.SHARD: None, Role.CONTEXT: 2}).dp_sizes(8) == (1, 8)

@@ -248,9 +248,12 @@ class Mesh:
         return math.prod(sizes.get(r, 1) for r in RULE[Role(role)].borrows)
 
     def dp_sizes(self, world: int | None) -> tuple[int, int] | None:
-        """(replicate, shard) at `world` ranks, or None when the mesh cannot fill it."""
+        """(replicate, shard) at `world` ranks, or None when the mesh cannot fill it; `shard` is
+        the group FSDP shards over: shard x context with a context axis (`flattened`)."""
         sizes = self.sizes(world)
-        return None if sizes is None else (sizes.get(Role.REPLICATE, 1), sizes.get(Role.SHARD, 1))
+        if sizes is None:
+            return None
+        return sizes.get(Role.REPLICATE, 1), sizes.get(Role.SHARD, 1) * sizes.get(Role.CONTEXT, 1)
 
     def __str__(self) -> str:
         return "(" + ", ".join(str(a) for a in self.axes) + ")"
