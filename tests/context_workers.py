@@ -72,12 +72,15 @@ def _emitted(model, plan):
     exec(compile(emit_python(compiled), "<emitted>", "exec"), scope)
     mesh = runtime.build_mesh(compiled.mesh)
     scope["apply_plan"](model, mesh)
-    dp_rank, dp = mesh["shard"].get_local_rank(), mesh["shard"].size()
+    dp_rank, dp = 0, 1
+    for name in compiled.mesh.dp_axis_names:  # the batch index over replicate x shard, by hand
+        dp_rank, dp = dp_rank * mesh[name].size() + mesh[name].get_local_rank(), dp * mesh[name].size()
 
     def shard_batch(tokens, labels):
         return context.Batch(*scope["shard_batch"](tokens, labels, mesh))
 
-    return shard_batch, (dp_rank, dp), lambda t: context.unshard(t, 1, mesh["context"].get_group())
+    cp_name = compiled.mesh.axis_name("context")
+    return shard_batch, (dp_rank, dp), lambda t: context.unshard(t, 1, mesh[cp_name].get_group())
 
 
 def plan_case(rank: int, world: int, name: str, steps: int, via: str = "apply") -> dict:
@@ -140,4 +143,5 @@ def launch_four(rank: int, world: int) -> dict:
     """The 4-rank launch: attention at context 4, the 2-D-mesh fact, shard x context and replicate x context plans."""
     return {"attention": attention_worker(rank, world, 16), "fsdp_mesh": fsdp_mesh_worker(rank, world),
             **{name: plan_case(rank, world, name, 3) for name in ("shard x context", "replicate x context")},
-            "emitted shard x context": plan_case(rank, world, "shard x context", 3, via="emit")}
+            **{f"emitted {name}": plan_case(rank, world, name, 3, via="emit")
+               for name in ("shard x context", "replicate x context")}}

@@ -108,10 +108,13 @@ def test_llama_tiny_replicate_x_context_plan_trains_like_one_process(four):
 
 
 @pytest.mark.dist
-def test_llama_tiny_shard_x_context_emitted_code_trains_like_one_process(four):
-    """The code `planc emit` prints for the shard x context plan (`apply_plan`, `shard_batch`) trains the same."""
+def test_llama_tiny_emitted_code_trains_like_one_process(four):
+    """The code `planc emit` prints (`apply_plan`, `shard_batch`) for the shard x context and the
+    replicate x context plans trains the same, on the same meshes as `planc.apply`."""
     _trains_like_one_process(four, "emitted shard x context", 2)
     assert all(r["emitted shard x context"]["mesh"] == (("shard_context",), (4,)) for r in four)
+    _trains_like_one_process(four, "emitted replicate x context", 2)
+    assert all(r["emitted replicate x context"]["mesh"] == (("replicate", "shard_cp"), (2, 2)) for r in four)
 
 
 @pytest.mark.dist
