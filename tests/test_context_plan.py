@@ -126,3 +126,16 @@ def test_fsdp_group_checks_count_the_flattened_shard_x_context_ranks():
                     + "defaults { reshard after_forward = 3 }\n")
     assert [d.code for d in bad.errors] == ["P402"]
     assert Mesh.of({Role.SHARD: None, Role.CONTEXT: 2}).dp_sizes(8) == (1, 8)
+
+
+def test_a_forward_without_positions_is_a_clear_error_not_a_wrong_result():
+    """A loop that forgets `shard_batch` (a trainer integration, say) fails at the first forward."""
+    import pytest
+    import torch
+
+    from planc.backends.context import attend_over_context
+
+    model = llama_tiny()
+    attend_over_context(model.layers[0].attention)
+    with pytest.raises(RuntimeError, match="without `positions=`"):
+        model(torch.zeros(1, 8, dtype=torch.long))

@@ -120,6 +120,10 @@ def attend_over_context(module: torch.nn.Module, group=None) -> None:
     """Make `module`'s causal SDPA gather K/V over `group`; its forward must get `positions=` (global, per shard)."""
 
     def enter(_module, args, kwargs):
+        if kwargs.get("positions") is None:
+            raise RuntimeError("context parallelism: this attention was called without `positions=`; cut each "
+                               "batch with `applied.shard_batch(tokens, labels)` and call the model as "
+                               "`model(batch.tokens, positions=batch.positions)`")
         mode = _ContextSDPA(kwargs["positions"], group)
         module._planc_context_mode = mode  # noqa: SLF001 - paired with leave()
         mode.__enter__()
