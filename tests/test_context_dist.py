@@ -134,4 +134,4 @@ def test_example_trains_the_shipped_context_plan_under_torchrun():
     assert out.returncode == 0, out.stdout + out.stderr
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
     assert len(losses) == 4 and losses[-1] < losses[0], out.stdout
-    assert "'shard': 2, 'context': 2" in out.stdout  # the summary's mesh
+    assert "'shard': 2, 'context': 2" in out.stdout and "applied.shard_batch" in out.stdout  # the summary

@@ -38,7 +38,7 @@ class NewOp:
 
 @dataclasses.dataclass(frozen=True)
 class NewStepOp:
-    """A step op kind no interpreter has a rule for (as context parallelism's batch sharding will be)."""
+    """A step op kind no interpreter has a rule for (as context parallelism's `ShardBatch` is for the estimators)."""
 
     module: str
 

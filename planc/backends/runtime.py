@@ -349,6 +349,9 @@ class AppliedPlan:
             numel = sum(self.model.get_parameter(n).numel() for n in u.params)
             lines.append(f"  {u.name:<{width}}  {_count(numel):>7} params  {_bytes(self.unit_local_bytes(u)):>10}/rank  "
                          f"{_describe(applied.op.policy)}")
+        if self.compiled.job.step_op(ShardBatch):
+            lines.append("  context axis: cut each batch with `applied.shard_batch(tokens, labels)` and pass "
+                         "`positions=` to the model")
         ignored = self.compiled.resolution.ignored
         if ignored:
             lines.append(f"  ignored (replicated): {', '.join(sorted(ignored))}")
