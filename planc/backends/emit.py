@@ -691,8 +691,9 @@ def shard_batch(tokens, labels, mesh):
 _PRINTABLE = (Parallelize, AttendOverContext, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod)
 # What emit prints: every op as `apply_plan`'s calls; the step (forward, backward, the loss in
 # `loss_parallel()`) is the user's training loop, as with `planc.apply`; several microbatches
-# per step add `accumulate(model, *batch)`, as `AppliedPlan.accumulate`.
-READER = Reader("emit", _PRINTABLE, (FORWARD, FULL_BACKWARD), (LossParallel,))
+# per step add `accumulate(model, *batch)`, as `AppliedPlan.accumulate`; `ShardBatch` a
+# `shard_batch` function that loop calls on each batch.
+READER = Reader("emit", _PRINTABLE, (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 _TORCH_STYLES = vocab.TORCH_STYLES
 
