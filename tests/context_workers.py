@@ -56,6 +56,8 @@ PLANS = {
     "shard x context": "mesh (shard = 2, context = 2)\nunit layers.*\nparallel layers.*.attention context\n",
     "context + checkpoint": ("mesh (shard = *, context = 2)\nunit layers.*\ncheckpoint layers.*\n"
                              "parallel layers.*.attention context\n"),
+    "context + accumulate": ("mesh (shard = *, context = 2)\nunit layers.*\nstep { accumulate 2, sync = last }\n"
+                             "parallel layers.*.attention context\n"),
     "replicate x context": ("mesh (replicate = 2, shard = 1, cp = 2)\nunit layers.*\n"
                             "parallel layers.*.attention context\n"),
 }
@@ -113,11 +115,15 @@ def plan_case(rank: int, world: int, name: str, steps: int, via: str = "apply") 
         loss = F.cross_entropy(ref(inputs).flatten(0, 1), labels.flatten())
         loss.backward()
         mine = slice(per_rank * dp_rank, per_rank * (dp_rank + 1))
-        batch = shard_batch(inputs[mine], labels[mine])
-        logits = model(batch.tokens, positions=batch.positions)
-        local = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten())  # the plain per-rank mean
-        local.backward()
-        total = local.detach().clone()
+        k = 1 if via == "emit" else applied.microbatches
+        pieces = [(inputs[mine], labels[mine])] if k == 1 else applied.accumulate(inputs[mine], labels[mine])
+        total = torch.zeros(())
+        for piece in pieces:  # the step's microbatches (`step { accumulate k }`), each cut along the sequence
+            batch = shard_batch(*piece)
+            logits = model(batch.tokens, positions=batch.positions)
+            local = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten()) / k  # the plain per-rank mean
+            local.backward()
+            total += local.detach()
         dist.all_reduce(total)
         out["ref"].append(loss.item())
         out["cp"].append(total.item() / world)
@@ -127,6 +133,7 @@ def plan_case(rank: int, world: int, name: str, steps: int, via: str = "apply") 
             o.step()
             o.zero_grad()
     out["params"] = max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    batch = shard_batch(inputs[mine], labels[mine])  # the whole of this rank's last batch
     logits = model(batch.tokens, positions=batch.positions)
     whole = unshard(logits.detach())
     out["unshard"] = (whole - ref(inputs[mine]).detach()).abs().max().item()
@@ -134,9 +141,11 @@ def plan_case(rank: int, world: int, name: str, steps: int, via: str = "apply") 
 
 
 def launch_two(rank: int, world: int) -> dict:
-    """The 2-rank launch: attention at context 2, then the `context` plan, and with activation checkpointing."""
+    """The 2-rank launch: attention at context 2, then the `context` plan, with activation checkpointing
+    and with gradient accumulation."""
     return {"attention": attention_worker(rank, world, 16), "context": plan_case(rank, world, "context", 3),
-            "context + checkpoint": plan_case(rank, world, "context + checkpoint", 3)}
+            "context + checkpoint": plan_case(rank, world, "context + checkpoint", 3),
+            "context + accumulate": plan_case(rank, world, "context + accumulate", 3)}
 
 
 def launch_four(rank: int, world: int) -> dict:

@@ -92,6 +92,13 @@ def test_llama_tiny_context_with_checkpointing_trains_like_one_process(two):
 
 
 @pytest.mark.dist
+def test_llama_tiny_context_with_accumulation_trains_like_one_process(two):
+    """`step { accumulate 2, sync = last }`: `applied.accumulate` splits each rank's batch, `shard_batch`
+    cuts each microbatch along the sequence; the step equals one process on the whole batch."""
+    _trains_like_one_process(two, "context + accumulate", 1)
+
+
+@pytest.mark.dist
 def test_llama_tiny_shard_x_context_plan_trains_like_one_process(four):
     """4 ranks, (shard = 2, context = 2): FSDP shards over all 4 ranks (flattened), not HSDP."""
     _trains_like_one_process(four, "shard x context", 2)
