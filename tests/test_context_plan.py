@@ -139,3 +139,20 @@ def test_a_forward_without_positions_is_a_clear_error_not_a_wrong_result():
     attend_over_context(model.layers[0].attention)
     with pytest.raises(RuntimeError, match="without `positions=`"):
         model(torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_a_refused_or_failed_forward_leaves_no_context_mode_behind():
+    """The attention's SDPA routing ends with its forward, even when the forward raises."""
+    import pytest
+    import torch
+    import torch.nn.functional as F
+
+    from planc.backends.context import attend_over_context
+
+    model = llama_tiny()
+    attend_over_context(model.layers[0].attention)
+    with pytest.raises(RuntimeError, match="without `positions=`"):
+        model(torch.zeros(1, 8, dtype=torch.long))
+    q = torch.randn(1, 2, 4, 8)
+    plain = F.scaled_dot_product_attention(q, q, q, is_causal=True)  # no mode left active: no process group needed
+    assert plain.shape == q.shape

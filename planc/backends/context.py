@@ -129,7 +129,9 @@ def attend_over_context(module: torch.nn.Module, group=None) -> None:
         mode.__enter__()
 
     def leave(_module, args, kwargs, output):
-        module._planc_context_mode.__exit__(None, None, None)
+        mode = module.__dict__.pop("_planc_context_mode", None)  # none when `enter` refused the call
+        if mode is not None:
+            mode.__exit__(None, None, None)
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
-    module.register_forward_hook(leave, with_kwargs=True)
+    module.register_forward_hook(leave, with_kwargs=True, always_call=True)  # the mode ends even if forward raises
