@@ -156,3 +156,21 @@ def test_a_refused_or_failed_forward_leaves_no_context_mode_behind():
     q = torch.randn(1, 2, 4, 8)
     plain = F.scaled_dot_product_attention(q, q, q, is_causal=True)  # no mode left active: no process group needed
     assert plain.shape == q.shape
+
+
+class _NoPositions(__import__("torch").nn.Module):
+    """The zoo Llama's layers under a forward that takes no `positions`."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = llama_tiny()
+
+    def forward(self, tokens):
+        return self.inner(tokens)
+
+
+def test_a_model_whose_forward_takes_no_positions_is_refused():
+    text = "mesh (shard = *, context = 2)\nunit inner.layers.*\nparallel inner.layers.*.attention context\n"
+    c = planc.compile(planc.loads(text), _NoPositions(), 4, strict=False)
+    (d,) = c.errors
+    assert d.code == "P493" and "`_NoPositions.forward` takes no `positions`" in d.message and d.span.line == 3

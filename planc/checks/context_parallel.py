@@ -63,19 +63,34 @@ def supports_context(cls: type) -> bool:
     """Whether `cls` is an attention the `context` style can route: its `forward` takes `positions`
     (the global positions of its sequence shard) and calls causal SDPA without a mask."""
     try:
-        params = inspect.signature(cls.forward).parameters
         source = inspect.getsource(cls.forward)
-    except (TypeError, OSError, ValueError):
+    except (TypeError, OSError):
         return False
-    return "positions" in params and "scaled_dot_product_attention" in source and "is_causal=True" in source
+    return _takes_positions(cls) and "scaled_dot_product_attention" in source and "is_causal=True" in source
+
+
+def _takes_positions(cls: type) -> bool:
+    try:
+        return "positions" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def check_context_modules(ctx: Context) -> Iterator[Diagnostic]:
     """P493 / P494: each `context` statement's modules are attentions planc can route (one
-    finding per statement); a Hugging Face model is named (P494)."""
+    finding per statement), and the model's forward takes the `positions` the loop passes
+    down to them; a Hugging Face model is named (P494)."""
     if not ctx.res.context:
         return
     model = ctx.graph.model
+    statements = _statements(ctx)
+    if statements and not type(model).__module__.startswith(HF_PREFIX) and not _takes_positions(type(model)):
+        yield err("P493", f"`{type(model).__name__}.forward` takes no `positions`: the training loop cannot pass "
+                  "each rank's global positions down to its attention", statements[0][1].span,
+                  "the model cannot take `positions=`",
+                  ("the model's forward must take `positions` and pass them to each styled attention, as "
+                   "`planc.zoo:llama` does (`model(tokens, positions=batch.positions)`)",))
+        return
     for i, s in _statements(ctx):
         paths = [p for p, setting in ctx.res.context.items() if setting.order == i]
         if not paths:

@@ -324,7 +324,9 @@ CODES: dict[str, Code] = {
                  "module's causal `F.scaled_dot_product_attention(q, k, v, is_causal=True)` (no mask) to attention "
                  "that gathers keys and values over the context axis, and passes the module its shard's global "
                  "positions as `positions=`. planc supports modules whose `forward` takes `positions` and calls "
-                 "causal SDPA that way: the zoo's Llama `Attention` (`planc.zoo:llama`). Select those modules.\n\n"
+                 "causal SDPA that way: the zoo's Llama `Attention` (`planc.zoo:llama`). Select those modules. The model's own "
+                 "`forward` must take `positions` too, and pass them down: the loop calls "
+                 "`model(tokens, positions=batch.positions)`.\n\n"
                  "    parallel layers.*.feed_forward context   # error: not an attention"),
     "P494": Code("model builds positions from the full sequence", "A Hugging Face model (Llama and its kin) builds "
                  "its rotary positions and its causal mask from the whole sequence inside the model's `forward`, and "
