@@ -112,7 +112,10 @@ def flops(ref: str) -> dict:
 def main() -> None:
     warnings.simplefilter("ignore")
     start = time.perf_counter()
-    plans = [p for p in sorted((ROOT / "plans").glob("*.plan")) if available(tiny(planc.load(p).model_ref))]
+    # NOTE: plans with a context axis are left out: the time model does not estimate context
+    # parallelism yet (its reader refuses the job's AttendOverContext / ShardBatch)
+    plans = [p for p in sorted((ROOT / "plans").glob("*.plan")) if available(tiny(planc.load(p).model_ref))
+             and planc.compile(planc.load(p), None, strict=False).mesh.axis("context") is None]
     comms = [collectives(p) for p in plans]
     counted = [flops(r) for r in FLOP_MODELS if available(r)]
     rows = ["| plan | tiny model | units | collectives (model / recorded) | bytes (model / recorded) | TP | equal per unit |",

@@ -6,11 +6,15 @@ The same script runs on CPUs (gloo) and GPUs (nccl), under torchrun:
     torchrun --nproc_per_node=8 examples/train.py --plan plans/seed.plan      # 8 GPUs, full size
     torchrun --nproc_per_node=4 examples/train.py --plan plans/zoo-llama-tp.plan --model planc.zoo:llama_tiny
     torchrun --nproc_per_node=2 examples/train.py --plan plans/llama.plan --model hf:llama-tiny   # Hugging Face
+    torchrun --nproc_per_node=4 examples/train.py --plan plans/zoo-llama-context.plan --model planc.zoo:llama_tiny
 
 A plan with a tensor axis (FSDP x tensor parallelism) works the same: the ranks of one
 tensor-parallel group take the same slice of the batch, and the loss and its backward run in
 `applied.loss_parallel()` (torch's `loss_parallel()` when the plan keeps the logits sharded
-on the vocabulary, else nothing).
+on the vocabulary, else nothing). With a context axis the ranks of one context group take
+the same slice too, and `applied.shard_batch` cuts it along the sequence (head-tail) and
+gives the global positions the model's forward takes; the loss is the plain mean over the
+rank's tokens.
 
 The data is synthetic and learnable (counting sequences `t, t+1, ...` mod the vocabulary
 from random starts), so a falling loss shows the sharded model really trains. Each rank
@@ -135,22 +139,28 @@ def main(argv: list[str] | None = None) -> int:
             # cache training never reads, and with activation checkpointing the recomputation
             # fills it again, so the recomputed tensors' shapes differ and backward fails.
             model.config.use_cache = False
-        # With a tensor axis (innermost: ranks r, r+1, ... of one TP group are adjacent) the
-        # ranks of a TP group see the same tokens; data parallelism is over the groups.
-        tensor_axis = applied.compiled.mesh.axis_name("tensor")
-        tp = applied.mesh[tensor_axis].size() if tensor_axis is not None else 1
-        dp_rank, dp_world = rank // tp, world // tp
+        # The ranks of one tensor-parallel or context group see the same tokens; data
+        # parallelism is over the groups (replicate x shard).
+        dp_rank, dp_world = applied.data_parallel_rank()
         if args.batch % dp_world:
             log(f"error: --batch {args.batch} is not divisible by {dp_world} data-parallel ranks", file=sys.stderr)
             return 2
+        context = applied.compiled.mesh.axis_name("context") is not None
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         start = time.perf_counter()
         for step in range(args.steps):
-            tokens = batch(step, args.batch, args.seq, vocab, dp_rank, dp_world, args.seed).to(device)
-            logits = logits_of(model(tokens))
-            with applied.loss_parallel():  # logits sharded on the vocabulary: loss and backward inside
-                loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
+            if context:  # --seq inputs and their next tokens, each cut along the sequence
+                tokens = batch(step, args.batch, args.seq + 1, vocab, dp_rank, dp_world, args.seed).to(device)
+                part = applied.shard_batch(tokens[:, :-1], tokens[:, 1:])
+                logits = logits_of(model(part.tokens, positions=part.positions))
+                loss = F.cross_entropy(logits.reshape(-1, vocab).float(), part.labels.reshape(-1))
                 loss.backward()
+            else:
+                tokens = batch(step, args.batch, args.seq, vocab, dp_rank, dp_world, args.seed).to(device)
+                logits = logits_of(model(tokens))
+                with applied.loss_parallel():  # logits sharded on the vocabulary: loss and backward inside
+                    loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
+                    loss.backward()
             norm = sync_and_clip(model, args.max_norm, world)
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -51,89 +51,106 @@ def fsdp_mesh_worker(rank: int, world: int) -> dict:
             for name, m in (("two_d", two_d), ("flat", flat))}
 
 
-def llama_worker(rank: int, world: int, steps: int) -> dict:
-    """zoo Llama tiny fp32, context=`world` head-tail, AdamW: losses and grads vs one unsharded process."""
+PLANS = {
+    "context": "mesh (shard = *, context = 2)\nunit layers.*\nparallel layers.*.attention context\n",
+    "shard x context": "mesh (shard = 2, context = 2)\nunit layers.*\nparallel layers.*.attention context\n",
+    "context + checkpoint": ("mesh (shard = *, context = 2)\nunit layers.*\ncheckpoint layers.*\n"
+                             "parallel layers.*.attention context\n"),
+    "context + accumulate": ("mesh (shard = *, context = 2)\nunit layers.*\nstep { accumulate 2, sync = last }\n"
+                             "parallel layers.*.attention context\n"),
+    "replicate x context": ("mesh (replicate = 2, shard = 1, cp = 2)\nunit layers.*\n"
+                            "parallel layers.*.attention context\n"),
+}
+
+
+def _emitted(model, plan):
+    """`model` sharded by the code `planc emit` prints for `plan`: (shard_batch, data-parallel (rank, size), unshard)."""
+    import planc
+    from planc.backends import runtime
+    from planc.backends.emit import emit_python
+
+    compiled = planc.compile(plan, model, dist.get_world_size())
+    scope: dict = {}
+    exec(compile(emit_python(compiled), "<emitted>", "exec"), scope)
+    mesh = runtime.build_mesh(compiled.mesh)
+    scope["apply_plan"](model, mesh)
+    dp_rank, dp = 0, 1
+    for name in compiled.mesh.dp_axis_names:  # the batch index over replicate x shard, by hand
+        dp_rank, dp = dp_rank * mesh[name].size() + mesh[name].get_local_rank(), dp * mesh[name].size()
+
+    def shard_batch(tokens, labels):
+        return context.Batch(*scope["shard_batch"](tokens, labels, mesh))
+
+    cp_name = compiled.mesh.axis_name("context")
+    return shard_batch, (dp_rank, dp), lambda t: context.unshard(t, 1, mesh[cp_name].get_group())
+
+
+def plan_case(rank: int, world: int, name: str, steps: int, via: str = "apply") -> dict:
+    """zoo Llama tiny fp32 under `PLANS[name]` through `planc.apply` and `applied.shard_batch` (or
+    through the code `planc emit` prints, `via="emit"`), 3 AdamW steps, vs one unsharded process:
+    losses, gradients and final weights."""
     import copy
 
     import torch.nn.functional as F
 
+    import planc
     from planc.zoo import llama3
 
     torch.manual_seed(0)
     ref = llama3.llama_tiny()
     model = copy.deepcopy(ref)
-    for layer in model.layers:
-        context.attend_over_context(layer.attention)
+    if via == "emit":
+        shard_batch, (dp_rank, dp), unshard = _emitted(model, planc.loads(PLANS[name]))
+    else:
+        applied = planc.apply(model, planc.loads(PLANS[name]))
+        shard_batch, (dp_rank, dp), unshard = applied.shard_batch, applied.data_parallel_rank(), applied.unshard_sequence
     opt_ref, opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model))
-    seq = 16
-    g = torch.Generator().manual_seed(1)
-    positions = context.shard_positions(seq, world, rank)
-    out = {"ref": [], "cp": [], "grad": []}
+    seq, per_rank, g = 16, 2, torch.Generator().manual_seed(1)
+    out = {"ref": [], "cp": [], "grad": [], "dp": (dp_rank, dp),
+           "placements": str(next(model.parameters()).placements),
+           "mesh": (next(model.parameters()).device_mesh.mesh_dim_names, tuple(next(model.parameters()).device_mesh.shape))}
     for _ in range(steps):
-        tokens = torch.randint(0, ref.config.vocab_size, (2, seq + 1), generator=g)
+        tokens = torch.randint(0, ref.config.vocab_size, (per_rank * dp, seq + 1), generator=g)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         loss = F.cross_entropy(ref(inputs).flatten(0, 1), labels.flatten())
         loss.backward()
-        logits = model(context.shard(inputs, 1, world, rank), positions=positions)
-        local = F.cross_entropy(logits.flatten(0, 1), context.shard(labels, 1, world, rank).flatten(),
-                                reduction="sum") / labels.numel()
-        local.backward()
-        total = local.detach().clone()
-        dist.all_reduce(total)
-        for p in model.parameters():  # the context ranks share the weights: sum their gradients
-            dist.all_reduce(p.grad)
-        out["ref"].append(loss.item())
-        out["cp"].append(total.item())
-        out["grad"].append(max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())))
-        for o in (opt_ref, opt):
-            o.step()
-            o.zero_grad()
-    return out
-
-
-def llama_fsdp_worker(rank: int, world: int, steps: int) -> dict:
-    """zoo Llama tiny on a (shard=2, context=2) mesh, FSDP over the flattened axes: losses vs one process."""
-    import copy
-
-    import torch.nn.functional as F
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from planc.zoo import llama3
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "context"))
-    cp_group, cp, cp_rank = mesh["context"].get_group(), 2, mesh["context"].get_local_rank()
-    dp_rank = mesh["shard"].get_local_rank()
-    torch.manual_seed(0)
-    ref = llama3.llama_tiny()
-    model = copy.deepcopy(ref)
-    flat = mesh["shard", "context"]._flatten("fsdp")
-    for layer in model.layers:
-        context.attend_over_context(layer.attention, cp_group)
-        fully_shard(layer, mesh=flat)
-    fully_shard(model, mesh=flat)
-    opt_ref, opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model))
-    seq, g = 16, torch.Generator().manual_seed(1)
-    positions = context.shard_positions(seq, cp, cp_rank)
-    out = {"ref": [], "cp": []}
-    for _ in range(steps):
-        tokens = torch.randint(0, ref.config.vocab_size, (4, seq + 1), generator=g)  # 2 per shard rank
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        loss = F.cross_entropy(ref(inputs).flatten(0, 1), labels.flatten())
-        loss.backward()
-        mine = slice(2 * dp_rank, 2 * dp_rank + 2)
-        logits = model(context.shard(inputs[mine], 1, cp, cp_rank), positions=positions)
-        local_sum = F.cross_entropy(logits.flatten(0, 1), context.shard(labels[mine], 1, cp, cp_rank).flatten(),
-                                    reduction="sum")
-        (local_sum * world / labels.numel()).backward()  # FSDP averages gradients over the 4 ranks
-        total = local_sum.detach() / labels.numel()
+        mine = slice(per_rank * dp_rank, per_rank * (dp_rank + 1))
+        k = 1 if via == "emit" else applied.microbatches
+        pieces = [(inputs[mine], labels[mine])] if k == 1 else applied.accumulate(inputs[mine], labels[mine])
+        total = torch.zeros(())
+        for piece in pieces:  # the step's microbatches (`step { accumulate k }`), each cut along the sequence
+            batch = shard_batch(*piece)
+            logits = model(batch.tokens, positions=batch.positions)
+            local = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten()) / k  # the plain per-rank mean
+            local.backward()
+            total += local.detach()
         dist.all_reduce(total)
         out["ref"].append(loss.item())
-        out["cp"].append(total.item())
-        out.setdefault("grad", []).append(max((p.grad.full_tensor() - q.grad).abs().max().item()
-                                              for p, q in zip(model.parameters(), ref.parameters())))
+        out["cp"].append(total.item() / world)
+        out["grad"].append(max((p.grad.full_tensor() - q.grad).abs().max().item()
+                               for p, q in zip(model.parameters(), ref.parameters())))
         for o in (opt_ref, opt):
             o.step()
             o.zero_grad()
     out["params"] = max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    batch = shard_batch(inputs[mine], labels[mine])  # the whole of this rank's last batch
+    logits = model(batch.tokens, positions=batch.positions)
+    whole = unshard(logits.detach())
+    out["unshard"] = (whole - ref(inputs[mine]).detach()).abs().max().item()
     return out
+
+
+def launch_two(rank: int, world: int) -> dict:
+    """The 2-rank launch: attention at context 2, then the `context` plan, with activation checkpointing
+    and with gradient accumulation."""
+    return {"attention": attention_worker(rank, world, 16), "context": plan_case(rank, world, "context", 3),
+            "context + checkpoint": plan_case(rank, world, "context + checkpoint", 3),
+            "context + accumulate": plan_case(rank, world, "context + accumulate", 3)}
+
+
+def launch_four(rank: int, world: int) -> dict:
+    """The 4-rank launch: attention at context 4, the 2-D-mesh fact, shard x context and replicate x context plans."""
+    return {"attention": attention_worker(rank, world, 16), "fsdp_mesh": fsdp_mesh_worker(rank, world),
+            **{name: plan_case(rank, world, name, 3) for name in ("shard x context", "replicate x context")},
+            **{f"emitted {name}": plan_case(rank, world, name, 3, via="emit")
+               for name in ("shard x context", "replicate x context")}}

@@ -1,8 +1,11 @@
-"""Context-parallel attention on real gloo ranks equals one unsharded process (planc/backends/context.py).
+"""Context parallelism on real gloo ranks equals one unsharded process, through the plan.
 
 Each rank holds a head-tail shard (2 of 2 x cp sequence chunks), gathers K/V over the context
-axis, masks by global positions; the oracle is plain causal attention on the full sequence in
-one process (float64, so any mismatch is a real one, not rounding).
+axis, masks by global positions (planc/backends/context.py). The attention core is checked
+against plain causal attention on the full sequence in one process (float64); the zoo Llama
+is trained through `planc.apply` with a context plan and `applied.shard_batch` (no hand
+wiring, the plain per-rank mean loss) against one unsharded process over 3 AdamW steps.
+Two launches (2 and 4 ranks) run every case; each test reads its part.
 """
 
 from __future__ import annotations
@@ -27,10 +30,21 @@ def test_sequence_must_divide_into_two_chunks_per_rank():
         context.shard_positions(12, 4, 0)
 
 
+@pytest.fixture(scope="module")
+def two():
+    return run(context_workers.launch_two, 2)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return run(context_workers.launch_four, 4)
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
-def test_attention_and_grads_equal_one_process(world):
-    for rank, result in enumerate(run(context_workers.attention_worker, world, 16)):
+def test_attention_and_grads_equal_one_process(world, request):
+    for rank, result in enumerate(request.getfixturevalue({2: "two", 4: "four"}[world])):
+        result = result["attention"]
         assert result["out"] < 1e-10, rank
         assert result["unsharded"] < 1e-10, rank
         assert max(result["grads"]) < 1e-10, (rank, result["grads"])
@@ -38,28 +52,93 @@ def test_attention_and_grads_equal_one_process(world):
 
 
 @pytest.mark.dist
-def test_fact_fsdp_on_the_2d_mesh_is_silently_hsdp():
+def test_fact_fsdp_on_the_2d_mesh_is_silently_hsdp(four):
     """torch accepts the 2-D (shard, context) mesh and replicates over its first axis (HSDP): each
-    rank then holds half the weight, not a quarter. Only the flattened mesh shards over all 4."""
+    rank then holds half the weight, not a quarter. Only the flattened mesh shards over all 4,
+    which is why the plan's FSDP ops name the flattened axis (`Mesh.flattened`)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    for result in run(context_workers.fsdp_mesh_worker, 4):
-        assert result["two_d"] == ((Replicate(), Shard(0)), (4, 8))
-        assert result["flat"] == ((Shard(0),), (2, 8))
+    for result in four:
+        assert result["fsdp_mesh"]["two_d"] == ((Replicate(), Shard(0)), (4, 8))
+        assert result["fsdp_mesh"]["flat"] == ((Shard(0),), (2, 8))
 
 
-@pytest.mark.dist
-def test_llama_tiny_context_2_trains_like_one_process():
-    """2 ranks, context=2, head-tail: losses and gradients equal one process over 3 AdamW steps."""
-    for rank, result in enumerate(run(context_workers.llama_worker, 2, 3)):
+def _trains_like_one_process(results, name, dp):
+    for rank, result in enumerate(results):
+        result = result[name]
         assert result["cp"] == pytest.approx(result["ref"], abs=1e-5), rank
-        assert max(result["grad"]) < 1e-5, (rank, result["grad"])
-
-
-@pytest.mark.dist
-def test_llama_tiny_context_x_fsdp_trains_like_one_process():
-    """4 ranks, (shard=2, context=2), FSDP over the flattened axes: losses and weights after 3 AdamW steps equal one process."""
-    for rank, result in enumerate(run(context_workers.llama_fsdp_worker, 4, 3)):
-        assert result["cp"] == pytest.approx(result["ref"], abs=1e-5), rank
-        assert result["params"] < 1e-5, rank
         assert max(result["grad"]) < 1e-5, (rank, result["grad"])  # AdamW would hide a gradient scale error
+        # NOTE: the weights after 3 AdamW steps differ by up to ~3e-5 although every gradient is
+        # within 3e-7: where a gradient is itself ~1e-7, AdamW's m / sqrt(v) turns rounding into
+        # an O(lr) step. The gradients (checked each step, after the previous updates) are the test.
+        assert result["params"] < 1e-4, rank
+        assert result["unshard"] < 1e-5, rank  # applied.unshard_sequence puts the logits back in order
+        assert result["dp"][1] == dp, rank
+
+
+@pytest.mark.dist
+def test_llama_tiny_context_2_plan_trains_like_one_process(two):
+    """2 ranks, `mesh (shard = *, context = 2)`: FSDP over the flattened 2 ranks, head-tail batches."""
+    _trains_like_one_process(two, "context", 1)
+    assert all(r["context"]["placements"] == "(Shard(dim=0),)" for r in two)
+    assert all(r["context"]["mesh"] == (("shard_context",), (2,)) for r in two)
+
+
+@pytest.mark.dist
+def test_llama_tiny_context_with_checkpointing_trains_like_one_process(two):
+    """`checkpoint layers.*` recomputes each block, attention included, in backward: the K/V
+    gathers run again inside the recomputation and the result is the same."""
+    _trains_like_one_process(two, "context + checkpoint", 1)
+
+
+@pytest.mark.dist
+def test_llama_tiny_context_with_accumulation_trains_like_one_process(two):
+    """`step { accumulate 2, sync = last }`: `applied.accumulate` splits each rank's batch, `shard_batch`
+    cuts each microbatch along the sequence; the step equals one process on the whole batch."""
+    _trains_like_one_process(two, "context + accumulate", 1)
+
+
+@pytest.mark.dist
+def test_llama_tiny_shard_x_context_plan_trains_like_one_process(four):
+    """4 ranks, (shard = 2, context = 2): FSDP shards over all 4 ranks (flattened), not HSDP."""
+    _trains_like_one_process(four, "shard x context", 2)
+    assert all(r["shard x context"]["placements"] == "(Shard(dim=0),)" for r in four)
+    assert all(r["shard x context"]["mesh"] == (("shard_context",), (4,)) for r in four)
+
+
+@pytest.mark.dist
+def test_llama_tiny_replicate_x_context_plan_trains_like_one_process(four):
+    """4 ranks, (replicate = 2, shard = 1, cp = 2): HSDP over replicate x the flattened shard x context."""
+    _trains_like_one_process(four, "replicate x context", 2)
+    assert all(r["replicate x context"]["placements"] == "(Replicate(), Shard(dim=0))" for r in four)
+    assert all(r["replicate x context"]["mesh"] == (("replicate", "shard_cp"), (2, 2)) for r in four)
+
+
+@pytest.mark.dist
+def test_llama_tiny_emitted_code_trains_like_one_process(four):
+    """The code `planc emit` prints (`apply_plan`, `shard_batch`) for the shard x context and the
+    replicate x context plans trains the same, on the same meshes as `planc.apply`."""
+    _trains_like_one_process(four, "emitted shard x context", 2)
+    assert all(r["emitted shard x context"]["mesh"] == (("shard_context",), (4,)) for r in four)
+    _trains_like_one_process(four, "emitted replicate x context", 2)
+    assert all(r["emitted replicate x context"]["mesh"] == (("replicate", "shard_cp"), (2, 2)) for r in four)
+
+
+@pytest.mark.dist
+def test_example_trains_the_shipped_context_plan_under_torchrun():
+    """examples/train.py with plans/zoo-llama-context.plan on 4 gloo ranks (shard 2 x context 2):
+    `applied.shard_batch` in the loop, the loss falls."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           "examples/train.py", "--plan", "plans/zoo-llama-context.plan", "--model", "planc.zoo:llama_tiny",
+           "--steps", "4"]
+    out = subprocess.run(cmd, cwd=pathlib.Path(__file__).resolve().parent.parent, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
+    assert len(losses) == 4 and losses[-1] < losses[0], out.stdout
+    assert "'shard': 2, 'context': 2" in out.stdout and "applied.shard_batch" in out.stdout  # the summary

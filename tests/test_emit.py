@@ -33,6 +33,7 @@ CASES = {
     "seed": ("plans/seed.plan", None),
     "moe_everything": ("tests/golden/emit/moe_everything.plan", None),
     "gpt_tied": ("plans/gpt.plan", "planc.zoo:gpt_tiny"),
+    "zoo_llama_context": ("plans/zoo-llama-context.plan", None),
 }
 
 

@@ -229,6 +229,27 @@ async def test_hover_selector_option_and_expect(client):
     assert await hover(client, uri, GPT, "\n\ndefaults", 1) == ""
 
 
+CONTEXT = """model planc.zoo:llama_tiny
+mesh (shard = *, context = 2)
+unit layers.*
+parallel layers.*.attention context
+expect memory.peak <= 1GiB at world = 4
+"""
+
+
+@ASYNC
+async def test_hover_on_style_words_and_an_unestimated_context_plan(client):
+    uri, diags = await open_doc(client, CONTEXT)
+    assert [d.code for d in diags] == ["P497"]  # the memory bound is not estimated: a warning
+    style = await hover(client, uri, CONTEXT, "context\n")
+    assert style.startswith("**context**: context parallelism") and "(`context = 2`)" in style
+    exp = await hover(client, uri, CONTEXT, "memory.peak")
+    assert "not estimated: context parallelism is not yet estimated" in exp
+    tp = "model planc.zoo:llama_tiny\nmesh (shard = *, tensor = 2)\nparallel layers.*.attention.wq colwise\n"
+    uri, _ = await open_doc(client, tp)
+    assert "torch's `ColwiseParallel`" in await hover(client, uri, tp, "colwise")
+
+
 @ASYNC
 async def test_hover_on_the_step_line(client):
     text = "model planc.zoo:gpt_tiny\nunit blocks.*\nstep { accumulate 4, sync = last }\n"

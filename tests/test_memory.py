@@ -9,6 +9,7 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+import shipped
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as hs
@@ -284,7 +285,8 @@ def _zoo_plans():
     return out
 
 
-@pytest.mark.parametrize("name,builder", _zoo_plans(), ids=[n for n, _ in _zoo_plans()])
+@pytest.mark.parametrize("name,builder", shipped.params(_zoo_plans(), lambda c: ROOT / "plans" / c[0],
+                                                     ids=[n for n, _ in _zoo_plans()]))
 def test_estimate_within_10_percent_of_simulation_at_8_ranks(name, builder):
     plan = planc.load(ROOT / "plans" / name)
     est = memory.estimate(planc.compile(plan, tiny(builder), 8), 8, input_shape=SHAPE)

@@ -26,7 +26,7 @@ def _resolve(text: str):
 def test_table_order_and_words():
     assert [r.role for r in RULES] == [Role.PIPELINE, Role.REPLICATE, Role.SHARD, Role.CONTEXT, Role.TENSOR,
                                        Role.EXPERT]
-    assert BUILT == (Role.REPLICATE, Role.SHARD, Role.TENSOR)
+    assert BUILT == (Role.REPLICATE, Role.SHARD, Role.CONTEXT, Role.TENSOR)
     for word, role in {"pp": "pipeline", "dp_replicate": "replicate", "fsdp": "shard", "dp_shard": "shard",
                        "cp": "context", "tp": "tensor", "ep": "expert"}.items():
         assert ROLES[word] == role
@@ -35,6 +35,7 @@ def test_table_order_and_words():
 
 @pytest.mark.parametrize("text,names,sizes", [
     ("mesh (tensor = 2, shard = *)", ("replicate", "shard", "tensor"), {"replicate": 1, "shard": 4, "tensor": 2}),
+    ("mesh (cp = 2, shard = *)", ("replicate", "shard", "cp"), {"replicate": 1, "shard": 4, "context": 2}),
     ("mesh (tp = 2, fsdp = 2, dp_replicate = *)", ("dp_replicate", "fsdp", "tp"),
      {"replicate": 2, "shard": 2, "tensor": 2}),
     ("mesh (replicate = 2)", ("replicate", "shard"), {"replicate": 2, "shard": 4}),
@@ -64,8 +65,8 @@ def test_dense_axes_and_borrowing_expert():
     assert Mesh.of({Role.SHARD: 4, Role.EXPERT: 2}).fixed_world == 4
 
 
-@pytest.mark.parametrize("word,role", [("pp", "pipeline"), ("pipeline", "pipeline"), ("cp", "context"),
-                                       ("context", "context"), ("ep", "expert"), ("expert", "expert")])
+@pytest.mark.parametrize("word,role", [("pp", "pipeline"), ("pipeline", "pipeline"), ("ep", "expert"),
+                                       ("expert", "expert")])
 def test_unbuilt_roles_are_p408_at_the_axis(word, role):
     mesh, diags = _resolve(f"mesh (shard = *, {word} = 2)")
     (d,) = diags

@@ -30,6 +30,7 @@ from planc.model.build import build_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+import shipped  # noqa: E402
 import step_inputs  # noqa: E402
 
 PLANS = sorted((ROOT / "plans").glob("*.plan"))
@@ -65,7 +66,7 @@ def _needs(ref: str) -> None:
 # ===================================================================== bytes, exact
 
 
-@pytest.mark.parametrize("path", PLANS, ids=[p.name for p in PLANS])
+@pytest.mark.parametrize("path", shipped.params(PLANS, ids=[p.name for p in PLANS]))
 def test_collective_bytes_per_unit_equal_a_fake_process_group_step(path):
     plan = planc.load(path)
     ref = tiny_ref(plan.model_ref)

@@ -38,7 +38,7 @@ class NewOp:
 
 @dataclasses.dataclass(frozen=True)
 class NewStepOp:
-    """A step op kind no interpreter has a rule for (as context parallelism's batch sharding will be)."""
+    """A step op kind no interpreter has a rule for (as context parallelism's `ShardBatch` is for the estimators)."""
 
     module: str
 
@@ -139,3 +139,23 @@ def test_every_interpreter_refuses_an_unknown_kind(name, kind):
         _interpreters(compiled)[name]()
     assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters()), \
         "a refused job must leave the model as it was"
+
+
+CONTEXT_PLAN = ("model planc.zoo:llama_tiny\nmesh (shard = *, context = 2)\nunit layers.*\n"
+                "parallel layers.*.attention context\n")
+# The interpreters with rules for context parallelism's kinds (`AttendOverContext`, `ShardBatch`);
+# every other one refuses them: the estimators do not model context parallelism yet.
+CONTEXT_READERS = {"runtime", "emit"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_context_kinds_are_run_by_runtime_and_emit_and_refused_by_the_estimators(name):
+    with torch.device("meta"):
+        model = llama_tiny()
+    compiled = planc.compile(planc.loads(CONTEXT_PLAN), model, WORLD)
+    run = _interpreters(compiled)[name]
+    if name in CONTEXT_READERS:
+        run()
+        return
+    with pytest.raises(UnknownKind, match="AttendOverContext|ShardBatch"):
+        run()

@@ -10,6 +10,8 @@ import re
 import subprocess
 import sys
 
+from pygments.token import Keyword
+
 from planc.lang import lexer
 from planc.lang import vocabulary as vocab
 from planc.lang.parse import parser
@@ -35,6 +37,15 @@ def test_vocabulary_matches_the_grammar_keywords():
     assert set(vocab.STATEMENT_ORDER) == set(vocab.STATEMENTS) | {"optional"}
     # every statement keyword names a statement rule of the grammar
     assert {f"{w}_stmt" for w in vocab.STATEMENTS if w != "expect"} <= statements
+
+
+def test_style_words_are_the_resolvers():
+    from planc.resolve.context import CONTEXT_STYLE
+    from planc.resolve.tensor import STYLE_KINDS
+
+    assert vocab.STYLES == (*STYLE_KINDS, CONTEXT_STYLE)
+    tokens = [(t, v) for t, v in lexer.PlanLexer().get_tokens("parallel layers.*.attention context\nunit context.x\n")]
+    assert (Keyword.Pseudo, "context") in tokens and tokens.count((Keyword.Pseudo, "context")) == 1
 
 
 def test_lexer_word_lists_come_from_the_vocabulary():

@@ -4,10 +4,13 @@ The pattern is the one `/work/shared/docs/pp-ep-cp-facts.md` probed on gloo (tor
 attention has no CPU kernel): each context rank holds `2` of the `2 * cp` sequence chunks
 (chunk `r` and chunk `2 * cp - 1 - r`, "head-tail", so causal work is balanced), gathers every
 rank's K and V in forward, reduce-scatters their gradients in backward, and masks by *global*
-positions. Not wired to plans yet: the `context` mesh role is still refused (P408).
+positions. A plan reaches it through `parallel SELECTOR context` (`AttendOverContext` ops, run by
+`planc.apply`) and the `ShardBatch` step op (`AppliedPlan.shard_batch` -> `shard_batch` here).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,6 +32,26 @@ def shard_positions(seq: int, cp: int, rank: int) -> torch.Tensor:
 def shard(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
     """This rank's head-tail shard of `t` along `dim` (the sequence dimension)."""
     return t.index_select(dim, shard_positions(t.shape[dim], cp, rank).to(t.device))
+
+
+class Batch(NamedTuple):
+    """One rank's share of a batch: its tokens and labels, and their global positions (None: the whole sequence)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor | None
+    positions: torch.Tensor | None
+
+
+def shard_batch(op, mesh, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> Batch:
+    """The `ShardBatch` step op `op` on this rank: `tokens` and `labels` (`(batch, seq)`) cut along
+    the sequence for this rank of the context axis `mesh` (1-D), and their global positions."""
+    if op.balance != "head-tail":
+        raise ValueError(f"unknown sequence balance {op.balance!r}")
+    dims = dict(op.tensors)
+    cp, rank = mesh.size(), mesh.get_local_rank()
+    positions = shard_positions(tokens.shape[dims["tokens"]], cp, rank).to(tokens.device)
+    return Batch(shard(tokens, dims["tokens"], cp, rank),
+                 None if labels is None else shard(labels, dims["labels"], cp, rank), positions)
 
 
 def _gather_plain(t: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -97,12 +120,18 @@ def attend_over_context(module: torch.nn.Module, group=None) -> None:
     """Make `module`'s causal SDPA gather K/V over `group`; its forward must get `positions=` (global, per shard)."""
 
     def enter(_module, args, kwargs):
+        if kwargs.get("positions") is None:
+            raise RuntimeError("context parallelism: this attention was called without `positions=`; cut each "
+                               "batch with `applied.shard_batch(tokens, labels)` and call the model as "
+                               "`model(batch.tokens, positions=batch.positions)`")
         mode = _ContextSDPA(kwargs["positions"], group)
         module._planc_context_mode = mode  # noqa: SLF001 - paired with leave()
         mode.__enter__()
 
     def leave(_module, args, kwargs, output):
-        module._planc_context_mode.__exit__(None, None, None)
+        mode = module.__dict__.pop("_planc_context_mode", None)  # none when `enter` refused the call
+        if mode is not None:
+            mode.__exit__(None, None, None)
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
-    module.register_forward_hook(leave, with_kwargs=True)
+    module.register_forward_hook(leave, with_kwargs=True, always_call=True)  # the mode ends even if forward raises

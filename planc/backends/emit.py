@@ -24,10 +24,11 @@ from torch import nn
 
 from planc.compiler import CompiledPlan
 from planc.lang import vocabulary as vocab
-from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, UnknownKind
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, ShardBatch, UnknownKind
 from planc.lower.lowering import tensor_reties
 from planc.lower.program import (
     FULLY_SHARD_DEFAULTS,
+    AttendOverContext,
     Checkpoint,
     Compile,
     FullyShard,
@@ -424,8 +425,11 @@ class _Submeshes:
     def __init__(self, program):
         self.whole = tuple(a.name for a in program.mesh.device_axes)
         self.tensor = program.mesh.axis_name(Role.TENSOR)
-        self.dp = program.mesh.dp_axis_names
-        used = [(op.axis,) for op in program.of_type(Parallelize)] + [op.axes for op in program.units]
+        self.context = program.mesh.axis_name(Role.CONTEXT)
+        self.dp = program.mesh.fsdp_axis_names
+        self.flattened = program.mesh.flattened
+        used = ([(op.axis,) for op in program.of_type(Parallelize)] + [(op.axis,) for op in program.of_type(AttendOverContext)]
+                + [op.axes for op in program.units])
         self.used = list(dict.fromkeys(used))
 
     def _whole(self, axes: tuple[str, ...]) -> bool:
@@ -436,12 +440,21 @@ class _Submeshes:
             return "mesh"
         if axes == (self.tensor,):
             return "tp_mesh"
+        if axes == (self.context,):
+            return "cp_mesh"
         return "dp_mesh" if axes == self.dp else "mesh_" + "_".join(axes)
 
     def definitions(self) -> list[str]:
-        """`name = mesh[...]` for each submesh an op uses, the tensor one first."""
+        """`name = mesh[...]` for each submesh an op uses, the tensor one first; the flattened
+        axes (shard x context) first of all, as the runtime flattens them (`Mesh.flattened`)."""
         out = []
+        for name, joined in self.flattened.items():
+            out.append(f"# NOTE: FSDP over {' x '.join(joined)} as one axis: on the 2-D submesh it would be HSDP")
+            flat = f"mesh[{joined!r}]._flatten({name!r})"
+            out.append(f"{self.name((name,))} = {flat}" if (name,) in self.used else flat)
         for axes in sorted(self.used, key=lambda a: a != (self.tensor,)):
+            if len(axes) == 1 and axes[0] in self.flattened:
+                continue
             if not self._whole(axes):
                 index = repr(axes[0]) if len(axes) == 1 else repr(axes)
                 out.append(f"{self.name(axes)} = mesh[{index}]")
@@ -470,7 +483,7 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     plan_path = plan_path or compiled.plan.file
     model_ref = model_ref or compiled.plan.model_ref or type(model).__name__
     body = _body(compiled, program, model)
-    return _module_text(program, body, plan_path, model_ref) + _accumulate_source(job.schedule)
+    return _module_text(program, body, plan_path, model_ref, job.step_op(ShardBatch)) + _accumulate_source(job.schedule)
 
 
 def _accumulate_source(schedule) -> str:
@@ -540,6 +553,12 @@ def _body(compiled: CompiledPlan, program, model) -> list[str]:
             for alias, canon in tensor_reties(program, compiled.graph):
                 body.append(f"{ind}# NOTE: parallelize_module gives each owner of a tied parameter its own copy: tie again")
                 body += _wrap(f"{expression('model', model, alias)} = {expression('model', model, canon)}", ind)
+        elif kind is AttendOverContext:
+            body += ["", f"{ind}# context parallelism: causal SDPA gathers K/V over the context axis (hooks; each",
+                     f"{ind}# forward needs `positions=`, see `shard_batch` below)"]
+            body += _emit_calls([_Call((op.module,), lambda e, op=op: f"attend_over_context({e(op.module)}, "
+                                       f"{meshes.name((op.axis,))}.get_group())",
+                                       (_where(op.origin.span, op.origin.rule),)) for op in ops], model, ind)
         elif kind is Checkpoint:
             body += _emit_calls([_Call((op.module,), lambda e, op=op: f"checkpoint({e(op.module)}"
                                        + (", context_fn=selective_checkpoint_context)" if op.mode == "selective" else ")"),
@@ -593,7 +612,7 @@ def _fully_shard_section(ops, units: list["_Unit"], model, ind: str, after_code:
     return lines + _emit_calls(calls, model, ind)
 
 
-def _module_text(program, body: list[str], plan_path: str, model_ref: str) -> str:
+def _module_text(program, body: list[str], plan_path: str, model_ref: str, shard_ops: tuple = ()) -> str:
     """The module around `apply_plan`'s body: docstring, the imports its code uses, helpers."""
     uses = "\n".join(line for line in body if not line.lstrip().startswith("#"))  # code, not comments
     imports = ["import torch"] if "torch." in uses else []
@@ -613,6 +632,11 @@ def _module_text(program, body: list[str], plan_path: str, model_ref: str) -> st
         imports.append("from torch.distributed.tensor.parallel import " + ", ".join(styles + ["parallelize_module"]))
         if "ReplicateParallel(" in uses:
             imports.append("from planc.backends.runtime import ReplicateParallel  # torchtitan's NoParallel")
+    shard_batch = _shard_batch_source(shard_ops)
+    if program.of_type(AttendOverContext) or shard_batch:
+        imports.append("from planc.backends.context import " + ", ".join(
+            (["attend_over_context"] if program.of_type(AttendOverContext) else [])
+            + (["shard", "shard_positions"] if shard_batch else [])))
     selective = "context_fn=selective_checkpoint_context" in uses
     if selective:
         imports.append("from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts")
@@ -621,6 +645,8 @@ def _module_text(program, body: list[str], plan_path: str, model_ref: str) -> st
     names = tuple(a.name for a in program.mesh.device_axes)
     mesh_doc = (f"a {len(names)}-D device mesh (" + ", ".join(f'"{n}"' for n in names) + ")") if len(names) > 1 \
         else "a 1-D device mesh"
+    ours = [i for i in imports if i.startswith("from planc")]  # first-party imports after a blank line
+    imports = [i for i in imports if i not in ours] + ([""] + ours if ours else [])
     head = [
         f'"""FSDP2 sharding of `{model_ref}` as `{plan_path}` plans it: {len(program.units)} units.',
         "",
@@ -637,14 +663,37 @@ def _module_text(program, body: list[str], plan_path: str, model_ref: str) -> st
         text += "\n\n" + _selective_source()
     text += "\n\n\ndef apply_plan(model, mesh):\n"
     text += f'    """Shard `model` in place on `mesh` ({mesh_doc}) and return it."""\n'
-    return text + "\n".join(body) + "\n"
+    return text + "\n".join(body) + "\n" + shard_batch
 
 
-_PRINTABLE = (Parallelize, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod)
+def _shard_batch_source(ops: tuple) -> str:
+    """`shard_batch(tokens, labels, mesh)` for the job's `ShardBatch` step op ("" without one):
+    what `AppliedPlan.shard_batch` does, for a hand-written training loop."""
+    if not ops:
+        return ""
+    op = ops[0]
+    dims = dict(op.tensors)
+    return f'''
+
+def shard_batch(tokens, labels, mesh):
+    """This rank's {op.balance} share of a (batch, seq) batch on the `{op.axis}` axis, and its global positions.
+
+    Call the model as `model(tokens, positions=positions)`; the loss is the mean over this
+    rank's tokens (FSDP averages the gradients over the flattened data x context ranks).
+    """
+    cp_mesh = mesh[{op.axis!r}]
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    positions = shard_positions(tokens.shape[{dims["tokens"]}], cp, rank).to(tokens.device)
+    return shard(tokens, {dims["tokens"]}, cp, rank), shard(labels, {dims["labels"]}, cp, rank), positions
+'''
+
+
+_PRINTABLE = (Parallelize, AttendOverContext, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod)
 # What emit prints: every op as `apply_plan`'s calls; the step (forward, backward, the loss in
 # `loss_parallel()`) is the user's training loop, as with `planc.apply`; several microbatches
-# per step add `accumulate(model, *batch)`, as `AppliedPlan.accumulate`.
-READER = Reader("emit", _PRINTABLE, (FORWARD, FULL_BACKWARD), (LossParallel,))
+# per step add `accumulate(model, *batch)`, as `AppliedPlan.accumulate`; `ShardBatch` a
+# `shard_batch` function that loop calls on each batch.
+READER = Reader("emit", _PRINTABLE, (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 _TORCH_STYLES = vocab.TORCH_STYLES
 

@@ -4,6 +4,7 @@ This is the only stage that imports `torch.distributed`. `apply(model, plan)` do
 careful engineer writes by hand (torchtitan's `apply_fsdp`), in the same order:
 
     compile + validate against the live model (all or nothing: errors leave it untouched)
+    -> context parallelism: attention modules gather K/V over the context axis (hooks)
     -> activation checkpointing (composable, so module paths and state-dict keys stay)
     -> `module.compile()` (in place, names kept)
     -> `fully_shard` per unit, bottom-up, group units as one list call, the root last
@@ -36,14 +37,16 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from planc.backends import context
 from planc.compiler import CompiledPlan, as_plan
 from planc.compiler import compile as compile_plan
 from planc.diagnostics import Diagnostic, PlanError, Span, sort_diagnostics
 from planc.lang import syntax as st
 from planc.lower.checkpointing import context_fn
-from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, UnknownKind
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, ShardBatch, UnknownKind
 from planc.lower.lowering import tensor_reties
 from planc.lower.program import (
+    AttendOverContext,
     Checkpoint,
     Compile,
     FullyShard,
@@ -277,6 +280,40 @@ class AppliedPlan:
             applied.handle.set_requires_gradient_sync(sync, recurse=False)
         return sync
 
+    def data_parallel_rank(self) -> tuple[int, int]:
+        """(this rank's index, count) over the data-parallel axes (replicate x shard): the batch a
+        data loader gives this rank. Ranks of one context (or tensor) group share it."""
+        names = self.compiled.mesh.dp_axis_names
+        rank, size = 0, 1
+        for name in names:
+            sub = self.mesh[name]
+            rank, size = rank * sub.size() + sub.get_local_rank(), size * sub.size()
+        return rank, size
+
+    def shard_batch(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> context.Batch:
+        """This rank's share of its data-parallel batch for the model's forward (`ShardBatch`).
+
+        Without a context axis: the tensors as they are, positions None. With one: each
+        `(batch, seq)` tensor cut along the sequence, head-tail (chunks `r` and `2cp - 1 - r` of
+        `2cp` on context rank `r`), and the global positions of those chunks; call the model
+        as `model(batch.tokens, positions=batch.positions)`. The loss is scaled as in plain
+        data parallelism: the mean over this rank's tokens. FSDP averages the gradients over
+        the flattened shard x context ranks, each of which holds the same number of tokens,
+        so the average of the ranks' means is the mean over the whole batch (and so are the
+        gradients). Ranks of one context group must be given the same batch
+        (`data_parallel_rank`).
+        """
+        ops = self.compiled.job.step_op(ShardBatch)
+        if not ops:
+            return context.Batch(tokens, labels, None)
+        return context.shard_batch(ops[0], self.mesh[ops[0].axis], tokens, labels)
+
+    def unshard_sequence(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The whole sequence from every context rank's head-tail shard of `t` along `dim` (no
+        gradient), e.g. logits for evaluation; `t` itself without a context axis."""
+        ops = self.compiled.job.step_op(ShardBatch)
+        return context.unshard(t, dim, self.mesh[ops[0].axis].get_group()) if ops else t
+
     def unit(self, name: str) -> AppliedUnit:
         """The applied unit called `name` (`<root>`, `layers.0`, `[norm, output]`)."""
         for applied in self.units:
@@ -312,6 +349,9 @@ class AppliedPlan:
             numel = sum(self.model.get_parameter(n).numel() for n in u.params)
             lines.append(f"  {u.name:<{width}}  {_count(numel):>7} params  {_bytes(self.unit_local_bytes(u)):>10}/rank  "
                          f"{_describe(applied.op.policy)}")
+        if self.compiled.job.step_op(ShardBatch):
+            lines.append("  context axis: cut each batch with `applied.shard_batch(tokens, labels)` and pass "
+                         "`positions=` to the model")
         ignored = self.compiled.resolution.ignored
         if ignored:
             lines.append(f"  ignored (replicated): {', '.join(sorted(ignored))}")
@@ -578,8 +618,10 @@ def _retie(model: nn.Module, reties: list[tuple[str, str]]) -> None:
 
 # What the runtime runs: every op; the step is the user's loop (forward, backward, in
 # `AppliedPlan.loss_parallel()` for the `LossParallel` step op).
-READER = Reader("the runtime (planc.apply)", (Parallelize, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod),
-                (FORWARD, FULL_BACKWARD), (LossParallel,))
+# `ShardBatch`: the loop's `AppliedPlan.shard_batch`.
+READER = Reader("the runtime (planc.apply)",
+                (Parallelize, AttendOverContext, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod),
+                (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 
 def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: CompiledPlan) -> AppliedPlan:
@@ -601,6 +643,9 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
     # `mesh[axes]` builds a new DeviceMesh every call, about half a millisecond on a 2-D mesh,
     # which across one call per parallelized module was most of apply's overhead on a large model.
     submeshes: dict[tuple[str, ...], DeviceMesh] = {}
+    for name, joined in program.mesh.flattened.items():
+        # FSDP over shard x context as one axis: on the 2-D submesh it would silently be HSDP
+        submeshes[(name,)] = mesh[joined]._flatten(name)
 
     def submesh(axes: tuple[str, ...]) -> DeviceMesh:
         if axes not in submeshes:
@@ -629,7 +674,9 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
         # call on a descendant); prefetch lists and unit methods need every unit sharded.
         if isinstance(op, Parallelize):
             continue  # done above
-        if isinstance(op, Checkpoint):
+        if isinstance(op, AttendOverContext):
+            context.attend_over_context(model.get_submodule(op.module), submesh((op.axis,)).get_group())
+        elif isinstance(op, Checkpoint):
             checkpoint(model.get_submodule(op.module), context_fn=context_fn(op.mode))
         elif isinstance(op, Compile):
             model.get_submodule(op.module).compile(**dict(op.options))

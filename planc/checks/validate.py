@@ -13,6 +13,12 @@ from __future__ import annotations
 import dataclasses
 
 from planc.checks.context import MEMORY, MODEL, WORLD, Check, Context
+from planc.checks.context_parallel import (
+    check_context_modules,
+    check_context_sequence,
+    check_context_tensor,
+    check_context_unused,
+)
 from planc.checks.expect import METRICS, check_expects, check_memory_expects, check_metric_lines, metric_problems
 from planc.checks.mesh import check_mesh, check_placements, check_rank_limits, check_reshard_size
 from planc.checks.precision import check_ignored_precision, check_precision
@@ -70,6 +76,10 @@ CHECKS: tuple[Check, ...] = (
     Check(check_replicated_head_params, _MODEL),
     Check(check_fused_colwise, _MODEL),
     Check(check_tied_placements, _MODEL),
+    Check(check_context_tensor),
+    Check(check_context_unused, _MODEL),
+    Check(check_context_modules, _MODEL),
+    Check(check_context_sequence),
     Check(check_root_reshard, _MODEL),
     Check(check_shadowed, _MODEL),
     Check(check_metric_lines, about_expectations=True),

@@ -77,6 +77,10 @@ def simulate_plan(path: str, args, compiled) -> tuple[list[Diagnostic], list[int
     ref = args.model or c.plan.model_ref
     base = None if args.model else os.path.dirname(os.path.abspath(path))
     worlds = [x.world_size for x in compiled if x.world_size is not None] or [simulation_world(c.mesh)]
+    if c.resolution.context:  # the shape check refuses `ShardBatch`: say so, located, and check the shape
+        from planc.checks.context_parallel import not_simulated
+
+        return not_simulated(c.resolution, worlds, shape), []
     out: list[Diagnostic] = []
     seen = set()
     for world in worlds:

@@ -154,8 +154,8 @@ CODES: dict[str, Code] = {
                  "where the plan writes it.)\n\n"
                  "    mesh (replicate = 65536, shard = 65536)   # error: 4,294,967,296 ranks"),
     "P408": Code("mesh axis not supported yet", "The mesh names an axis whose role planc knows but does not "
-                 "build yet: `pipeline` (`pp`), `context` (`cp`) or `expert` (`ep`). planc builds the `replicate`, "
-                 "`shard` and `tensor` axes; remove the axis (the plan then runs without that parallelism).\n\n"
+                 "build yet: `pipeline` (`pp`) or `expert` (`ep`). planc builds the `replicate`, "
+                 "`shard`, `context` and `tensor` axes; remove the axis (the plan then runs without that parallelism).\n\n"
                  "    mesh (pp = 2, shard = *)   # error: the pipeline axis is not supported yet"),
     # --- the step simulated on a fake process group (P44x; `planc check --simulate`, planc/analysis/shapecheck.py)
     "P440": Code("simulated step fails at a tensor-parallel module", "`planc check --simulate` applies the whole plan "
@@ -307,6 +307,43 @@ CODES: dict[str, Code] = {
                  "split the fused weight into one Linear per part.\n\n"
                  "    parallel **.mlp.gate_up_proj colwise   # error: [gate | up] split contiguously\n"
                  "    parallel **.mlp.down_proj rowwise"),
+    # --- context parallelism (P49x; planc/resolve/context.py, planc/checks/context_parallel.py)
+    "P490": Code("context style without a context axis", "`parallel SELECTOR context` makes attention gather keys "
+                 "and values over the mesh's context axis, and the mesh has none. Add one.\n\n"
+                 "    mesh (shard = *, context = 2)\n    parallel layers.*.attention context"),
+    "P491": Code("the context style takes no options", "The `context` style has one behaviour: the sequence is "
+                 "cut head-tail into 2 x context chunks, each rank keeps two, and attention gathers keys and values "
+                 "over the context axis. Remove the block.\n\n"
+                 "    parallel layers.*.attention context { balance round_robin }   # error"),
+    "P492": Code("context axis without a context style", "The mesh has a context axis, so every batch is cut "
+                 "along the sequence, but no module gets the `context` style: attention would see only its own "
+                 "shard of the sequence and train wrong, silently. Mark the attention modules.\n\n"
+                 "    mesh (shard = *, context = 2)   # error: nothing attends over the context axis\n"
+                 "    parallel layers.*.attention context   # the fix"),
+    "P493": Code("context style on a module that is not a supported attention", "The `context` style routes a "
+                 "module's causal `F.scaled_dot_product_attention(q, k, v, is_causal=True)` (no mask) to attention "
+                 "that gathers keys and values over the context axis, and passes the module its shard's global "
+                 "positions as `positions=`. planc supports modules whose `forward` takes `positions` and calls "
+                 "causal SDPA that way: the zoo's Llama `Attention` (`planc.zoo:llama`). Select those modules. The model's own "
+                 "`forward` must take `positions` too, and pass them down: the loop calls "
+                 "`model(tokens, positions=batch.positions)`.\n\n"
+                 "    parallel layers.*.feed_forward context   # error: not an attention"),
+    "P494": Code("model builds positions from the full sequence", "A Hugging Face model (Llama and its kin) builds "
+                 "its rotary positions and its causal mask from the whole sequence inside the model's `forward`, and "
+                 "its attention applies that mask; a sequence shard then gets wrong positions and a local causal "
+                 "mask, which trains wrong without an error. Use a model whose attention takes global `positions=` "
+                 "(the zoo's Llama, `planc.zoo:llama`), or drop the context axis."),
+    "P495": Code("sequence length not divisible for context parallelism", "Context parallelism cuts each "
+                 "sequence into 2 x context chunks (head-tail balancing), so the sequence length of `input = BxS` "
+                 "must divide by 2 x context.\n\n"
+                 "    mesh (shard = *, context = 4)\n    expect memory.peak <= 1GiB at world = 8, input = 2x100   "
+                 "# error: 100 % 8 != 0"),
+    "P496": Code("context parallelism with a tensor axis", "planc builds context parallelism with FSDP (over the "
+                 "flattened shard x context axes); with a tensor axis too it is not built or tested yet. Remove the "
+                 "tensor axis and the `parallel` styles, or the context axis."),
+    "P497": Code("context parallelism is not yet estimated", "planc's memory and step-time models do not model "
+                 "context parallelism yet (the sequence-sharded activations, the gathered keys and values); an "
+                 "`expect memory...` line of a plan with a context axis is not checked.", "warning"),
     # --- expectations (P5xx)
     "P425": Code("trains differently from one process", "`planc check --verify` trained the plan on a small "
                  "twin of the model on local processes (gloo, the smallest world that keeps every mesh axis "

@@ -13,7 +13,7 @@ from pygments.token import Comment, Keyword, Name, Number, Operator, Punctuation
 
 __all__ = ["PlanLexer"]
 
-from planc.lang.vocabulary import BOOLS, CLAUSES, DTYPES, FSDP1_WORDS, STATEMENTS, STEP_OPTIONS
+from planc.lang.vocabulary import BOOLS, CLAUSES, DTYPES, FSDP1_WORDS, STATEMENTS, STEP_OPTIONS, STYLE_END, STYLES
 from planc.lang.vocabulary import OPTIONS as _UNIT_OPTIONS
 
 CONSTANTS = BOOLS
@@ -49,6 +49,8 @@ class PlanLexer(RegexLexer):
             (words(DTYPES, prefix=r"(?<![\w.*])", suffix=r"\b(?![.*])"), Keyword.Type),
             (words(OPTIONS, prefix=r"(?<![\w.*])", suffix=r"\b(?![.*=])"), Name.Builtin),
             (words(FSDP1_WORDS, prefix=r"(?<![\w.*])", suffix=r"\b"), Name.Constant),
+            # a `parallel` statement's style word, last on its line: `parallel layers.*.attention context`
+            (words(STYLES, prefix=r"(?<![\w.*])", suffix=r"\b" + STYLE_END), Keyword.Pseudo),
             # class guards: `: LlamaDecoderLayer | MixtralDecoderLayer`
             (r"(:)([ \t]*)(" + _NAME + r")(?![.*\w])", bygroups(Punctuation, Whitespace, Name.Class)),
             (r"(\|)([ \t]*)(" + _NAME + r")", bygroups(Operator, Whitespace, Name.Class)),

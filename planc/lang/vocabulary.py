@@ -36,6 +36,13 @@ BOOLS = ("true", "false", "yes", "no", "on", "off")
 # FSDP1 sharding strategies (`options.FSDP1_RESHARD` and `options.FSDP1_MESH`).
 FSDP1_WORDS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
+# The style words of a `parallel` statement: torch's tensor-parallel styles
+# (`planc.resolve.tensor.STYLE_KINDS`) and `context` (`planc.resolve.context.CONTEXT_STYLE`:
+# attention gathers keys and values over the context axis).
+STYLES = ("colwise", "rowwise", "sequence", "replicate", "prepare_input", "prepare_output", "prepare", "context")
+# What a style word ends at: a block, another statement, a comment or the end of the line.
+STYLE_END = r"(?=[ \t]*(\{|;|#|\r?\n|$))"
+
 # Tensor-parallel style words and torch's class for each (`planc emit` writes these; the
 # syntax and style help turn a torch class name back into the plan's word).
 TORCH_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel", "sequence": "SequenceParallel",
@@ -68,6 +75,7 @@ def tmlanguage(template: dict) -> dict:
     fsdp1["match"] = rf"\b({_alternation(FSDP1_WORDS)})\b"
     options = [o for o in OPTIONS + STEP_OPTIONS if o not in STATEMENTS]
     repo["option"]["match"] = rf"(?<![\w.*])\b({_alternation(options)})\b(?![.*=])"
+    repo["style"]["match"] = rf"(?<![\w.*])\b({_alternation(STYLES)})\b{STYLE_END}"
     return template
 
 

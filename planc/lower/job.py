@@ -158,8 +158,25 @@ class LossParallel:
     origin: Setting
 
 
-StepOp = Union[LossParallel]
-STEP_OPS = (LossParallel,)
+@dataclass(frozen=True, slots=True)
+class ShardBatch:
+    """Each batch is cut along the sequence over the context axis before the forward.
+
+    Every rank of the context axis keeps `balance` chunks of each tensor in `tensors`
+    (name, dim): head-tail, chunks `r` and `2 x context - 1 - r` of `2 x context`; the
+    positions are the global positions of those chunks, passed to the model as `positions=`.
+    The loss of a rank is its tokens' share: summed over its tokens and divided by the
+    global token count, the ranks' losses (and gradients) add up to the unsharded mean.
+    """
+
+    axis: str
+    tensors: tuple[tuple[str, int], ...]
+    balance: str
+    origin: Setting
+
+
+StepOp = Union[LossParallel, ShardBatch]
+STEP_OPS = (LossParallel, ShardBatch)
 
 
 @dataclass(frozen=True)

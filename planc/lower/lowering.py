@@ -16,8 +16,9 @@ prefetch lists and the `FSDPModule` methods the plan sets, which need every unit
 
 from __future__ import annotations
 
-from planc.lower.job import DENSE, Job, LossParallel, Part, View, step_schedule
+from planc.lower.job import DENSE, Job, LossParallel, Part, ShardBatch, View, step_schedule
 from planc.lower.program import (
+    AttendOverContext,
     Checkpoint,
     Compile,
     FullyShard,
@@ -31,6 +32,7 @@ from planc.lower.program import (
     UnitMethod,
 )
 from planc.model.graph import ModelGraph
+from planc.resolve.context import BALANCE, BATCH_TENSORS
 from planc.resolve.ir import Resolution, Unit
 from planc.resolve.mesh import Role
 
@@ -139,11 +141,15 @@ def lower(res: Resolution, graph: ModelGraph) -> Program:
         for path in sorted(res.parallel, key=graph.pre):
             setting = res.parallel[path]
             ops.append(Parallelize(path, setting.value, tensor_axis, setting, setting.span))
+    # context parallelism next: hooks on the attention modules, before checkpointing wraps them
+    context_axis = res.mesh.axis_name(Role.CONTEXT)
+    if context_axis is not None:
+        ops += [AttendOverContext(path, context_axis, res.context[path]) for path in sorted(res.context, key=graph.pre)]
     for path, setting in res.checkpoint.items():
         ops.append(Checkpoint(path, setting.value, setting))
     for path, setting in res.compile.items():
         ops.append(Compile(path, tuple((setting.value or {}).items()), setting))
-    dp_axes = res.mesh.dp_axis_names
+    dp_axes = res.mesh.fsdp_axis_names  # shard x context flattened into one axis (Mesh.flattened)
     ops += [_fully_shard(u, res, graph, dp_axes) for u in res.units]
     for direction, table in (("forward", res.prefetch_forward), ("backward", res.prefetch_backward)):
         ops += [SetPrefetch(name, direction, targets) for name, targets in table.items()]
@@ -157,11 +163,15 @@ def lower(res: Resolution, graph: ModelGraph) -> Program:
 
 def lower_job(res: Resolution, graph: ModelGraph) -> Job:
     """The job for a resolution without errors: today one part (the whole model), the dense
-    view, the one-stage schedule over the `step` line's microbatches, and `loss_parallel()`
-    as a step op when the plan asks for it."""
+    view, the one-stage schedule over the `step` line's microbatches, `loss_parallel()` as a
+    step op when the plan asks for it, and with a context axis the batch sharded along the
+    sequence (`ShardBatch`)."""
     program = lower(res, graph)
-    step_ops = tuple(LossParallel(op.module, op.origin) for op in program.of_type(Parallelize)
-                     if op.style.loss_parallel)
+    step_ops: tuple = tuple(LossParallel(op.module, op.origin) for op in program.of_type(Parallelize)
+                            if op.style.loss_parallel)
+    attends = program.of_type(AttendOverContext)
+    if attends:
+        step_ops += (ShardBatch(attends[0].axis, BATCH_TENSORS, BALANCE, attends[0].origin),)
     step = res.step
     schedule = step_schedule() if step is None else step_schedule(step.value.microbatches, step.value.sync, step)
     return Job(res.mesh, (View(DENSE, res.mesh.device_axes),), (Part(0, ("",), program),), schedule, step_ops)

@@ -11,6 +11,7 @@ without the live model; only the runtime turns paths into objects.
     Checkpoint   activation checkpointing of one module (before sharding)
     Compile      `module.compile(...)` of one module (before sharding)
     Parallelize  one tensor-parallel style on one module, on the tensor axis (first of all)
+    AttendOverContext  one attention module's causal SDPA gathers K/V over the context axis
     FullyShard   one `fully_shard` call: a unit, bottom-up, the root last
     SetPrefetch  an explicit forward/backward prefetch list of one unit
     UnitMethod   an `FSDPModule` method called on one unit after sharding
@@ -111,6 +112,16 @@ class Parallelize:
 
 
 @dataclass(frozen=True, slots=True)
+class AttendOverContext:
+    """`planc.backends.context.attend_over_context(module, mesh[axis].get_group())`: the module's
+    causal SDPA attends over every context rank's keys and values (before any FSDP)."""
+
+    module: str
+    axis: str
+    origin: Setting
+
+
+@dataclass(frozen=True, slots=True)
 class Checkpoint:
     """Activation checkpointing of `module` (torch's composable `checkpoint`: paths unchanged)."""
 
@@ -182,7 +193,7 @@ class UnitMethod:
     origin: Setting
 
 
-Op = Union[Parallelize, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod]
+Op = Union[Parallelize, AttendOverContext, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod]
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,12 @@ from planc.analysis.explain import _setting as setting_data
 from planc.checks.validate import METRICS
 from planc.diagnostics import CODES, Span
 from planc.lang import syntax as st
+from planc.lang.vocabulary import TORCH_STYLES
 from planc.lsp.analysis import Analysis
 from planc.lsp.locate import chain_at
 from planc.lsp.positions import contains
+from planc.resolve.context import CONTEXT_STYLE
+from planc.resolve.mesh import Role
 from planc.resolve.options import DTYPES, OPTIONS, Param
 from planc.resolve.selectors import match_modules, match_params
 from planc.resolve.step import STEP_OPTIONS
@@ -71,6 +74,8 @@ def _node_hover(analysis: Analysis, chain: list[Any], line: int, column: int) ->
         if isinstance(node, st.Selector):
             params = isinstance(stmt, (st.IgnoreStmt, st.PlaceStmt)) and node is getattr(stmt, "selector", None)
             return _selector_hover(analysis, node, params), node.span
+    if isinstance(stmt, st.ParallelStmt) and contains(stmt.style.span, line, column):
+        return _style_hover(analysis, stmt.style.value), stmt.style.span
     if isinstance(stmt, st.ExpectMetric):
         return _expect_hover(analysis, stmt), stmt.span
     if isinstance(stmt, st.ModelStmt):
@@ -196,6 +201,24 @@ def _units_of(analysis: Analysis, paths: list[str]) -> str | None:
            + "\n".join(rows) + "\n```"
 
 
+# ===================================================================== styles
+
+
+def _style_hover(analysis: Analysis, word: str) -> str | None:
+    """What a `parallel` statement's style word does (`vocabulary.STYLES`)."""
+    if word == CONTEXT_STYLE:
+        axis = _safe(lambda: analysis.compiled.mesh.axis(Role.CONTEXT), None) if analysis.compiled else None
+        where = f"the context axis (`{axis}`)" if axis is not None else "the context axis (the mesh has none yet)"
+        return ("**context**: context parallelism. The module's causal `F.scaled_dot_product_attention` gathers "
+                f"keys and values over {where} and masks by global positions; each batch is cut along the "
+                "sequence, head-tail (`applied.shard_batch`). Fits attention whose `forward` takes `positions`.")
+    if word == "replicate":
+        return "**replicate**: the parameters replicated on the tensor axis (torchtitan's `NoParallel`)"
+    if word in TORCH_STYLES:
+        return f"**{word}**: tensor parallelism, torch's `{TORCH_STYLES[word]}` on the tensor axis"
+    return None
+
+
 # ===================================================================== expect, model
 
 
@@ -215,10 +238,13 @@ def _expect_hover(analysis: Analysis, s: st.ExpectMetric) -> str:
     if world is None:
         return text + "\n\nno world size: write `at world = N` to estimate it"
     from planc.estimate.trace import TraceError
+    from planc.lower.job import UnknownKind
     try:
         est = compiled.memory_at(world, s.input_shape)
     except TraceError as err:
         return text + f"\n\ncannot estimate: {err}"
+    except UnknownKind:  # the estimators refuse what they do not model (context parallelism)
+        return text + "\n\nnot estimated: context parallelism is not yet estimated"
     value = est.metric(s.metric)
     if value is None:
         return text + "\n\nnot estimated: " + "; ".join(est.notes or ["give `input = BxS`"])

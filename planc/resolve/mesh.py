@@ -82,7 +82,7 @@ RULES: tuple[RoleRule, ...] = (
              star_help="fix one size, e.g. `mesh (replicate = *, shard = 8)`"),
     RoleRule(Role.SHARD, ("shard", "dp_shard", "fsdp"), "data parallelism (sharded)", implied=True, default=None,
              data_parallel=True, built=True, star_help="fix one size, e.g. `mesh (replicate = *, shard = 8)`"),
-    RoleRule(Role.CONTEXT, ("context", "cp"), "context parallelism",
+    RoleRule(Role.CONTEXT, ("context", "cp"), "context parallelism", built=True,
              star_help="fix the context-parallel size, e.g. `mesh (shard = *, context = 4)`"),
     RoleRule(Role.TENSOR, ("tensor", "tp"), "tensor parallelism", built=True,
              star_help="fix the tensor-parallel size, e.g. `mesh (shard = *, tensor = 8)`"),
@@ -176,6 +176,30 @@ class Mesh:
         """The `DeviceMesh` axis names of the data-parallel submesh, outermost first."""
         return tuple(a.name for a in self.dp_axes)
 
+    @property
+    def flattened(self) -> dict[str, tuple[str, ...]]:
+        """The axes `fully_shard` needs flattened into one: name -> the axes it joins, outermost first.
+
+        With a context axis, FSDP shards over shard x context as *one* axis (`dp_shard_cp` in
+        torchtitan): given the 2-D (shard, context) mesh, `fully_shard` would replicate over
+        its first axis instead (silent HSDP; tests/test_context_dist.py shows it). The name
+        joins the plan's words: `shard_context`, `dp_shard_cp`.
+        """
+        context, shard = self.axis(Role.CONTEXT), self.axis(Role.SHARD)
+        if context is None or shard is None:
+            return {}
+        return {f"{shard.name}_{context.name}": (shard.name, context.name)}
+
+    @property
+    def fsdp_axis_names(self) -> tuple[str, ...]:
+        """The axis names `fully_shard` runs on: the data-parallel ones, with shard x context
+        flattened into one (`flattened`) when the mesh has a context axis."""
+        flat = self.flattened
+        if not flat:
+            return self.dp_axis_names
+        (name, (shard, _)), = flat.items()
+        return tuple(name if a == shard else a for a in self.dp_axis_names)
+
     # ----------------------------------------------------------------- sizes
     @property
     def _world_axes(self) -> tuple[Axis, ...]:
@@ -224,9 +248,12 @@ class Mesh:
         return math.prod(sizes.get(r, 1) for r in RULE[Role(role)].borrows)
 
     def dp_sizes(self, world: int | None) -> tuple[int, int] | None:
-        """(replicate, shard) at `world` ranks, or None when the mesh cannot fill it."""
+        """(replicate, shard) at `world` ranks, or None when the mesh cannot fill it; `shard` is
+        the group FSDP shards over: shard x context with a context axis (`flattened`)."""
         sizes = self.sizes(world)
-        return None if sizes is None else (sizes.get(Role.REPLICATE, 1), sizes.get(Role.SHARD, 1))
+        if sizes is None:
+            return None
+        return sizes.get(Role.REPLICATE, 1), sizes.get(Role.SHARD, 1) * sizes.get(Role.CONTEXT, 1)
 
     def __str__(self) -> str:
         return "(" + ", ".join(str(a) for a in self.axes) + ")"

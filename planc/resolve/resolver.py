@@ -20,6 +20,7 @@ from planc.diagnostics import Diagnostic, suggestion
 from planc.lang import printer
 from planc.lang import syntax as st
 from planc.model.graph import ModelGraph
+from planc.resolve.context import context_style, is_context
 from planc.resolve.ir import DEFAULT_SETTINGS, Resolution, Setting, Unit
 from planc.resolve.mesh import Role, resolve_mesh
 from planc.resolve.options import CHECKPOINT_MODES, MODULE_SETTINGS, Assignment, parse_option
@@ -120,6 +121,7 @@ class Resolver:
         self._parameters(stmts)
         self._module_transforms(stmts)
         self._tensor_parallel(stmts, styles)
+        self._context_parallel(stmts)
         self._prefetch()
         return self.out, self.diags
 
@@ -128,7 +130,10 @@ class Resolver:
         """Each `parallel` statement's style (statement index -> style); a bad one is diagnosed and dropped."""
         styles: dict[int, TensorStyle] = {}
         for i, s in enumerate(stmts):
-            if isinstance(s, st.ParallelStmt):
+            if isinstance(s, st.ParallelStmt) and is_context(s):
+                if not context_style(s, self.out.mesh, self._mesh_ok, self.diags):
+                    self.out.broken.add(i)
+            elif isinstance(s, st.ParallelStmt):
                 style = tensor_style(s, self.diags)
                 if style is None:
                     self.out.broken.add(i)
@@ -150,6 +155,19 @@ class Resolver:
             text = rule_text(s)  # once per statement, not per matched module
             for path in m.paths:
                 self.out.parallel[path] = Setting(style, s.span, text, i)
+            if m.paths:
+                self.out.rule_effects[i] = self.out.rule_effects.get(i, 0) + len(m.paths)
+
+    def _context_parallel(self, stmts) -> None:
+        """module -> the `context` style (`planc/resolve/context.py`), for the well-formed statements."""
+        for i, s in enumerate(stmts):
+            if not isinstance(s, st.ParallelStmt) or not is_context(s) or i in self.out.broken:
+                continue
+            m = match_modules(self.graph, s.selector, optional=s.optional)
+            self.diags.extend(m.diagnostics)
+            text = rule_text(s)
+            for path in m.paths:
+                self.out.context[path] = Setting("context", s.span, text, i)
             if m.paths:
                 self.out.rule_effects[i] = self.out.rule_effects.get(i, 0) + len(m.paths)
 
