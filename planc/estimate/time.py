@@ -36,7 +36,8 @@ collectives as `Collective(kind, axis, ranks, bytes, phase)`, forward/backward/r
 FLOPs, compute seconds), `totals` of bytes per (kind, axis), `compute_s`, `comm_s` (all
 collectives' busy time), `exposed_comm_s` (collective time the compute stream waits for),
 `optimizer_s`, `total_s`, `tokens_per_s`, `mfu`, the `hardware` and the `assumptions` (the
-list of sentences every output prints).
+list of sentences every output prints); `order`, the schedule's (kind, unit, phase) events in
+issue order (all_gather, compute start, reduce_scatter, all_reduce; tests/test_overlap_order_dist.py).
 
 What is modelled (torch 2.13 FSDP2; docs/time-model.md says it at length):
 
@@ -235,6 +236,7 @@ class StepTime:
     assumptions: list[str]
     efficiency: float = 0.6
     tp: int = 1
+    order: list[tuple[str, str, str]] = field(default_factory=list)  # the schedule's (kind, unit, phase) events
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -437,7 +439,7 @@ def collective_s(c: Collective, hw: Hardware) -> float:
 
 
 def _assumptions(hw: Hardware, eff: float, tp: int) -> list[str]:
-    out = [
+    return [
         f"estimates, not measurements: hardware `{hw.name}` ({hw.source or 'user profile'})",
         f"compute = counted FLOPs / ({eff:.0%} of peak dense FLOP/s for the unit's compute dtype: "
         f"bf16 {hw.bf16_flops / 1e12:.0f} TFLOP/s, fp32 {hw.fp32_flops / 1e12:.1f} TFLOP/s); ops FlopCounterMode "
@@ -455,7 +457,6 @@ def _assumptions(hw: Hardware, eff: float, tp: int) -> list[str]:
         "not modelled: kernel launch and CPU overheads, stragglers, memory-bandwidth-bound kernels, "
         "bandwidth shared by concurrent tensor-parallel and FSDP traffic",
     ]
-    return out
 
 
 OUTSIDE = "(outside units)"  # the row of compute no unit owns (plans with `root none`)
@@ -531,7 +532,7 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     # TP collectives: blocking, at their module's forward / backward
     tp_s = sum(collective_s(c, hw) * c.times for cs in tp_cs.values() for c in cs)
 
-    total_s, compute_s, net = _schedule(program, per_unit, fwd_segments, bwd_segments, hw, root, schedule)
+    total_s, compute_s, net, order = _schedule(program, per_unit, fwd_segments, bwd_segments, hw, root, schedule)
     for u in per_unit:  # `_compute` filled in one microbatch's
         u.forward_flops, u.backward_flops, u.recompute_flops = k * u.forward_flops, k * u.backward_flops, \
             k * u.recompute_flops
@@ -557,7 +558,7 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     if profile is not None and profile.tokens:
         tokens = profile.tokens * k * (world // tp)
     return StepTime(world, hw, per_unit, compute_s_all, net.busy + tp_s, exposed, optimizer_s, total_s, tokens,
-                    model_flops, _assumptions(hw, eff, tp) + notes, efficiency=eff, tp=tp)
+                    model_flops, _assumptions(hw, eff, tp) + notes, efficiency=eff, tp=tp, order=order)
 
 
 def _tensor_rank(program: Program, graph, profile, inputs, input_shape, loss, tp: int):
@@ -643,7 +644,7 @@ def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, f
     end = max(sim.t, sim.net.free, sim.pcie.free)
     if end > sim.t and sim.last_rs is not None:  # the tail: collectives still running after the last compute
         per_unit[sim.last_rs].exposed_s += end - sim.t
-    return end, sim.compute_s, sim.net
+    return end, sim.compute_s, sim.net, sim.order
 
 
 class _Overlap:
@@ -658,9 +659,11 @@ class _Overlap:
         self.last_rs: int | None = None  # the last unit that reduced its gradients
         self.reducing = True             # this backward reduces gradients (not so before the last
         # microbatch under `sync = last`)
+        self.order, self.phase = [], "forward"  # (kind, unit, phase) issued or started, in order: StepTime.order
 
     def wait(self, i: int, ready: float) -> None:
         """Compute of unit i waits for its all-gather: the wait is exposed communication, billed to i."""
+        self.order.append(("compute", self.names[i], self.phase))
         if ready > self.t:
             self.per_unit[i].exposed_s += ready - self.t
             self.t = ready
@@ -679,6 +682,7 @@ class _Overlap:
             done = self.pcie.run(done, collective_s(c, self.hw))
         end = done
         for c in self.cols(i, "all_gather", phase):
+            self.order.append(("all_gather", self.names[i], phase))
             end = self.net.run(done, collective_s(c, self.hw))
         return end
 
@@ -686,7 +690,7 @@ class _Overlap:
     def forward(self, program: Program, fwd: list[tuple[int, float]], root: int | None):
         """Forward: all-gathers at each unit's pre-forward or by its prefetch list, at most two units
         ahead of compute; returns the forward segments and the units in pre-forward order."""
-        n = len(self.per_unit)
+        n, self.phase = len(self.per_unit), "forward"
         order: list[int] = []
         for i, _ in fwd:
             if i not in order:
@@ -735,7 +739,7 @@ class _Overlap:
                  root: int | None) -> None:
         """Backward: each unit's all-gather at its pre-backward, the next one prefetched (or its list);
         its reduce-scatter (and all-reduce) after its last backward segment."""
-        post_forward = [i for i in order if i != root]
+        post_forward, self.phase = [i for i in order if i != root], "backward"
         # post-forward order: the order each unit finished forward (its last forward segment)
         last_fwd = {i: k for k, (i, _) in enumerate(segs)}
         post_forward.sort(key=lambda i: last_fwd.get(i, -1))
@@ -786,14 +790,11 @@ class _Overlap:
         if self.cols(i, "reduce_scatter", "backward") or self.cols(i, "all_reduce", "backward"):
             self.last_rs = i
         end = self.t
-        for c in self.cols(i, "reduce_scatter", "backward"):
-            end = self.net.run(end, collective_s(c, self.hw))
-        for c in self.cols(i, "all_reduce", "backward"):
+        for c in self.cols(i, "reduce_scatter", "backward") + self.cols(i, "all_reduce", "backward"):
+            self.order.append((c.kind, self.names[i], "backward"))
             end = self.net.run(end, collective_s(c, self.hw))
         for c in self.cols(i, "device_to_host", "backward"):
             self.pcie.run(end, collective_s(c, self.hw))
-
-
 
 
 __all__ = ["Collective", "UnitTime", "StepTime", "estimate_step_time", "unit_collectives", "hardware_of", "KINDS"]
