@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import torch
 from torch import nn
 
 from planc.analysis.comms import Recorded, _attributed, _Recorder
