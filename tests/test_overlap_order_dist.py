@@ -8,9 +8,22 @@ reduce-scatter and all-reduce, in the order they were issued. The simulator's or
 `estimate_step_time(...).order` for the same plan, model, world and input.
 
 The canonical comparison: the two lists of `(kind, unit, phase)` events are equal,
-element by element. Within one unit's pre-forward (pre-backward), both sides order the
-unit's own all-gather first, then the gathers it prefetches (in its prefetch list's order),
-then its compute start; a unit's reduce-scatter precedes its all-reduce. Nothing is left out.
+element by element, after one event is dropped from both (`_canonical`). The events:
+`all_gather` (forward and backward, own and prefetched), `compute` (a unit's forward or
+backward start), `reduce_scatter` and `all_reduce` (HSDP). Ties inside one hook are ordered
+as FSDP2 issues them, on both sides: at a unit's pre-forward (pre-backward) its own
+all-gather, then the all-gathers it prefetches in its prefetch list's order, then its
+compute start; in its post-backward, the reduce-scatter before the all-reduce.
+
+Left out: the root's backward compute start. FSDP2 registers the root's pre-backward hook
+on the model's output, the same tensor as the last unit's (gpt's `[wte, ln_f, lm_head]`:
+`lm_head` returns the logits), and tensor hooks run in registration order, so the real root
+"starts" just after that unit, while its own backward ops (a position embedding) run last;
+the simulator plays the root's pre-backward first and starts no root compute there. Which
+comes first issues nothing either way: the root is not resharded after forward (FSDP2's
+default for the root, and every shipped plan's `root { reshard after_forward = false }`), so
+it gathers nothing in backward, and its default prefetch (the first unit of backward) is
+gathered at that unit's own pre-backward, at the same point of the order.
 """
 
 from __future__ import annotations
@@ -79,6 +92,11 @@ def _simulated(name: str, builder: str) -> list[tuple[str, str, str]]:
     return estimate_step_time(compiled, world=WORLD, input_shape=SHAPE).order
 
 
+def _canonical(events: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """The events compared (see the module docstring): all but the root's backward compute start."""
+    return [e for e in events if e != ("compute", "<root>", "backward")]
+
+
 def _diff(predicted, real) -> str:
     return "\n".join(difflib.unified_diff([" ".join(e) for e in predicted], [" ".join(e) for e in real],
                                           "simulated", "recorded", lineterm=""))
@@ -93,5 +111,8 @@ def test_every_one_d_zoo_plan_is_compared():
 @pytest.mark.parametrize("name,builder", PLANS, ids=[n for n, _ in PLANS])
 def test_recorded_order_equals_simulated(recorded, name, builder):
     assert recorded[0][name] == recorded[1][name]  # both ranks ran the same schedule
-    predicted = _simulated(name, builder)
-    assert predicted == recorded[0][name], _diff(predicted, recorded[0][name])
+    predicted, real = _canonical(_simulated(name, builder)), _canonical(recorded[0][name])
+    # the recorder saw something of each kind the plan issues (seed_hsdp at 2 ranks: shard size 1,
+    # so no all-gather and no reduce-scatter, only the all-reduce across the 2 replicas)
+    assert len({e[0] for e in real}) >= 2 and ("compute", "<root>", "forward") in real
+    assert predicted == real, _diff(predicted, real)

@@ -36,8 +36,7 @@ collectives as `Collective(kind, axis, ranks, bytes, phase)`, forward/backward/r
 FLOPs, compute seconds), `totals` of bytes per (kind, axis), `compute_s`, `comm_s` (all
 collectives' busy time), `exposed_comm_s` (collective time the compute stream waits for),
 `optimizer_s`, `total_s`, `tokens_per_s`, `mfu`, the `hardware` and the `assumptions` (the
-list of sentences every output prints); `order`, the schedule's (kind, unit, phase) events in
-issue order (all_gather, compute start, reduce_scatter, all_reduce; tests/test_overlap_order_dist.py).
+list of sentences every output prints); `order`: the schedule's (kind, unit, phase) events in issue order.
 
 What is modelled (torch 2.13 FSDP2; docs/time-model.md says it at length):
 
@@ -77,6 +76,7 @@ import torch
 
 from planc.estimate.hardware import Hardware
 from planc.estimate.hardware import hardware as hardware_of
+from planc.lower import fsdp as fsdp_rules
 from planc.lower.fsdp import compute_dtypes, default_backward_prefetch, fsdp_shape, reshard_group, root_index, shard_numel
 from planc.lower.fsdp import owners as fsdp_owners
 from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, Schedule, step_schedule
@@ -532,7 +532,8 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     # TP collectives: blocking, at their module's forward / backward
     tp_s = sum(collective_s(c, hw) * c.times for cs in tp_cs.values() for c in cs)
 
-    total_s, compute_s, net, order = _schedule(program, per_unit, fwd_segments, bwd_segments, hw, root, schedule)
+    fsdp_order = fsdp_rules.step_order(units, graph, profile.order if profile else [], profile.inputs if profile else {})
+    total_s, compute_s, net, order = _schedule(program, per_unit, fwd_segments, bwd_segments, hw, root, schedule, fsdp_order)
     for u in per_unit:  # `_compute` filled in one microbatch's
         u.forward_flops, u.backward_flops, u.recompute_flops = k * u.forward_flops, k * u.backward_flops, \
             k * u.recompute_flops
@@ -629,11 +630,11 @@ def _microbatch(inputs, input_shape, k: int):
 
 def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, float]],
               bwd: list[tuple[int, float]], hw: Hardware, root: int | None,
-              schedule: Schedule | None = None) -> tuple[float, float, _Net]:
+              schedule: Schedule | None = None, fsdp_order=([], [])) -> tuple[float, float, _Net, list]:
     """Replay FSDP2's overlap of collectives with compute over the schedule's actions (forward and
     backward of each microbatch); returns (end of backward, compute seconds, network)."""
     schedule = schedule or step_schedule()
-    sim = _Overlap(per_unit, hw)
+    sim = _Overlap(per_unit, hw, *fsdp_order)
     segs, order = [], []
     for action in schedule.actions[0]:
         if action.kind == FORWARD:
@@ -650,15 +651,14 @@ def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, f
 class _Overlap:
     """One rank's compute stream, its network and its host link, as FSDP2 drives them in one step."""
 
-    def __init__(self, per_unit: list[UnitTime], hw: Hardware) -> None:
-        self.per_unit, self.hw = per_unit, hw
+    def __init__(self, per_unit: list[UnitTime], hw: Hardware, starts=(), late=()) -> None:
+        self.per_unit, self.hw, self.starts, self.late = per_unit, hw, list(starts), list(late)
         self.names = [u.name for u in per_unit]
         self.index = {n: i for i, n in enumerate(self.names)}
         self.net, self.pcie = _Net(), _Net()
         self.t = self.compute_s = 0.0
         self.last_rs: int | None = None  # the last unit that reduced its gradients
-        self.reducing = True             # this backward reduces gradients (not so before the last
-        # microbatch under `sync = last`)
+        self.reducing = True             # this backward reduces gradients (not before the last microbatch, `sync = last`)
         self.order, self.phase = [], "forward"  # (kind, unit, phase) issued or started, in order: StepTime.order
 
     def wait(self, i: int, ready: float) -> None:
@@ -691,14 +691,9 @@ class _Overlap:
         """Forward: all-gathers at each unit's pre-forward or by its prefetch list, at most two units
         ahead of compute; returns the forward segments and the units in pre-forward order."""
         n, self.phase = len(self.per_unit), "forward"
-        order: list[int] = []
-        for i, _ in fwd:
-            if i not in order:
-                order.append(i)
-        if root is not None and root in order:
-            order.remove(root)
+        order = list(dict.fromkeys(self.starts + [i for i, _ in fwd]))  # pre-forward order (`step_order`)
         if root is not None:
-            order.insert(0, root)
+            order = [root] + [i for i in order if i != root]
         order += [i for i in range(n) if i not in order]
         pf_fwd = program.prefetch("forward")
         ready_at: dict[int, float] = {}
@@ -727,7 +722,9 @@ class _Overlap:
             segs.insert(0, (root, 0.0))
         for i, sec in segs:
             if i not in seen:
-                start(i)
+                for j in order[:order.index(i) + 1]:  # i, after the units that run before it with no FLOPs
+                    if j not in seen:
+                        start(j)
             self.compute(sec)
         for i in order:  # units with no compute of their own still gather
             if i not in seen:
@@ -772,16 +769,17 @@ class _Overlap:
                 pre_backward(i)
                 self.wait(i, b_ready.get(i, self.t))
             self.compute(sec)
-            if last_b[i] == k and i != root:
+            if last_b[i] == k and i not in self.late:
                 self.post_backward(i)
         for i in bwd_order:  # units with no backward compute (token embeddings: reduced at the end)
             if i not in b_seen:
                 b_seen.add(i)
                 pre_backward(i)
                 self.wait(i, b_ready.get(i, self.t))
-                self.post_backward(i)
-        if root is not None:
-            self.post_backward(root)
+                if i not in self.late:
+                    self.post_backward(i)
+        for i in self.late:  # FSDP2's final callback (`step_order`)
+            self.post_backward(i)
 
     def post_backward(self, i: int) -> None:
         """Unit i's reduce-scatter, all-reduce across replicas, and host copy of its gradients."""

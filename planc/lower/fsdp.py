@@ -100,3 +100,30 @@ def default_backward_prefetch(post_forward: Sequence[int], i: int, root: int | N
     prefetched); at a unit outside that order (the root), the first unit of backward."""
     order = [j for j in reversed(post_forward) if j != root]
     return order[order.index(i) + 1:order.index(i) + 2] if i in order else order[:1]
+
+
+def step_order(units, graph, executed: Sequence[str], inputs: dict) -> tuple[list[int], list[int]]:
+    """FSDP2's order of the units' pre-forwards, and the post-backwards it leaves to the end of backward.
+
+    `executed` is the module paths in first-forward order, `inputs` path -> the module's first
+    floating-point input (with `requires_grad`), as a traced step records them (`StepProfile`).
+    A unit's pre-forward runs when its first module runs, FLOPs or not (an embedding): the
+    first list, root first. FSDP2 reduces a unit's gradients when autograd reaches the inputs of
+    the first of its modules to run (`RegisterPostBackwardFunction`); a unit whose first module
+    takes no input that needs a gradient (token ids: an embedding, the root) reduces in the
+    root's final callback, after all backward compute, in its `all_states` order: the root
+    first, then by module pre-order. That is the second list (without a trace: the root).
+    """
+    root = root_index(units)
+    if not executed:
+        return [], [] if root is None else [root]
+    own = owners(units, executed)
+    starts = list(dict.fromkeys(own[p] for p in executed))
+    first: dict[int, str] = {}  # unit -> the first of its modules to run
+    for p in executed:
+        if own[p] < len(units) and own[p] not in first and p in units[own[p]].modules:
+            first[own[p]] = p
+    needs_grad = {i: getattr(inputs.get(p), "requires_grad", False) for i, p in first.items()}
+    late = [i for i in range(len(units)) if i == root or not needs_grad.get(i, False)]
+    late.sort(key=lambda i: (i != root, min(graph.pre(m) for m in units[i].modules)))
+    return starts, late
