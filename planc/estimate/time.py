@@ -63,7 +63,9 @@ What is modelled (torch 2.13 FSDP2; docs/time-model.md says it at length):
   at most two all-gathers in flight) or by explicit prefetch lists; backward all-gathers at
   pre-backward with the default prefetch of the next unit in reverse post-forward order (or the
   explicit lists); reduce-scatters after each unit's backward compute, overlapping the next
-  unit's; collectives share one network queue in issue order; TP collectives block compute.
+  unit's (a unit whose inputs need no gradient, e.g. an embedding: after all backward compute,
+  root first; `lower.fsdp.step_order`); collectives share one network queue in issue order;
+  TP collectives block compute.
 """
 
 from __future__ import annotations
