@@ -534,8 +534,8 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     # TP collectives: blocking, at their module's forward / backward
     tp_s = sum(collective_s(c, hw) * c.times for cs in tp_cs.values() for c in cs)
 
-    fsdp_order = fsdp_rules.step_order(units, graph, profile.order if profile else [], profile.inputs if profile else {})
-    total_s, compute_s, net, order = _schedule(program, per_unit, fwd_segments, bwd_segments, hw, root, schedule, fsdp_order)
+    total_s, compute_s, net, order = _schedule(program, per_unit, fwd_segments, bwd_segments, hw, root, schedule,
+                                               fsdp_rules.step_order(units, graph, profile))
     for u in per_unit:  # `_compute` filled in one microbatch's
         u.forward_flops, u.backward_flops, u.recompute_flops = k * u.forward_flops, k * u.backward_flops, \
             k * u.recompute_flops
@@ -632,7 +632,7 @@ def _microbatch(inputs, input_shape, k: int):
 
 def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, float]],
               bwd: list[tuple[int, float]], hw: Hardware, root: int | None,
-              schedule: Schedule | None = None, fsdp_order=([], [])) -> tuple[float, float, _Net, list]:
+              schedule: Schedule | None = None, fsdp_order=([], {}, [])) -> tuple[float, float, _Net, list]:
     """Replay FSDP2's overlap of collectives with compute over the schedule's actions (forward and
     backward of each microbatch); returns (end of backward, compute seconds, network)."""
     schedule = schedule or step_schedule()
@@ -653,15 +653,15 @@ def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, f
 class _Overlap:
     """One rank's compute stream, its network and its host link, as FSDP2 drives them in one step."""
 
-    def __init__(self, per_unit: list[UnitTime], hw: Hardware, starts=(), late=()) -> None:
-        self.per_unit, self.hw, self.starts, self.late = per_unit, hw, list(starts), list(late)
+    def __init__(self, per_unit: list[UnitTime], hw: Hardware, starts=(), post=(), late=()) -> None:
+        self.per_unit, self.hw, self.starts, self.post, self.late = per_unit, hw, list(starts), dict(post), list(late)
         self.names = [u.name for u in per_unit]
         self.index = {n: i for i, n in enumerate(self.names)}
         self.net, self.pcie = _Net(), _Net()
         self.t = self.compute_s = 0.0
         self.last_rs: int | None = None  # the last unit that reduced its gradients
-        self.reducing = True             # this backward reduces gradients (not before the last microbatch, `sync = last`)
-        self.order, self.phase = [], "forward"  # (kind, unit, phase) issued or started, in order: StepTime.order
+        self.reducing, self.order, self.phase = True, [], "forward"  # `sync = last`: False before the last microbatch;
+        # order: the (kind, unit, phase) events issued or started, in order (StepTime.order)
 
     def wait(self, i: int, ready: float) -> None:
         """Compute of unit i waits for its all-gather: the wait is exposed communication, billed to i."""
@@ -738,10 +738,9 @@ class _Overlap:
                  root: int | None) -> None:
         """Backward: each unit's all-gather at its pre-backward, the next one prefetched (or its list);
         its reduce-scatter (and all-reduce) after its last backward segment."""
-        post_forward, self.phase = [i for i in order if i != root], "backward"
-        # post-forward order: the order each unit finished forward (its last forward segment)
-        last_fwd = {i: k for k, (i, _) in enumerate(segs)}
-        post_forward.sort(key=lambda i: last_fwd.get(i, -1))
+        self.phase, last_fwd = "backward", {i: k for k, (i, _) in enumerate(segs)}
+        # post-forward order: when each unit's forward returned (`step_order`), else its last forward segment
+        post_forward = sorted((i for i in order if i != root), key=lambda i: (self.post.get(i, 0), last_fwd.get(i, -1)))
         bwd_order = list(reversed(post_forward))
         pf_bwd = program.prefetch("backward")
         b_ready: dict[int, float] = {}
@@ -762,24 +761,25 @@ class _Overlap:
         bsegs = list(bwd) or [(i, 0.0) for i in bwd_order]
         last_b = {i: k for k, (i, _) in enumerate(bsegs)}
         b_seen: set[int] = set()
+        def begin(j: int) -> None:  # j's pre-backward, then its compute waits for its gather (none to run: reduce)
+            b_seen.add(j)
+            pre_backward(j)
+            self.wait(j, b_ready.get(j, self.t))
+            if j not in last_b and j not in self.late:
+                self.post_backward(j)
         if root is not None:
             b_seen.add(root)
             pre_backward(root)
         for k, (i, sec) in enumerate(bsegs):
-            if i not in b_seen:
-                b_seen.add(i)
-                pre_backward(i)
-                self.wait(i, b_ready.get(i, self.t))
+            if i not in b_seen:  # i, after the units whose output's gradient comes first (a unit around i)
+                for j in bwd_order[:bwd_order.index(i) + 1] if i in bwd_order else [i]:
+                    if j not in b_seen:
+                        begin(j)
             self.compute(sec)
             if last_b[i] == k and i not in self.late:
                 self.post_backward(i)
-        for i in bwd_order:  # units with no backward compute (token embeddings: reduced at the end)
-            if i not in b_seen:
-                b_seen.add(i)
-                pre_backward(i)
-                self.wait(i, b_ready.get(i, self.t))
-                if i not in self.late:
-                    self.post_backward(i)
+        for i in [j for j in bwd_order if j not in b_seen]:  # units with no backward compute (token embeddings)
+            begin(i)
         for i in self.late:  # FSDP2's final callback (`step_order`)
             self.post_backward(i)
 

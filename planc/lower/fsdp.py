@@ -102,21 +102,25 @@ def default_backward_prefetch(post_forward: Sequence[int], i: int, root: int | N
     return order[order.index(i) + 1:order.index(i) + 2] if i in order else order[:1]
 
 
-def step_order(units, graph, executed: Sequence[str], inputs: dict) -> tuple[list[int], list[int]]:
-    """FSDP2's order of the units' pre-forwards, and the post-backwards it leaves to the end of backward.
+def step_order(units, graph, profile) -> tuple[list[int], dict[int, int], list[int]]:
+    """FSDP2's order of the units' pre-forwards and post-forwards, and the post-backwards it leaves
+    to the end of backward, from a traced step (`StepProfile`: `order`, the module paths in
+    first-forward order; `inputs`, each module's first floating-point input, with `requires_grad`;
+    `spans`, its first forward's op range).
 
-    `executed` is the module paths in first-forward order, `inputs` path -> the module's first
-    floating-point input (with `requires_grad`), as a traced step records them (`StepProfile`).
-    A unit's pre-forward runs when its first module runs, FLOPs or not (an embedding): the
-    first list, root first. FSDP2 reduces a unit's gradients when autograd reaches the inputs of
-    the first of its modules to run (`RegisterPostBackwardFunction`); a unit whose first module
-    takes no input that needs a gradient (token ids: an embedding, the root) reduces in the
-    root's final callback, after all backward compute, in its `all_states` order: the root
-    first, then by module pre-order. That is the second list (without a trace: the root).
+    1. A unit's pre-forward runs when its first module runs, FLOPs or not (an embedding); root first.
+    2. Its post-forward runs when the last of its modules returns, after the units nested in it:
+       unit -> its rank in that order (the root, last, left out).
+    3. FSDP2 reduces a unit's gradients when autograd reaches the inputs of the first of its
+       modules to run (`RegisterPostBackwardFunction`); a unit whose first module takes no input
+       that needs a gradient (token ids: an embedding, the root) reduces in the root's final
+       callback, after all backward compute, in its `all_states` order: the root first, then by
+       module pre-order (without a trace: the root only).
     """
     root = root_index(units)
-    if not executed:
-        return [], [] if root is None else [root]
+    if profile is None:
+        return [], {}, [] if root is None else [root]
+    executed, inputs, spans = profile.order, profile.inputs, profile.spans
     own = owners(units, executed)
     starts = list(dict.fromkeys(own[p] for p in executed))
     first: dict[int, str] = {}  # unit -> the first of its modules to run
@@ -126,4 +130,6 @@ def step_order(units, graph, executed: Sequence[str], inputs: dict) -> tuple[lis
     needs_grad = {i: getattr(inputs.get(p), "requires_grad", False) for i, p in first.items()}
     late = [i for i in range(len(units)) if i == root or not needs_grad.get(i, False)]
     late.sort(key=lambda i: (i != root, min(graph.pre(m) for m in units[i].modules)))
-    return starts, late
+    ends = {i: max((spans[m][1], -spans[m][0], -graph.pre(m)) for m in u.modules if m in spans)
+            for i, u in enumerate(units) if i != root and any(m in spans for m in u.modules)}
+    return starts, {i: k for k, i in enumerate(sorted(ends, key=ends.get))}, late
