@@ -634,7 +634,7 @@ def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, f
               bwd: list[tuple[int, float]], hw: Hardware, root: int | None,
               schedule: Schedule | None = None, fsdp_order=([], {}, [])) -> tuple[float, float, _Net, list]:
     """Replay FSDP2's overlap of collectives with compute over the schedule's actions (forward and
-    backward of each microbatch); returns (end of backward, compute seconds, network)."""
+    backward of each microbatch); returns (end of backward, compute seconds, network, events)."""
     schedule = schedule or step_schedule()
     sim = _Overlap(per_unit, hw, *fsdp_order)
     segs, order = [], []
@@ -761,7 +761,7 @@ class _Overlap:
         bsegs = list(bwd) or [(i, 0.0) for i in bwd_order]
         last_b = {i: k for k, (i, _) in enumerate(bsegs)}
         b_seen: set[int] = set()
-        def begin(j: int) -> None:  # j's pre-backward, then its compute waits for its gather (none to run: reduce)
+        def begin(j: int) -> None:  # j's pre-backward, its compute's wait; with no backward compute, its reduction
             b_seen.add(j)
             pre_backward(j)
             self.wait(j, b_ready.get(j, self.t))
