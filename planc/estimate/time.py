@@ -36,7 +36,7 @@ collectives as `Collective(kind, axis, ranks, bytes, phase)`, forward/backward/r
 FLOPs, compute seconds), `totals` of bytes per (kind, axis), `compute_s`, `comm_s` (all
 collectives' busy time), `exposed_comm_s` (collective time the compute stream waits for),
 `optimizer_s`, `total_s`, `tokens_per_s`, `mfu`, the `hardware` and the `assumptions` (the
-list of sentences every output prints).
+list of sentences every output prints); `order`: the schedule's (kind, unit, phase) events in issue order.
 
 What is modelled (torch 2.13 FSDP2; docs/time-model.md says it at length):
 
@@ -63,7 +63,9 @@ What is modelled (torch 2.13 FSDP2; docs/time-model.md says it at length):
   at most two all-gathers in flight) or by explicit prefetch lists; backward all-gathers at
   pre-backward with the default prefetch of the next unit in reverse post-forward order (or the
   explicit lists); reduce-scatters after each unit's backward compute, overlapping the next
-  unit's; collectives share one network queue in issue order; TP collectives block compute.
+  unit's (a unit whose inputs need no gradient, e.g. an embedding: after all backward compute,
+  root first; `lower.fsdp.step_order`); collectives share one network queue in issue order;
+  TP collectives block compute.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ import torch
 
 from planc.estimate.hardware import Hardware
 from planc.estimate.hardware import hardware as hardware_of
+from planc.lower import fsdp as fsdp_rules
 from planc.lower.fsdp import compute_dtypes, default_backward_prefetch, fsdp_shape, reshard_group, root_index, shard_numel
 from planc.lower.fsdp import owners as fsdp_owners
 from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, Schedule, step_schedule
@@ -235,6 +238,7 @@ class StepTime:
     assumptions: list[str]
     efficiency: float = 0.6
     tp: int = 1
+    order: list[tuple[str, str, str]] = field(default_factory=list)  # the schedule's (kind, unit, phase) events
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -437,7 +441,7 @@ def collective_s(c: Collective, hw: Hardware) -> float:
 
 
 def _assumptions(hw: Hardware, eff: float, tp: int) -> list[str]:
-    out = [
+    return [
         f"estimates, not measurements: hardware `{hw.name}` ({hw.source or 'user profile'})",
         f"compute = counted FLOPs / ({eff:.0%} of peak dense FLOP/s for the unit's compute dtype: "
         f"bf16 {hw.bf16_flops / 1e12:.0f} TFLOP/s, fp32 {hw.fp32_flops / 1e12:.1f} TFLOP/s); ops FlopCounterMode "
@@ -455,7 +459,6 @@ def _assumptions(hw: Hardware, eff: float, tp: int) -> list[str]:
         "not modelled: kernel launch and CPU overheads, stragglers, memory-bandwidth-bound kernels, "
         "bandwidth shared by concurrent tensor-parallel and FSDP traffic",
     ]
-    return out
 
 
 OUTSIDE = "(outside units)"  # the row of compute no unit owns (plans with `root none`)
@@ -531,7 +534,8 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     # TP collectives: blocking, at their module's forward / backward
     tp_s = sum(collective_s(c, hw) * c.times for cs in tp_cs.values() for c in cs)
 
-    total_s, compute_s, net = _schedule(program, per_unit, fwd_segments, bwd_segments, hw, root, schedule)
+    total_s, compute_s, net, order = _schedule(program, per_unit, fwd_segments, bwd_segments, hw, root, schedule,
+                                               fsdp_rules.step_order(units, graph, profile))
     for u in per_unit:  # `_compute` filled in one microbatch's
         u.forward_flops, u.backward_flops, u.recompute_flops = k * u.forward_flops, k * u.backward_flops, \
             k * u.recompute_flops
@@ -557,7 +561,7 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     if profile is not None and profile.tokens:
         tokens = profile.tokens * k * (world // tp)
     return StepTime(world, hw, per_unit, compute_s_all, net.busy + tp_s, exposed, optimizer_s, total_s, tokens,
-                    model_flops, _assumptions(hw, eff, tp) + notes, efficiency=eff, tp=tp)
+                    model_flops, _assumptions(hw, eff, tp) + notes, efficiency=eff, tp=tp, order=order)
 
 
 def _tensor_rank(program: Program, graph, profile, inputs, input_shape, loss, tp: int):
@@ -628,11 +632,11 @@ def _microbatch(inputs, input_shape, k: int):
 
 def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, float]],
               bwd: list[tuple[int, float]], hw: Hardware, root: int | None,
-              schedule: Schedule | None = None) -> tuple[float, float, _Net]:
+              schedule: Schedule | None = None, fsdp_order=([], {}, [])) -> tuple[float, float, _Net, list]:
     """Replay FSDP2's overlap of collectives with compute over the schedule's actions (forward and
-    backward of each microbatch); returns (end of backward, compute seconds, network)."""
+    backward of each microbatch); returns (end of backward, compute seconds, network, events)."""
     schedule = schedule or step_schedule()
-    sim = _Overlap(per_unit, hw)
+    sim = _Overlap(per_unit, hw, *fsdp_order)
     segs, order = [], []
     for action in schedule.actions[0]:
         if action.kind == FORWARD:
@@ -643,24 +647,25 @@ def _schedule(program: Program, per_unit: list[UnitTime], fwd: list[tuple[int, f
     end = max(sim.t, sim.net.free, sim.pcie.free)
     if end > sim.t and sim.last_rs is not None:  # the tail: collectives still running after the last compute
         per_unit[sim.last_rs].exposed_s += end - sim.t
-    return end, sim.compute_s, sim.net
+    return end, sim.compute_s, sim.net, sim.order
 
 
 class _Overlap:
     """One rank's compute stream, its network and its host link, as FSDP2 drives them in one step."""
 
-    def __init__(self, per_unit: list[UnitTime], hw: Hardware) -> None:
-        self.per_unit, self.hw = per_unit, hw
+    def __init__(self, per_unit: list[UnitTime], hw: Hardware, starts=(), post=(), late=()) -> None:
+        self.per_unit, self.hw, self.starts, self.post, self.late = per_unit, hw, list(starts), dict(post), list(late)
         self.names = [u.name for u in per_unit]
         self.index = {n: i for i, n in enumerate(self.names)}
         self.net, self.pcie = _Net(), _Net()
         self.t = self.compute_s = 0.0
         self.last_rs: int | None = None  # the last unit that reduced its gradients
-        self.reducing = True             # this backward reduces gradients (not so before the last
-        # microbatch under `sync = last`)
+        self.reducing, self.order, self.phase = True, [], "forward"  # `sync = last`: False before the last microbatch;
+        # order: the (kind, unit, phase) events issued or started, in order (StepTime.order)
 
     def wait(self, i: int, ready: float) -> None:
         """Compute of unit i waits for its all-gather: the wait is exposed communication, billed to i."""
+        self.order.append(("compute", self.names[i], self.phase))
         if ready > self.t:
             self.per_unit[i].exposed_s += ready - self.t
             self.t = ready
@@ -679,6 +684,7 @@ class _Overlap:
             done = self.pcie.run(done, collective_s(c, self.hw))
         end = done
         for c in self.cols(i, "all_gather", phase):
+            self.order.append(("all_gather", self.names[i], phase))
             end = self.net.run(done, collective_s(c, self.hw))
         return end
 
@@ -686,15 +692,10 @@ class _Overlap:
     def forward(self, program: Program, fwd: list[tuple[int, float]], root: int | None):
         """Forward: all-gathers at each unit's pre-forward or by its prefetch list, at most two units
         ahead of compute; returns the forward segments and the units in pre-forward order."""
-        n = len(self.per_unit)
-        order: list[int] = []
-        for i, _ in fwd:
-            if i not in order:
-                order.append(i)
-        if root is not None and root in order:
-            order.remove(root)
+        n, self.phase = len(self.per_unit), "forward"
+        order = list(dict.fromkeys(self.starts + [i for i, _ in fwd]))  # pre-forward order (`step_order`)
         if root is not None:
-            order.insert(0, root)
+            order = [root] + [i for i in order if i != root]
         order += [i for i in range(n) if i not in order]
         pf_fwd = program.prefetch("forward")
         ready_at: dict[int, float] = {}
@@ -723,7 +724,9 @@ class _Overlap:
             segs.insert(0, (root, 0.0))
         for i, sec in segs:
             if i not in seen:
-                start(i)
+                for j in order[:order.index(i) + 1]:  # i, after the units that run before it with no FLOPs
+                    if j not in seen:
+                        start(j)
             self.compute(sec)
         for i in order:  # units with no compute of their own still gather
             if i not in seen:
@@ -735,10 +738,9 @@ class _Overlap:
                  root: int | None) -> None:
         """Backward: each unit's all-gather at its pre-backward, the next one prefetched (or its list);
         its reduce-scatter (and all-reduce) after its last backward segment."""
-        post_forward = [i for i in order if i != root]
-        # post-forward order: the order each unit finished forward (its last forward segment)
-        last_fwd = {i: k for k, (i, _) in enumerate(segs)}
-        post_forward.sort(key=lambda i: last_fwd.get(i, -1))
+        self.phase, last_fwd = "backward", {i: k for k, (i, _) in enumerate(segs)}
+        # post-forward order: when each unit's forward returned (`step_order`), else its last forward segment
+        post_forward = sorted((i for i in order if i != root), key=lambda i: (self.post.get(i, 0), last_fwd.get(i, -1)))
         bwd_order = list(reversed(post_forward))
         pf_bwd = program.prefetch("backward")
         b_ready: dict[int, float] = {}
@@ -759,25 +761,27 @@ class _Overlap:
         bsegs = list(bwd) or [(i, 0.0) for i in bwd_order]
         last_b = {i: k for k, (i, _) in enumerate(bsegs)}
         b_seen: set[int] = set()
+        def begin(j: int) -> None:  # j's pre-backward, its compute's wait; with no backward compute, its reduction
+            b_seen.add(j)
+            pre_backward(j)
+            self.wait(j, b_ready.get(j, self.t))
+            if j not in last_b and j not in self.late:
+                self.post_backward(j)
         if root is not None:
             b_seen.add(root)
             pre_backward(root)
         for k, (i, sec) in enumerate(bsegs):
-            if i not in b_seen:
-                b_seen.add(i)
-                pre_backward(i)
-                self.wait(i, b_ready.get(i, self.t))
+            if i not in b_seen:  # i, after the units whose output's gradient comes first (a unit around i)
+                for j in bwd_order[:bwd_order.index(i) + 1] if i in bwd_order else [i]:
+                    if j not in b_seen:
+                        begin(j)
             self.compute(sec)
-            if last_b[i] == k and i != root:
+            if last_b[i] == k and i not in self.late:
                 self.post_backward(i)
-        for i in bwd_order:  # units with no backward compute (token embeddings: reduced at the end)
-            if i not in b_seen:
-                b_seen.add(i)
-                pre_backward(i)
-                self.wait(i, b_ready.get(i, self.t))
-                self.post_backward(i)
-        if root is not None:
-            self.post_backward(root)
+        for i in [j for j in bwd_order if j not in b_seen]:  # units with no backward compute (token embeddings)
+            begin(i)
+        for i in self.late:  # FSDP2's final callback (`step_order`)
+            self.post_backward(i)
 
     def post_backward(self, i: int) -> None:
         """Unit i's reduce-scatter, all-reduce across replicas, and host copy of its gradients."""
@@ -786,14 +790,11 @@ class _Overlap:
         if self.cols(i, "reduce_scatter", "backward") or self.cols(i, "all_reduce", "backward"):
             self.last_rs = i
         end = self.t
-        for c in self.cols(i, "reduce_scatter", "backward"):
-            end = self.net.run(end, collective_s(c, self.hw))
-        for c in self.cols(i, "all_reduce", "backward"):
+        for c in self.cols(i, "reduce_scatter", "backward") + self.cols(i, "all_reduce", "backward"):
+            self.order.append((c.kind, self.names[i], "backward"))
             end = self.net.run(end, collective_s(c, self.hw))
         for c in self.cols(i, "device_to_host", "backward"):
             self.pcie.run(end, collective_s(c, self.hw))
-
-
 
 
 __all__ = ["Collective", "UnitTime", "StepTime", "estimate_step_time", "unit_collectives", "hardware_of", "KINDS"]

@@ -100,3 +100,36 @@ def default_backward_prefetch(post_forward: Sequence[int], i: int, root: int | N
     prefetched); at a unit outside that order (the root), the first unit of backward."""
     order = [j for j in reversed(post_forward) if j != root]
     return order[order.index(i) + 1:order.index(i) + 2] if i in order else order[:1]
+
+
+def step_order(units, graph, profile) -> tuple[list[int], dict[int, int], list[int]]:
+    """FSDP2's order of the units' pre-forwards and post-forwards, and the post-backwards it leaves
+    to the end of backward, from a traced step (`StepProfile`: `order`, the module paths in
+    first-forward order; `inputs`, each module's first floating-point input, with `requires_grad`;
+    `spans`, its first forward's op range).
+
+    1. A unit's pre-forward runs when its first module runs, FLOPs or not (an embedding); root first.
+    2. Its post-forward runs when the last of its modules returns, after the units nested in it:
+       unit -> its rank in that order (the root, last, left out).
+    3. FSDP2 reduces a unit's gradients when autograd reaches the inputs of the first of its
+       modules to run (`RegisterPostBackwardFunction`); a unit whose first module takes no input
+       that needs a gradient (token ids: an embedding, the root) reduces in the root's final
+       callback, after all backward compute, in its `all_states` order: the root first, then by
+       module pre-order (without a trace: the root only).
+    """
+    root = root_index(units)
+    if profile is None:
+        return [], {}, [] if root is None else [root]
+    executed, inputs, spans = profile.order, profile.inputs, profile.spans
+    own = owners(units, executed)
+    starts = list(dict.fromkeys(own[p] for p in executed))
+    first: dict[int, str] = {}  # unit -> the first of its modules to run
+    for p in executed:
+        if own[p] < len(units) and own[p] not in first and p in units[own[p]].modules:
+            first[own[p]] = p
+    needs_grad = {i: getattr(inputs.get(p), "requires_grad", False) for i, p in first.items()}
+    late = [i for i in range(len(units)) if i == root or not needs_grad.get(i, False)]
+    late.sort(key=lambda i: (i != root, min(graph.pre(m) for m in units[i].modules)))
+    ends = {i: max((spans[m][1], -spans[m][0], -graph.pre(m)) for m in u.modules if m in spans)
+            for i, u in enumerate(units) if i != root and any(m in spans for m in u.modules)}
+    return starts, {i: k for k, i in enumerate(sorted(ends, key=ends.get))}, late
