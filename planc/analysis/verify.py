@@ -158,9 +158,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().clone()
 
 
-def _train(model: nn.Module, data: list[torch.Tensor], steps_of, loss_context, microbatches: int,
-           reduce_loss) -> dict[str, Any]:
-    """STEPS AdamW steps; `steps_of(batch)` yields the microbatches (1-tuples) of a step."""
+def _train(model: nn.Module, data: list[torch.Tensor], steps_of, loss_context, microbatches: float,
+           reduce_loss, forward=None) -> dict[str, Any]:
+    """STEPS AdamW steps; `steps_of(batch)` yields the microbatches (1-tuples) of a step, `forward(model,
+    tokens)` runs one and returns (output, labels)."""
+    forward = forward or (lambda model, tokens: (_forward(model, tokens), tokens))
     from planc.estimate.trace import Example, default_loss
 
     loss_fn = default_loss(model)
@@ -169,8 +171,9 @@ def _train(model: nn.Module, data: list[torch.Tensor], steps_of, loss_context, m
     for batch in data:
         total = torch.zeros(())
         for (mb,) in steps_of(batch):
+            output, labels = forward(model, mb)
             with loss_context():
-                value = loss_fn(_forward(model, mb), Example((mb,))) / microbatches
+                value = loss_fn(output, Example((labels,))) / microbatches
                 value.backward()
             total += _full(value)
         out["grads"].append({n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
@@ -226,14 +229,10 @@ def _rank(rank: int, world: int, port: int, out_dir: str, spec: dict) -> None:
             raise VerifyError(f"{blocking[0].code} on the twin: {blocking[0].message}")
         compiled = _fp32(compiled)  # then made real as `planc.apply` does, op by op
         applied = run(compiled.job.program, model, build_mesh(compiled.mesh, world), compiled)
-        mesh = applied.mesh
-        names = mesh.mesh_dim_names or ()
-        tensor = applied.compiled.mesh.axis_name("tensor")
-        dp_axes = [n for n in names if n != tensor]
-        dp_rank, dp = 0, 1
-        for n in dp_axes:  # this rank's place among the data-parallel ranks (outermost first)
-            dp_rank, dp = dp_rank * mesh[n].size() + mesh.get_local_rank(n), dp * mesh[n].size()
+        dp_rank, dp = applied.data_parallel_rank()  # ranks of one tensor or context group share a slice
         per = spec["global_batch"] // dp
+        tensor = applied.compiled.mesh.axis_name("tensor")
+        tp = applied.mesh[tensor].size() if tensor else 1
 
         def reduce_loss(total: torch.Tensor) -> float:
             total = total.clone()
@@ -241,9 +240,16 @@ def _rank(rank: int, world: int, port: int, out_dir: str, spec: dict) -> None:
             return (total / world).item()
 
         data = [b[dp_rank * per:(dp_rank + 1) * per] for b in _batches(model, spec["global_batch"], spec["seq"])]
-        scale = _loss_scale(compiled, dp)
+        scale = _loss_scale(compiled, world // tp)
+
+        def forward(model: nn.Module, tokens: torch.Tensor):  # a context axis: this rank's sequence shard
+            batch = applied.shard_batch(tokens, tokens)
+            if batch.positions is None:
+                return _forward(model, tokens), tokens
+            return model(batch.tokens, positions=batch.positions), batch.labels
+
         out = _train(model, data, applied.accumulate, applied.loss_parallel, applied.microbatches / scale,
-                     lambda total: reduce_loss(total / scale))
+                     lambda total: reduce_loss(total / scale), forward)
         if rank == 0:
             torch.save({"ok": True, "out": out}, os.path.join(out_dir, "0.pt"))
         dist.barrier()
@@ -255,8 +261,10 @@ def _rank(rank: int, world: int, port: int, out_dir: str, spec: dict) -> None:
 
 
 def _loss_scale(compiled, dp: int) -> float:
-    """What each rank's loss is multiplied by so that the reduced gradients are the one-process mean: FSDP2
-    divides the summed gradients by the data-parallel size unless the plan says otherwise (`reduction
+    """What each rank's loss is multiplied by so that the reduced gradients are the one-process mean.
+
+    `dp` ranks (data-parallel x context) each take the mean over an equal share of the tokens; FSDP2
+    divides the summed gradients by that many unless the plan says otherwise (`reduction
     divide_factor = 1.0`: torchtitan sums, having divided its loss by the global token count)."""
     from planc.lower.program import UnitMethod
 
