@@ -73,3 +73,28 @@ def test_a_mesh_too_large_for_this_machine_is_not_verified(capsys):
 def test_verify_model_needs_verify(capsys):
     assert planc_main(["check", "plans/seed.plan", "--verify-model", "planc.zoo:seed_transformer_tiny"]) == 2
     assert "add --verify" in capsys.readouterr().err
+
+
+def test_a_config_without_a_tiny_sibling_is_shrunk_keeping_what_plans_depend_on():
+    import json
+
+    raw = json.loads((ROOT / "planc" / "model" / "configs" / "mixtral-8x7b.json").read_text())
+    twin = verify.shrink_config(raw)
+    for kept in ("num_attention_heads", "num_key_value_heads", "num_local_experts", "num_experts_per_tok",
+                 "tie_word_embeddings", "architectures", "model_type"):
+        assert twin[kept] == raw[kept], kept
+    assert twin["num_hidden_layers"] == 2 and twin["hidden_size"] == 32 * 16 and twin["vocab_size"] == 256
+    assert twin["intermediate_size"] % 4 == 0
+
+
+@pytest.mark.dist
+def test_a_plan_for_a_full_size_config_is_verified_on_its_shrunk_twin(tmp_path):
+    """plans/llama-tp.plan's rules on the full Llama 3 8B config (copied, so no shipped sibling is
+    found): verified on the config shrunk to 2 layers at 2 x 2 ranks."""
+    (tmp_path / "config.json").write_text((ROOT / "planc" / "model" / "configs" / "llama-3-8b.json").read_text())
+    text = (ROOT / "plans" / "llama-tp.plan").read_text().replace("model hf:llama-tiny", "model hf:config.json")
+    (tmp_path / "big.plan").write_text(text)
+    compiled = _compiled(tmp_path / "big.plan")
+    verdict = verify.verify(compiled, base=str(tmp_path))
+    assert verdict.ok and (verdict.sizes["shard"], verdict.sizes["tensor"]) == (2, 2)
+    assert "shrunk to 2 layers" in verdict.twin

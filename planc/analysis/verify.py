@@ -30,6 +30,7 @@ shards it; with the worst error and what that rule does to the gradient.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -104,24 +105,69 @@ class Verdict:
 # ===================================================================== the twin
 
 
-def twin_reference(ref: str) -> str:
-    """The small model a plan for `ref` is verified on (the same module tree, names, heads and tying)."""
+def twin_reference(ref: str, base: str | None = None, folder: str | None = None) -> str:
+    """The small model a plan for `ref` is verified on (the same module tree, names, heads and tying):
+    a shipped tiny sibling, else (a Hugging Face config) the config shrunk by `shrink_config`, written
+    into `folder`; a zoo model's `_tiny` variant; any other reference as it is."""
     from planc import zoo
 
     if ref.startswith("hf:"):
+        from planc.model.hf import config_path, shipped_configs
+
         name = ref[3:]
         twin = HF_TWINS.get(name) or (name if name.endswith("-tiny") else None)
-        if twin is None:
-            from planc.model.hf import shipped_configs
-            twin = f"{name}-tiny" if f"{name}-tiny" in shipped_configs() else None
-        if twin is None:
+        if twin is None and f"{name}-tiny" in shipped_configs():
+            twin = f"{name}-tiny"
+        if twin is not None:
+            return f"hf:{twin}"
+        if folder is None:
             raise VerifyError(f"no small twin of `{ref}` is shipped: pass --verify-model MODULE:FN, a factory of a "
                               "small model with the same module names, head counts and tying")
-        return f"hf:{twin}"
+        try:
+            raw = json.loads(config_path(name, base).read_text(encoding="utf-8"))
+        except Exception as err:  # the plan's own check already said what is wrong with the config
+            raise VerifyError(f"cannot read the config of `{ref}`: {err}") from err
+        path = os.path.join(folder, "config.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(shrink_config(raw), f)
+        return f"hf:{path}"
     if ref.startswith("planc.zoo:"):
         name = ref.split(":", 1)[1]
         return ref if name.endswith("_tiny") or f"{name}_tiny" not in zoo.ZOO else f"planc.zoo:{name}_tiny"
     return ref  # a factory the user named (or torchtitan's debug model): taken as it is
+
+
+# Width fields a twin shrinks (head counts, experts, tying and the module tree are kept).
+HIDDEN = ("hidden_size", "n_embd", "d_model", "dim")
+HEADS = ("num_attention_heads", "n_head", "num_heads")
+FFN = ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "moe_intermediate_size", "shared_expert_intermediate_size",
+       "encoder_ffn_dim", "decoder_ffn_dim")
+TWIN_HEAD_DIM, TWIN_LAYERS, TWIN_VOCAB = 16, 2, 256
+
+
+def shrink_config(raw: dict) -> dict:
+    """A Hugging Face config's small twin: 2 layers of each kind, heads of 16 features (the head and
+    key/value-head counts, experts, top-k, tying and architecture kept), feed-forward widths twice the
+    hidden size, a vocabulary of 256: every size a tensor degree of 2 or 4 divides where the original's does."""
+    from planc.model.hf import LAYER_FIELDS
+
+    out = dict(raw)
+    heads = next((raw[k] for k in HEADS if isinstance(raw.get(k), int)), None)
+    hidden = heads * TWIN_HEAD_DIM if heads else 64
+    for key, value in raw.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        if key in LAYER_FIELDS:
+            out[key] = min(value, TWIN_LAYERS)
+        elif key in HIDDEN:
+            out[key] = hidden
+        elif key in FFN:
+            out[key] = 2 * hidden
+        elif key in ("head_dim", "d_kv"):
+            out[key] = TWIN_HEAD_DIM
+        elif key == "vocab_size":
+            out[key] = TWIN_VOCAB
+    return out
 
 
 def _build(ref: str, base: str | None) -> nn.Module:
@@ -393,6 +439,12 @@ def verify(compiled, *, base: str | None = None, twin: str | None = None, timeou
         VerifyError: no twin, a mesh needing more than `MAX_PROCESSES` processes, a plan that does not
             apply or train on the twin, or a run past `timeout`.
     """
+    with tempfile.TemporaryDirectory(prefix="planc-twin-") as folder:  # a shrunk config lives here
+        return _verify(compiled, base, twin, timeout, allow, folder)
+
+
+def _verify(compiled, base: str | None, twin: str | None, timeout: float, allow: frozenset[str],
+            folder: str) -> Verdict:
     from planc.analysis.shapecheck import simulation_world
 
     start = time.monotonic()
@@ -400,7 +452,7 @@ def verify(compiled, *, base: str | None = None, twin: str | None = None, timeou
     if twin is None:
         if ref is None:
             raise VerifyError("the plan has no `model` line: pass --model or --verify-model")
-        twin = twin_reference(ref)
+        twin = twin_reference(ref, base, folder)
     world = simulation_world(compiled.mesh)
     if world > MAX_PROCESSES:
         raise VerifyError(f"the mesh needs {world} processes at its smallest ({compiled.mesh}); this machine runs "
@@ -419,6 +471,8 @@ def verify(compiled, *, base: str | None = None, twin: str | None = None, timeou
                           f"{spec['global_batch']}x{spec['seq']}: {type(err).__name__}: {err}") from err
     got = _launch(world, spec, timeout)
     compared, mismatches = _compare(got, ref_out)
+    if twin.startswith(f"hf:{folder}"):  # say what it is, not where it was written
+        twin = f"{ref} shrunk to {TWIN_LAYERS} layers, heads of {TWIN_HEAD_DIM}, a vocabulary of {TWIN_VOCAB}"
     return Verdict(world, {str(getattr(r, "value", r)): v for r, v in sizes.items()}, twin, compared, mismatches,
                    time.monotonic() - start)
 
