@@ -292,8 +292,7 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
     out: dict[str, list[Collective]] = {}
     # modules whose inputs arrive as DTensors from a `prepare_input`/`prepare` above them:
     # a colwise module there leaves its input gradient partial for the prepare to reduce
-    dtensor_in = [op.module for op in ops if STYLES[op.style.kind].prepares_input
-                  and op.style.use_local_output is not True]
+    dtensor_in = [op.module for op in ops if STYLES[op.style.kind].prepares_input and op.style.use_local_output is not True]
     above = _ancestors_in(dtensor_in, [op.module for op in ops])
 
     def under_prepare(path: str) -> bool:
