@@ -21,6 +21,7 @@ from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, Po
 from planc.resolve.ir import Unit
 from planc.resolve.mesh import Role
 from planc.resolve.options import show_value
+from planc.resolve.styles import OWN, STYLES, SUBTREE
 
 LABELS = {"sharded_params": "sharded params", "sharded_grads": "sharded grads", "optimizer_state": "optimizer state",
           "unsharded_params": "unsharded params", "all_gather": "all-gather buffers",
@@ -80,10 +81,10 @@ def parameter_placements(compiled, world: int) -> dict[str, dict[str, str]]:
     if tensor_axis is not None:
         dims = tensor_dims(program, graph)
         for op in program.of_type(Parallelize):
-            if op.style.kind in ("colwise", "rowwise"):
+            if STYLES[op.style.kind].places == OWN:  # colwise, rowwise
                 for _, canonical in graph.own_params(op.module):
                     on_tensor[canonical] = dims.get(canonical)
-            elif op.style.kind in ("replicate", "sequence"):
+            elif STYLES[op.style.kind].places == SUBTREE:  # replicate, sequence
                 for canonical in graph.subtree_params(op.module):
                     on_tensor.setdefault(canonical, None)
     out: dict[str, dict[str, str]] = {name: {} for name in graph.params}

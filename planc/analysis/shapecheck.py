@@ -45,6 +45,7 @@ from planc.estimate.trace import Example, LossFn, default_loss, known_cause
 from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
 from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
 from planc.resolve.mesh import Role
+from planc.resolve.styles import OUT, STYLES
 
 __all__ = ["check_step", "default_input_shape", "simulation_world"]
 
@@ -234,7 +235,7 @@ class _Step:
         heads = self._heads(module or "")
         indivisible = [(w, n) for w, n in heads if n % self.tp]
         tensor_axis = self.compiled.mesh.axis_name(Role.TENSOR)
-        if view is not None and op.style.kind == "colwise":
+        if view is not None and STYLES[op.style.kind].splits == OUT:  # colwise: heads split over the ranks
             dims = [int(x) for x in view.group(1).split(",")]
             local = int(view.group(2))
             head_dim = dims[-1] if len(dims) >= 2 and dims[-1] > 0 else None

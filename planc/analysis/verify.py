@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from planc.diagnostics import Diagnostic
+from planc.resolve.styles import STYLES
 
 STEPS = 2
 LR = 1e-2
@@ -56,16 +57,6 @@ SEQ = 16
 # Shipped Hugging Face configs and their small twins (planc/model/configs/).
 HF_TWINS = {"llama-3-8b": "llama-tiny", "mixtral-8x7b": "mixtral-tiny", "gpt2": "gpt2-tiny",
             "bert-base": "bert-tiny", "t5-base": "t5-tiny"}
-
-# What each tensor-parallel style does to a weight's gradient (for the mismatch message).
-STYLE_GRADIENT = {
-    "colwise": "splits the weight's output features over the tensor axis; its input's gradient is summed "
-               "over the tensor ranks",
-    "rowwise": "splits the weight's input features over the tensor axis; its output is summed over the ranks",
-    "sequence": "keeps the weight whole and sums its gradient over the tensor axis",
-    "replicate": "keeps the weight whole on every tensor rank and does not reduce its gradient over the tensor axis",
-}
-
 
 class VerifyError(Exception):
     """The plan cannot be verified here (no twin, too many processes, a model that does not run)."""
@@ -384,7 +375,7 @@ def _rule_of(compiled, param: str) -> tuple[Any, str]:
     for path in [module, *graph.ancestors(module)] if module else [""]:  # the nearest styled module
         if path in res.parallel:
             setting = res.parallel[path]
-            return setting.span, STYLE_GRADIENT.get(setting.value.kind, f"applies `{setting.value.kind}`")
+            return setting.span, STYLES[setting.value.kind].gradient or f"applies `{setting.value.kind}`"
     unit = res.enclosing(module, graph)
     if unit is not None and unit.span is not None:
         return unit.span, "FSDP2 shards it and averages its gradient over the data-parallel ranks"

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from planc.compiler import CompiledPlan
-from planc.lang import vocabulary as vocab
 from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, ShardBatch, UnknownKind
 from planc.lower.lowering import tensor_reties
 from planc.lower.program import (
@@ -42,6 +41,7 @@ from planc.lower.program import (
 )
 from planc.resolve.ir import Setting
 from planc.resolve.mesh import Role
+from planc.resolve.styles import ROWS, STYLES
 
 LOOP_VAR = "block"
 WIDTH = 100  # wrap calls longer than this
@@ -628,7 +628,7 @@ def _module_text(program, body: list[str], plan_path: str, model_ref: str, shard
     if placements:
         imports.append("from torch.distributed.tensor import " + ", ".join(placements))
     if program.of_type(Parallelize):
-        styles = sorted({n for n in _TORCH_STYLES.values() if re.search(rf"\b{n}\(", uses)})
+        styles = sorted({n for n in _TORCH_STYLES if re.search(rf"\b{n}\(", uses)})
         imports.append("from torch.distributed.tensor.parallel import " + ", ".join(styles + ["parallelize_module"]))
         if "ReplicateParallel(" in uses:
             imports.append("from planc.backends.runtime import ReplicateParallel  # torchtitan's NoParallel")
@@ -695,7 +695,7 @@ _PRINTABLE = (Parallelize, AttendOverContext, Checkpoint, Compile, FullyShard, S
 # `shard_batch` function that loop calls on each batch.
 READER = Reader("emit", _PRINTABLE, (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
-_TORCH_STYLES = vocab.TORCH_STYLES
+_TORCH_STYLES = tuple(r.torch_class for r in ROWS if r.torch_own)  # what `torch.distributed.tensor.parallel` gives
 
 
 def _placement(layout: Layout | None) -> str:
@@ -706,10 +706,9 @@ def _placement(layout: Layout | None) -> str:
 
 def style_source(style: TensorStyle) -> str:
     """The torch `ParallelStyle` constructor call a plan style stands for (what the runtime builds)."""
-    if style.kind == "replicate":
-        return "ReplicateParallel()"
+    row = STYLES[style.kind]
     args: list[str] = []
-    linear = style.kind in ("colwise", "rowwise")
+    linear = row.one_layout
     for name, layouts in (("input_layouts", style.input_layouts), ("desired_input_layouts", style.desired_input_layouts),
                           ("output_layouts", style.output_layouts), ("desired_output_layouts", style.desired_output_layouts)):
         if layouts is not None:
@@ -724,7 +723,7 @@ def style_source(style: TensorStyle) -> str:
         args.append(f"sequence_dim={style.sequence_dim}")
     if style.use_local_output is not None:
         args.append(f"use_local_output={style.use_local_output}")
-    return f"{_TORCH_STYLES[style.kind]}({', '.join(args)})"
+    return f"{row.torch_class}({', '.join(args)})"
 
 
 def _selective_source() -> str:

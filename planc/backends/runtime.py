@@ -60,6 +60,7 @@ from planc.lower.program import (
 from planc.model.graph import ModelGraph
 from planc.resolve.ir import Unit
 from planc.resolve.mesh import Mesh
+from planc.resolve.styles import STYLES
 
 __all__ = ["AppliedPlan", "AppliedUnit", "apply", "build_mesh", "device_type", "fully_shard_kwargs", "run",
            "unit_modules"]
@@ -558,15 +559,12 @@ class ReplicateParallel(ParallelStyle):
 
 
 def torch_style(style: TensorStyle):
-    """The torch `ParallelStyle` a plan's style names, with the plan's arguments (torch's defaults otherwise)."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleInputOutput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    """The `ParallelStyle` a plan's style names (its row's `torch_class`), with the plan's arguments
+    (torch's defaults otherwise)."""
+    from torch.distributed.tensor import parallel
+
+    row = STYLES[style.kind]
+    cls = getattr(parallel, row.torch_class) if row.torch_own else ReplicateParallel
 
     def layouts(ls):
         return None if ls is None else tuple(placement(x) for x in ls)
@@ -575,24 +573,18 @@ def torch_style(style: TensorStyle):
         return {k: placement(v) for k, v in pairs} or None
 
     local = {} if style.use_local_output is None else {"use_local_output": style.use_local_output}
-    if style.kind in ("colwise", "rowwise"):
-        cls = ColwiseParallel if style.kind == "colwise" else RowwiseParallel
+    if row.one_layout:
         one = {k: placement(v[0]) for k, v in (("input_layouts", style.input_layouts),
                                                 ("output_layouts", style.output_layouts)) if v is not None}
         return cls(**one, **local)
-    if style.kind == "sequence":
-        return SequenceParallel(**({} if style.sequence_dim is None else {"sequence_dim": style.sequence_dim}), **local)
-    if style.kind == "replicate":
-        return ReplicateParallel()
+    if not (row.prepares_input or row.prepares_output):  # sequence, replicate
+        return cls(**({} if style.sequence_dim is None else {"sequence_dim": style.sequence_dim}), **local)
     inputs = dict(input_layouts=layouts(style.input_layouts), desired_input_layouts=layouts(style.desired_input_layouts),
                   input_kwarg_layouts=kw(style.input_kwarg_layouts),
-                  desired_input_kwarg_layouts=kw(style.desired_input_kwarg_layouts))
-    outputs = dict(output_layouts=layouts(style.output_layouts), desired_output_layouts=layouts(style.desired_output_layouts))
-    if style.kind == "prepare_input":
-        return PrepareModuleInput(**inputs, **local)
-    if style.kind == "prepare_output":
-        return PrepareModuleOutput(**outputs, **local)
-    return PrepareModuleInputOutput(**inputs, **outputs, **local)
+                  desired_input_kwarg_layouts=kw(style.desired_input_kwarg_layouts)) if row.prepares_input else {}
+    outputs = dict(output_layouts=layouts(style.output_layouts),
+                   desired_output_layouts=layouts(style.desired_output_layouts)) if row.prepares_output else {}
+    return cls(**inputs, **outputs, **local)
 
 
 def _submesh(mesh: DeviceMesh, axes: tuple[str, ...]) -> DeviceMesh:

@@ -37,13 +37,15 @@ from planc.lang import syntax as st
 from planc.lower.lowering import tensor_param_dim
 from planc.resolve.ir import Setting
 from planc.resolve.mesh import ROLES, RULE, Role
+from planc.resolve.styles import IN, ROWS, STYLES, SUBTREE
 from planc.resolve.tensor import Layout, TensorStyle
 
 STATIC_TENSOR_CODES = frozenset(f"P{n}" for n in range(410, 423))  # what the checks here report
 
 SEQ = Layout("shard", 1)          # activations sharded on the sequence (batch, seq, hidden)
-SPLIT = ("colwise", "rowwise")    # the styles that split parameters
-COVER_SUBTREE = ("sequence", "replicate")  # styles that put a whole subtree's parameters on the tensor axis
+SPLIT = tuple(r.word for r in ROWS if r.splits)    # the styles that split parameters
+# styles that put a whole subtree's parameters on the tensor axis
+COVER_SUBTREE = tuple(r.word for r in ROWS if r.places == SUBTREE)
 
 # Head counts, from the attention module itself or from the Hugging Face config it keeps
 Q_ATTRS = ("num_heads", "n_heads", "num_attention_heads", "n_head")
@@ -107,8 +109,8 @@ class _View:
             if flags is None:
                 flags = judged[id(style)] = (
                     _producer(style),
-                    style.kind == "rowwise" and _is_last(_first(style.input_layouts, Layout("shard", -1))),
-                    style.kind in ("prepare_input", "prepare"))
+                    STYLES[style.kind].splits == IN and _is_last(_first(style.input_layouts, STYLES[style.kind].input)),
+                    STYLES[style.kind].prepares_input)
             self.producer.append(flags[0])
             self.reads_last.append(flags[1])
             self.prepares.append(flags[2])
@@ -193,12 +195,8 @@ def _first(layouts, default: Layout | None) -> Layout | None:
 
 
 def output_layout(style: TensorStyle) -> Layout | None:
-    """The layout a colwise / rowwise style leaves its output in (torch's defaults filled)."""
-    if style.kind == "colwise":
-        return _first(style.output_layouts, Layout("shard", -1))
-    if style.kind == "rowwise":
-        return _first(style.output_layouts, Layout("replicate"))
-    return _first(style.output_layouts, None)
+    """The layout a style leaves its (first) output in (its row's default filled: colwise / rowwise)."""
+    return _first(style.output_layouts, STYLES[style.kind].output)
 
 
 def _is_embedding(module: nn.Module) -> bool:
@@ -477,7 +475,7 @@ def check_colwise_consumed(ctx: Context) -> Iterator[Diagnostic]:
         pre, end, parent = pres[i], ends[i], parents[i]
         for anc in graph.ancestors(path):
             above = styles.get(anc)
-            if above is not None and above.value.kind in ("prepare_output", "prepare"):
+            if above is not None and STYLES[above.value.kind].prepares_output:
                 verdict = True
                 break
             lo = graph.pre(anc)

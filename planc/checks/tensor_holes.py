@@ -42,6 +42,7 @@ from planc.diagnostics import Diagnostic
 from planc.lang import syntax as st
 from planc.resolve.ir import Setting
 from planc.resolve.selectors import match_modules
+from planc.resolve.styles import STYLES
 
 HOLE_CODES = frozenset({"P418", "P423", "P424"})  # what the checks here report
 
@@ -127,7 +128,7 @@ def check_replicated_head_params(ctx: Context) -> Iterator[Diagnostic]:
         if producer is None or isinstance(ctx.graph.module(owner), (nn.Linear, nn.Embedding)):
             continue  # (a Linear there is a forgotten colwise / rowwise: its shapes fail, P416 / P418 say which)
         cover = _covering(ctx, styles, owner)
-        if cover is None or cover[1].value.kind != "replicate":
+        if cover is None or STYLES[cover[1].value.kind].reduces_grad:  # `replicate` reduces none
             continue
         found.append(((cover[1].span, pattern(producer)), owner))
     for (span, producer), mods in by_key(found).items():

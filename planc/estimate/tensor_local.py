@@ -21,6 +21,7 @@ from planc.lower.fsdp import fsdp_shape
 from planc.lower.job import Reader
 from planc.lower.lowering import tensor_dims
 from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
+from planc.resolve.styles import STYLES
 from planc.resolve.tensor import Layout
 
 # The tensor split is `Parallelize`'s alone: FSDP, checkpointing, compile, prefetch lists and
@@ -60,11 +61,6 @@ def relayout(x, have: Layout | None, want: Layout | None, tp: int):
     return x  # to partial: no data movement
 
 
-_REPLICATE = Layout("replicate")
-_PARTIAL = Layout("partial")
-_LAST = Layout("shard", -1)
-
-
 def _one(layouts, default: Layout) -> Layout:
     return layouts[0] if layouts and layouts[0] is not None else default
 
@@ -77,28 +73,19 @@ def _first(args, fn):
 
 def _hooks(module: nn.Module, style, tp: int, embedding: bool):
     """(forward pre-hook, forward hook) that change layouts as `style` does on one rank."""
-    kind = style.kind
-    if kind == "colwise":
-        have = _one(style.input_layouts, _REPLICATE)
-        out = _LAST if style.loss_parallel else _one(style.output_layouts, _LAST)
+    row = STYLES[style.kind]
+    if row.splits:  # colwise / rowwise: computes in its row's input layout, its output comes out in `computes_out`
+        have = _one(style.input_layouts, row.input)
+        # loss parallel: the logits stay as computed (sharded on the vocabulary)
+        out = row.computes_out if style.loss_parallel else _one(style.output_layouts, row.output)
 
         def pre(mod, args):
-            return _first(args, lambda x: relayout(x, have, _REPLICATE, tp)) if not embedding else None
+            return _first(args, lambda x: relayout(x, have, row.input, tp)) if not embedding else None
 
         def post(mod, args, output):
-            return relayout(output, _LAST, out, tp)
+            return relayout(output, row.computes_out, out, tp)
         return pre, post
-    if kind == "rowwise":
-        have = _one(style.input_layouts, _LAST)
-        out = _one(style.output_layouts, _REPLICATE)
-
-        def pre(mod, args):
-            return _first(args, lambda x: relayout(x, have, _LAST, tp)) if not embedding else None
-
-        def post(mod, args, output):
-            return relayout(output, _PARTIAL, out, tp)
-        return pre, post
-    if kind in ("prepare_input", "prepare", "prepare_output"):
+    if row.prepares_input or row.prepares_output:
         ins = tuple(zip(style.input_layouts or (), style.desired_input_layouts or ()))
         kw = dict(style.input_kwarg_layouts)
         kw_want = dict(style.desired_input_kwarg_layouts)
@@ -115,7 +102,7 @@ def _hooks(module: nn.Module, style, tp: int, embedding: bool):
             if isinstance(output, tuple):
                 return tuple(relayout(o, *outs[i], tp) if i < len(outs) else o for i, o in enumerate(output))
             return relayout(output, *outs[0], tp)
-        return (pre if kind != "prepare_output" else None), post
+        return (pre if row.prepares_input else None), post
     return None, None  # sequence (inputs taken as this rank's shard as they are), replicate
 
 
@@ -132,7 +119,7 @@ def emulate_layouts(model: nn.Module, program, graph, tp: int, prefix: str = "")
         module = model.get_submodule(op.module[len(prefix) + 1:] if prefix else op.module)
         pre, post = _hooks(module, op.style, tp, graph.cls(op.module).endswith("Embedding"))
         if pre is not None:
-            with_kwargs = op.style.kind in ("prepare_input", "prepare")
+            with_kwargs = STYLES[op.style.kind].prepares_input
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=with_kwargs))
         if post is not None:
             handles.append(module.register_forward_hook(post))

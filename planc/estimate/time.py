@@ -84,6 +84,7 @@ from planc.lower.fsdp import owners as fsdp_owners
 from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, Schedule, step_schedule
 from planc.lower.lowering import tensor_dims
 from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, Program, SetPrefetch, UnitMethod
+from planc.resolve.styles import IN, OUT, STYLES
 
 PHASES = ("forward", "backward", "optimizer")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "host_to_device", "device_to_host")
@@ -291,15 +292,14 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
     out: dict[str, list[Collective]] = {}
     # modules whose inputs arrive as DTensors from a `prepare_input`/`prepare` above them:
     # a colwise module there leaves its input gradient partial for the prepare to reduce
-    dtensor_in = [op.module for op in ops if op.style.kind in ("prepare_input", "prepare")
-                  and op.style.use_local_output is not True]
+    dtensor_in = [op.module for op in ops if STYLES[op.style.kind].prepares_input and op.style.use_local_output is not True]
     above = _ancestors_in(dtensor_in, [op.module for op in ops])
 
     def under_prepare(path: str) -> bool:
         return any(m != path for m in above[path])
 
     for op in ops:
-        style, path = op.style, op.module
+        style, path, row = op.style, op.module, STYLES[op.style.kind]
         cs: list[Collective] = []
         dtype = _module_dtype(graph, path, compute)
         inp, outp = profile.inputs.get(path), profile.outputs.get(path)
@@ -309,7 +309,7 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
             return a.numel * size if a is not None else 0
         in_layout = (style.input_layouts or (None,))[0]
         out_layout = (style.output_layouts or (None,))[0]
-        if style.kind == "colwise":
+        if row.splits == OUT:  # colwise
             if inp is not None and inp.dtype.is_floating_point:
                 if in_layout is not None and in_layout.kind == "shard":
                     cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "forward", path, side="input"))
@@ -319,7 +319,7 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
                     cs.append(Collective("all_reduce", "tensor", tp, nbytes(inp), "backward", path))
             if out_layout is not None and out_layout.kind == "replicate":
                 cs.append(Collective("all_gather", "tensor", tp, nbytes(outp), "forward", path, side="output"))
-        elif style.kind == "rowwise":
+        elif row.splits == IN:  # rowwise
             if out_layout is None or out_layout.kind == "replicate":
                 cs.append(Collective("all_reduce", "tensor", tp, nbytes(outp), "forward", path, side="output"))
             elif out_layout.kind == "shard":
@@ -328,7 +328,7 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
             if in_layout is not None and in_layout.kind == "replicate" and inp is not None \
                     and inp.dtype.is_floating_point and inp.requires_grad:
                 cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "backward", path))
-        elif style.kind in ("prepare_input", "prepare"):
+        elif row.prepares_input:
             desired = (style.desired_input_layouts or (None,))[0]
             if in_layout is not None and in_layout.kind == "shard" and desired is not None \
                     and desired.kind == "replicate" and inp is not None and inp.dtype.is_floating_point:
@@ -339,7 +339,7 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
                     and desired.kind == "shard" and inp is not None and inp.dtype.is_floating_point and inp.requires_grad:
                 # replicate -> shard(d) is a local slice forward; its gradient is gathered back in backward
                 cs.append(Collective("all_gather", "tensor", tp, nbytes(inp), "backward", path))
-        elif style.kind == "sequence":
+        elif row.reduces_grad:  # sequence: the whole weights' gradients summed over the tensor axis
             for _, canon in graph.own_params(path):
                 info = graph.params[canon]
                 if info.requires_grad:

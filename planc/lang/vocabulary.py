@@ -43,8 +43,9 @@ STYLES = ("colwise", "rowwise", "sequence", "replicate", "prepare_input", "prepa
 # What a style word ends at: a block, another statement, a comment or the end of the line.
 STYLE_END = r"(?=[ \t]*(\{|;|#|\r?\n|$))"
 
-# Tensor-parallel style words and torch's class for each (`planc emit` writes these; the
-# syntax and style help turn a torch class name back into the plan's word).
+# Tensor-parallel style words and torch's class for each (the syntax help turns a torch class
+# name back into the plan's word); the rows of `planc/resolve/styles.py` name the same classes
+# (tests/test_styles.py), which the runtime builds and `planc emit` prints.
 TORCH_STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel", "sequence": "SequenceParallel",
                 "prepare_input": "PrepareModuleInput", "prepare_output": "PrepareModuleOutput",
                 "prepare": "PrepareModuleInputOutput"}

@@ -35,6 +35,7 @@ from planc.model.graph import ModelGraph
 from planc.resolve.context import BALANCE, BATCH_TENSORS
 from planc.resolve.ir import Resolution, Unit
 from planc.resolve.mesh import Role
+from planc.resolve.styles import ROWS, STYLES, SUBTREE
 
 # Unit settings applied by calling an `FSDPModule` method after sharding: setting -> method.
 # A setting left at None calls nothing. Adding such a knob is an option in
@@ -73,18 +74,9 @@ def _fully_shard(unit: Unit, res: Resolution, graph: ModelGraph, axes: tuple[str
 
 
 def tensor_param_dim(kind: str, embedding: bool, local: str) -> int | None:
-    """The dim a style of `kind` shards a module's own parameter `local` on (None: replicated).
-
-    What torch's styles do (torch 2.13): colwise shards an `nn.Linear`'s weight and bias on
-    dim 0 (out features) and an `nn.Embedding`'s weight on dim 1; rowwise shards a Linear's
-    weight on dim 1 (in features, the bias stays replicated) and an Embedding's on dim 0 (the
-    vocabulary). The other styles leave parameters replicated.
-    """
-    if kind == "colwise":
-        return 1 if embedding else 0
-    if kind == "rowwise":
-        return 0 if embedding else (1 if local == "weight" else None)
-    return None
+    """The dim a style of `kind` shards a module's own parameter `local` on (None: replicated),
+    by its row's `splits` (`planc.resolve.styles.StyleRule.param_dim`)."""
+    return STYLES[kind].param_dim(embedding, local)
 
 
 def tensor_dims(program: Program, graph: ModelGraph) -> dict[str, int]:
@@ -100,8 +92,8 @@ def tensor_dims(program: Program, graph: ModelGraph) -> dict[str, int]:
     return out
 
 
-PLACING_STYLES = ("colwise", "rowwise", "sequence", "replicate")  # styles that replace parameters with DTensors
-SUBTREE_STYLES = ("sequence", "replicate")  # ... of the whole subtree (the others: the module's own)
+PLACING_STYLES = tuple(r.word for r in ROWS if r.places)  # styles that replace parameters with DTensors
+SUBTREE_STYLES = tuple(r.word for r in ROWS if r.places == SUBTREE)  # ... of the whole subtree (the others: the module's own)
 
 
 def tensor_reties(program: Program, graph: ModelGraph) -> list[tuple[str, str]]:

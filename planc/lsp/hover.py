@@ -16,7 +16,6 @@ from planc.analysis.explain import _setting as setting_data
 from planc.checks.validate import METRICS
 from planc.diagnostics import CODES, Span
 from planc.lang import syntax as st
-from planc.lang.vocabulary import TORCH_STYLES
 from planc.lsp.analysis import Analysis
 from planc.lsp.locate import chain_at
 from planc.lsp.positions import contains
@@ -25,6 +24,7 @@ from planc.resolve.mesh import Role
 from planc.resolve.options import DTYPES, OPTIONS, Param
 from planc.resolve.selectors import match_modules, match_params
 from planc.resolve.step import STEP_OPTIONS
+from planc.resolve.styles import STYLES
 
 SHOW_PATHS = 5   # matched module paths listed before "... and N more"
 SHOW_UNITS = 3
@@ -212,11 +212,7 @@ def _style_hover(analysis: Analysis, word: str) -> str | None:
         return ("**context**: context parallelism. The module's causal `F.scaled_dot_product_attention` gathers "
                 f"keys and values over {where} and masks by global positions; each batch is cut along the "
                 "sequence, head-tail (`applied.shard_batch`). Fits attention whose `forward` takes `positions`.")
-    if word == "replicate":
-        return "**replicate**: the parameters replicated on the tensor axis (torchtitan's `NoParallel`)"
-    if word in TORCH_STYLES:
-        return f"**{word}**: tensor parallelism, torch's `{TORCH_STYLES[word]}` on the tensor axis"
-    return None
+    return f"**{word}**: {STYLES[word].summary}" if word in STYLES else None
 
 
 # ===================================================================== expect, model

@@ -16,31 +16,15 @@ from dataclasses import dataclass
 from planc.diagnostics import Diagnostic, suggestion
 from planc.lang import syntax as st
 from planc.lang import vocabulary as vocab
+from planc.resolve.styles import REPLICATE, STYLES, TENSOR_STYLES, Layout
+
+__all__ = ["REPLICATE", "STYLE_KINDS", "STYLE_OPTIONS", "Layout", "TensorStyle", "tensor_style"]
 
 
-@dataclass(frozen=True, slots=True)
-class Layout:
-    """A DTensor placement on the tensor axis: `Replicate()`, `Shard(dim)` or `Partial()`.
-
-    Written in a plan as `replicate`, `shard(1)`, `partial`; a layout of None (`none`) is a
-    positional input the style leaves alone.
-    """
-
-    kind: str  # "replicate" | "shard" | "partial"
-    dim: int | None = None
-
-    def __str__(self) -> str:
-        return f"shard({self.dim})" if self.kind == "shard" else self.kind
-
-
-REPLICATE = Layout("replicate")
-
-# The tensor-parallel styles a plan can name, each one of torch's `ParallelStyle`s:
-# colwise / rowwise -> ColwiseParallel / RowwiseParallel (on nn.Embedding rowwise splits the
-# vocabulary), sequence -> SequenceParallel, replicate -> the parameters replicated on the
-# tensor axis (torchtitan's NoParallel), prepare_input / prepare_output / prepare ->
-# PrepareModuleInput / PrepareModuleOutput / PrepareModuleInputOutput.
-STYLE_KINDS = ("colwise", "rowwise", "sequence", "replicate", "prepare_input", "prepare_output", "prepare")
+# The tensor-parallel styles a plan can name, each one of torch's `ParallelStyle`s, or planc's
+# `ReplicateParallel` for `replicate` (torchtitan's NoParallel): the table's tensor rows
+# (`planc/resolve/styles.py`, which also holds `Layout`).
+STYLE_KINDS = TENSOR_STYLES
 
 
 @dataclass(frozen=True)
@@ -65,19 +49,22 @@ class TensorStyle:
 
 
 
-_LINEAR = ("colwise", "rowwise")
+# option -> (TensorStyle field, what it holds); which styles take it is their rows' `options`
+_OPTION_FIELDS: dict[str, tuple[str, str]] = {
+    "input": ("input_layouts", "layouts"),
+    "output": ("output_layouts", "layouts"),
+    "desired_input": ("desired_input_layouts", "layouts"),
+    "desired_output": ("desired_output_layouts", "layouts"),
+    "input_kwargs": ("input_kwarg_layouts", "kwarg layouts"),
+    "desired_input_kwargs": ("desired_input_kwarg_layouts", "kwarg layouts"),
+    "local_output": ("use_local_output", "bool"),
+    "sequence_dim": ("sequence_dim", "int"),
+    "loss_parallel": ("loss_parallel", "flag"),
+}
 # option -> (TensorStyle field, the styles that take it, what it holds)
 STYLE_OPTIONS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "input": ("input_layouts", (*_LINEAR, "prepare_input", "prepare"), "layouts"),
-    "output": ("output_layouts", (*_LINEAR, "prepare_output", "prepare"), "layouts"),
-    "desired_input": ("desired_input_layouts", ("prepare_input", "prepare"), "layouts"),
-    "desired_output": ("desired_output_layouts", ("prepare_output", "prepare"), "layouts"),
-    "input_kwargs": ("input_kwarg_layouts", ("prepare_input", "prepare"), "kwarg layouts"),
-    "desired_input_kwargs": ("desired_input_kwarg_layouts", ("prepare_input", "prepare"), "kwarg layouts"),
-    "local_output": ("use_local_output", (*_LINEAR, "sequence", "prepare_input", "prepare_output", "prepare"), "bool"),
-    "sequence_dim": ("sequence_dim", ("sequence",), "int"),
-    "loss_parallel": ("loss_parallel", ("colwise",), "flag"),
-}
+    option: (field, tuple(k for k in STYLE_KINDS if option in STYLES[k].options), holds)
+    for option, (field, holds) in _OPTION_FIELDS.items()}
 _BOOLS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
 
 
@@ -105,12 +92,12 @@ def _layout(value, diags: list[Diagnostic]) -> tuple[bool, Layout | None]:
 
 def _style_habit(kind: str) -> tuple[str, ...]:
     """The plan's spelling of a torch style class or a Hugging Face `tp_plan` style name, or ()."""
-    torch = {v: k for k, v in vocab.TORCH_STYLES.items()}
+    torch = {r.torch_class: r.word for r in STYLES.values() if r.torch_own}
     if kind in torch:
         return (f"styles are plan words: write `{torch[kind]}` for torch's `{kind}`",)
-    from planc.importers.hf_tp import STYLES
-    if kind in STYLES:
-        word, options = STYLES[kind]
+    from planc.importers.hf_tp import STYLES as HF_STYLES
+    if kind in HF_STYLES:
+        word, options = HF_STYLES[kind]
         written = f"{word} {{ {'; '.join(options)} }}" if options else word
         return (f"`{kind}` is Hugging Face's name: write `{written}`, the layouts its style uses"
                 + (f" (plain `{word}` would keep the output sharded)" if options and word == "colwise" else "")
@@ -169,7 +156,7 @@ def tensor_style(stmt: st.ParallelStmt, diags: list[Diagnostic]) -> TensorStyle 
                                   f"write e.g. `{opt.name} shard(1)`, one layout per positional input"))
                 ok = False
                 continue
-            if kind in _LINEAR and len(positional) > 1:
+            if STYLES[kind].one_layout and len(positional) > 1:
                 diags.append(_bad(opt.span, f"a {kind} style takes one `{opt.name}` layout", f"{len(positional)} layouts",
                                   "a linear layer has one input and one output; keep one layout"))
                 ok = False
