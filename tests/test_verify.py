@@ -63,6 +63,21 @@ def test_a_replicated_head_norm_fails_on_its_own_line():
     assert "does not reduce its gradient over the tensor axis" in diag.notes[0]
 
 
+@pytest.mark.dist
+def test_a_split_fused_projection_fails_on_its_colwise_line():
+    """Phi-3's fused gate_up_proj under plain colwise (P424 statically): every shape chains, the forward
+    computes another function; the first module whose output differs is the rowwise down_proj, and the
+    diagnostic lands on the first rule around it, the colwise gate_up_proj line."""
+    path = ROOT / "tests" / "fixtures" / "verify" / "phi3_fused_gate_up.plan"
+    compiled = _compiled(path, strict=False)
+    assert [d.code for d in compiled.diagnostics if d.is_error] == ["P424"]
+    verdict = verify.verify(compiled, base=str(path.parent), allow=frozenset({"P424"}))
+    assert verdict.first_output is not None and verdict.first_output[0] == "model.layers.0.mlp.down_proj"
+    (diag,) = verify.diagnostics(compiled, verdict)
+    assert diag.code == "P425" and diag.span.line == 9  # `parallel model.layers.*.mlp.gate_up_proj colwise`
+    assert "forward computes another function" in diag.message and "down_proj` rowwise (line 10)" in diag.notes[0]
+
+
 def test_a_mesh_too_large_for_this_machine_is_not_verified(capsys):
     path = ROOT / "tests" / "ui" / "verify_too_many_ranks.plan"
     assert planc_main(["check", str(path.relative_to(ROOT)), "--verify"]) == 1

@@ -82,6 +82,7 @@ class Verdict:
     mismatches: list[Mismatch] = field(default_factory=list)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    first_output: tuple[str, float] | None = None  # the first module whose forward output differs, its error
 
     @property
     def ok(self) -> bool:
@@ -204,11 +205,15 @@ def _train(model: nn.Module, data: list[torch.Tensor], steps_of, loss_context, m
 
     loss_fn = default_loss(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    out: dict[str, Any] = {"losses": [], "grads": [], "params": None}
+    out: dict[str, Any] = {"losses": [], "grads": [], "params": None, "outputs": {}}
     for batch in data:
         total = torch.zeros(())
         for (mb,) in steps_of(batch):
-            output, labels = forward(model, mb)
+            if out["outputs"]:
+                output, labels = forward(model, mb)
+            else:  # the first forward: every module's output, to find where a wrong forward starts
+                with _outputs(model, out["outputs"]):
+                    output, labels = forward(model, mb)
             with loss_context():
                 value = loss_fn(output, Example((labels,))) / microbatches
                 value.backward()
@@ -219,6 +224,32 @@ def _train(model: nn.Module, data: list[torch.Tensor], steps_of, loss_context, m
         out["losses"].append(reduce_loss(total))
     out["params"] = {n: _full(p) for n, p in model.named_parameters()}
     return out
+
+
+class _outputs:
+    """Record each module's first floating-point output (whole: a DTensor gathered), in the order
+    the modules finish their forward, into `into` (path -> tensor; insertion order is that order)."""
+
+    def __init__(self, model: nn.Module, into: dict[str, torch.Tensor]):
+        self.model, self.into, self.handles = model, into, []
+
+    def __enter__(self):
+        from torch.utils._pytree import tree_flatten
+
+        def hook(path: str):
+            def record(module, args, output):
+                first = next((x for x in tree_flatten(output)[0] if isinstance(x, torch.Tensor)
+                              and x.is_floating_point()), None)
+                if first is not None and path not in self.into:
+                    self.into[path] = _full(first)
+            return record
+        self.handles = [m.register_forward_hook(hook(p)) for p, m in self.model.named_modules()]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return False
 
 
 def _forward(model: nn.Module, tokens: torch.Tensor):
@@ -368,6 +399,58 @@ def _compare(got: dict, ref: dict) -> tuple[int, list[Mismatch]]:
     return count, found
 
 
+def _first_wrong_output(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[str, float] | None:
+    """The first module (in the order modules finish their forward) whose output on rank 0 differs from
+    the same rows of the one-process output, with its relative error; modules whose output is a
+    shard (another shape) are passed over."""
+    for path, a in got.items():
+        b = ref.get(path)
+        if b is None or a.dim() == 0 or a.shape[1:] != b.shape[1:] or a.shape[0] > b.shape[0]:
+            continue
+        b = b[:a.shape[0]]  # rank 0 is data-parallel rank 0: the first rows of the global batch
+        scale = float(b.abs().max()) if b.numel() else 0.0
+        error = float((a - b).abs().max())
+        if not error <= ATOL + RTOL * scale:
+            return path, error / scale if scale else math.inf
+    return None
+
+
+def _forward_rules(compiled, module: str) -> list[str]:
+    """The styled modules around `module`: in its parent's subtree (else the nearest ancestor's that has
+    any), in the model's order: the rules that shape the activations `module` takes."""
+    res, graph = compiled.resolution, compiled.graph
+    order = {p: i for i, p in enumerate(graph.modules)}
+    for parent in [module.rpartition(".")[0], *graph.ancestors(module.rpartition(".")[0])] if module else [""]:
+        inside = [p for p in res.parallel if not parent or p == parent or p.startswith(parent + ".")]
+        if inside:
+            return sorted(inside, key=lambda p: order.get(p, len(order)))
+    return []
+
+
+def _forward_diagnostic(compiled, verdict: Verdict) -> Diagnostic | None:
+    """P425 for a forward that computes another function: at the first rule around the first module
+    whose output differs (a fused projection split colwise shows at its consumer's output)."""
+    module, rel = verdict.first_output
+    rules = _forward_rules(compiled, module)
+    if not rules:
+        return None
+    res = compiled.resolution
+    first = res.parallel[rules[0]]
+    shown = "; ".join(f"`{p}` {res.parallel[p].value.kind} (line {res.parallel[p].span.line})" for p in rules[:4])
+    return Diagnostic(
+        code="P425", severity="error", span=first.span,
+        message=f"the forward computes another function than one process: `{module}`'s output is off by "
+                f"{100 * rel:.3g}%, the first module whose output differs",
+        label="the first rule around it",
+        notes=(f"the tensor-parallel rules that shape its input: {shown}",
+               f"{verdict.world} ranks against one process on `{verdict.twin}`, fp32, tolerance {ATOL:g} + "
+               f"{RTOL:g} x max"),
+        related=tuple((res.parallel[p].span, f"`{p}` {res.parallel[p].value.kind}") for p in rules[1:4]),
+        help=("a colwise output that the forward cuts into parts (a fused projection) is not the split the "
+              "next layer expects: gather it (`colwise { output replicate }`, the consumer `rowwise { input "
+              "replicate }`) or split the fused weight per part; `planc check` names such rules (P424)",))
+
+
 def _rule_of(compiled, param: str) -> tuple[Any, str]:
     """The plan line a parameter's gradient is shaped by, and what it does to it."""
     res, graph = compiled.resolution, compiled.graph
@@ -385,6 +468,11 @@ def _rule_of(compiled, param: str) -> tuple[Any, str]:
 def diagnostics(compiled, verdict: Verdict) -> list[Diagnostic]:
     """P425 per plan line whose parameters trained differently from one process, from the first step
     anything differs (after one wrong update every later gradient differs: the first is the cause)."""
+    losses = [m for m in verdict.mismatches if m.step == 1 and not m.param]
+    if losses and verdict.first_output is not None:  # the first forward is already wrong: say where
+        found = _forward_diagnostic(compiled, verdict)
+        if found is not None:
+            return [found]
     by_rule: dict[Any, list[Mismatch]] = {}
     meaning: dict[Any, str] = {}
     first = min((m.step for m in verdict.mismatches), default=0)
@@ -462,10 +550,11 @@ def _verify(compiled, base: str | None, twin: str | None, timeout: float, allow:
                           f"{spec['global_batch']}x{spec['seq']}: {type(err).__name__}: {err}") from err
     got = _launch(world, spec, timeout)
     compared, mismatches = _compare(got, ref_out)
+    first_output = _first_wrong_output(got["outputs"], ref_out["outputs"]) if mismatches else None
     if twin.startswith(f"hf:{folder}"):  # say what it is, not where it was written
         twin = f"{ref} shrunk to {TWIN_LAYERS} layers, heads of {TWIN_HEAD_DIM}, a vocabulary of {TWIN_VOCAB}"
     return Verdict(world, {str(getattr(r, "value", r)): v for r, v in sizes.items()}, twin, compared, mismatches,
-                   time.monotonic() - start)
+                   time.monotonic() - start, first_output=first_output)
 
 
 def not_verified(compiled, why: str) -> Diagnostic:
