@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 import time
 
@@ -184,3 +185,34 @@ def test_missing_config_help_says_where_relative_paths_start(tmp_path, capsys):
     assert cli.main(["check", str(plan)]) == 1
     out = capsys.readouterr().out
     assert "error[P106]" in out and "starts from the plan's own folder" in out and "installed" not in out
+
+
+def test_the_view_tensor_warning_comes_from_the_gathered_logits():
+    """FSDP2's "returned a view tensor" warning on 2-D Hugging Face plans (issue 20): the root returns
+    lm_head's output, and `colwise { output replicate }` hands it on through `DTensor.to_local()`,
+    a view. A 1-D plan's logits are no view; docs/language.md#parallel explains what to avoid."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from planc.analysis.simulate import fake_step_inputs, init_fake
+    from planc.backends.runtime import build_mesh
+    seen = {}
+    for name in ("llama-tp.plan", "llama.plan"):
+        init_fake(4)
+        try:
+            with torch.device("meta"):
+                model = build_model("hf:llama-tiny")
+            model.config.use_cache = False
+            text = (pathlib.Path(__file__).resolve().parent.parent / "plans" / name).read_text().replace("model hf:llama-3-8b", "model hf:llama-tiny")
+            compiled = planc.compile(planc.loads(text), model, 4)
+            planc.apply(model, compiled, mesh=build_mesh(compiled.mesh, 4, "cpu"))
+            with FakeTensorMode(allow_non_fake_inputs=True) as fake, warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                example = fake_step_inputs(model, lambda m: (torch.randint(0, 64, (2, 16)),), fake)
+                logits = model(*example.args).logits
+                seen[name] = (logits._base is not None, any("returned a view tensor" in str(x.message) for x in w))
+        finally:
+            dist.destroy_process_group()
+    assert seen == {"llama-tp.plan": (True, True), "llama.plan": (False, False)}

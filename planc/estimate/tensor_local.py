@@ -103,7 +103,31 @@ def _hooks(module: nn.Module, style, tp: int, embedding: bool):
                 return tuple(relayout(o, *outs[i], tp) if i < len(outs) else o for i, o in enumerate(output))
             return relayout(output, *outs[0], tp)
         return (pre if row.prepares_input else None), post
-    return None, None  # sequence (inputs taken as this rank's shard as they are), replicate
+    if style.kind == "sequence" and style.sequence_dim not in (None, 0, 1):
+        # sharded on a later dim (`sequence_dim 2`: the features a colwise layer split, OLMo 2's
+        # q_norm): DTensor runs the norm on the local features (the mean over them a partial sum,
+        # all-reduced) and multiplies by its replicated weight's local slice (a view): the module
+        # runs on this rank's shard with 1/tp of each 1-D weight, no activation gathered
+        def pre_seq(mod, args):
+            x = args[0] if args else None
+            if not hasattr(x, "dim") or not x.dim():
+                return None
+            full = x.shape[-1] * tp
+            mod._planc_whole = {}
+            for name, param in list(mod._parameters.items()):
+                if param is not None and param.dim() == 1 and param.shape[0] == full:
+                    mod._planc_whole[name] = param
+                    mod._parameters[name] = param.narrow(0, 0, param.shape[0] // tp)
+            return None
+
+        def post_seq(mod, args, output):
+            for name, param in getattr(mod, "_planc_whole", {}).items():
+                mod._parameters[name] = param
+            mod._planc_whole = {}
+            return None
+
+        return pre_seq, post_seq
+    return None, None  # sequence on the sequence dim (inputs taken as this rank's shard as they are), replicate
 
 
 def emulate_layouts(model: nn.Module, program, graph, tp: int, prefix: str = "") -> list:
