@@ -205,7 +205,8 @@ def test_the_view_tensor_warning_comes_from_the_gathered_logits():
             with torch.device("meta"):
                 model = build_model("hf:llama-tiny")
             model.config.use_cache = False
-            text = (pathlib.Path(__file__).resolve().parent.parent / "plans" / name).read_text().replace("model hf:llama-3-8b", "model hf:llama-tiny")
+            text = (pathlib.Path(__file__).resolve().parent.parent / "plans" / name).read_text()
+            text = text.replace("model hf:llama-3-8b", "model hf:llama-tiny")
             compiled = planc.compile(planc.loads(text), model, 4)
             planc.apply(model, compiled, mesh=build_mesh(compiled.mesh, 4, "cpu"))
             with FakeTensorMode(allow_non_fake_inputs=True) as fake, warnings.catch_warnings(record=True) as w:
