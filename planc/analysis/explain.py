@@ -165,12 +165,13 @@ def time_report(st) -> dict[str, Any]:
 
 def _mesh(compiled, est: Estimate) -> dict[str, Any]:
     """`replicate` and `shard` sizes (as before), `tensor` when the mesh has a tensor axis, and
-    `axes`: every `DeviceMesh` axis planc builds (`dim`: its name), outermost first, with its role and size."""
+    `axes`: every `DeviceMesh` axis planc builds (`axis`: its name; "dim" is only a tensor dimension),
+    outermost first, with its role and size."""
     out: dict[str, Any] = {"replicate": est.replicate, "shard": est.shard}
     sizes = compiled.mesh.sizes(est.world) or {}
     if compiled.mesh.axis(Role.TENSOR) is not None:
         out["tensor"] = sizes.get("tensor")
-    out["axes"] = [{"dim": a.name, "role": a.role, "size": sizes.get(a.role)} for a in compiled.mesh.device_axes]
+    out["axes"] = [{"axis": a.name, "role": a.role, "size": sizes.get(a.role)} for a in compiled.mesh.device_axes]
     return out
 
 
@@ -385,8 +386,8 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
                          "prefetch fwd / bwd"], style)
     out += _dtype_note(data, compiled)
     if tensor:
-        out += ["", style.bold("placements per mesh axis (" + " x ".join(a["dim"] for a in mesh["axes"]) + ")")]
-        out += _placement_lines(data, [a["dim"] for a in mesh["axes"]])
+        out += ["", style.bold("placements per mesh axis (" + " x ".join(a["axis"] for a in mesh["axes"]) + ")")]
+        out += _placement_lines(data, [a["axis"] for a in mesh["axes"]])
     out += ["", style.bold("where each setting comes from")]
     from_defaults: dict[str, str] = {}
     for u in data["units"]:
