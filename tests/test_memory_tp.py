@@ -55,6 +55,7 @@ def test_activations_of_a_2d_plan_equal_a_fake_process_group_measurement(name):
     measured = simulate(planc.loads(text), lambda: build_model(ref), 4, inputs=zoo_inputs(SHAPE))
     assert measured.moment.startswith("backward")
     assert est.activations == measured.breakdown["activations"]
+    assert est.peak.total == measured.peak
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -137,4 +138,6 @@ def test_activations_of_hugging_face_2d_plans_equal_a_fake_process_group_measure
     est = estimate(planc.compile(planc.loads(HF_2D[name]), build_model(ref), 4), 4, input_shape=SHAPE)
     measured = simulate(planc.loads(HF_2D[name]), lambda: build_model(ref), 4, inputs=zoo_inputs(SHAPE))
     assert est.activations == measured.breakdown["activations"]
-    assert abs(est.peak.total / measured.peak - 1) < 0.02  # as the shipped 2-D plans (+1.2-1.4% at this input)
+    # the peak too, since the root's pre-backward is replayed where FSDP2 runs it (after the loss's
+    # backward): it was 1.2-1.4% high, a layer's prefetched all-gather counted during the loss's backward
+    assert est.peak.total == measured.peak

@@ -385,7 +385,7 @@ class _Replay:
     def run(self) -> list[Moment]:
         """Replay each action of the (one) role, then the optimizer step."""
         events = self.trace.events
-        split = next((k for k, ev in enumerate(events) if ev.kind == "bwd_pre"), len(events))
+        split = next((k for k, ev in enumerate(events) if ev.kind in ("bwd_start", "bwd_pre")), len(events))
         forward, backward = events[:split], events[split:]
         (actions,) = self.schedule.actions
         for action in actions:
@@ -431,6 +431,9 @@ class _Replay:
                 continue
             if ev.kind == "end_backward":
                 self._end_backward()
+                continue
+            if ev.kind == "bwd_start":  # the loss's backward begins, before the root's pre-backward
+                self.phase, self.where = "backward", ""
                 continue
             i, name = ev.unit, names[ev.unit]
             if ev.kind in ("fwd_pre", "bwd_pre"):

@@ -515,10 +515,22 @@ def _run_step(rec: _Recorder, model: nn.Module, example: Example, step_loss: Los
             out = _cast(out, root_precision.output_dtype)
         if root is not None:  # the root's post-forward runs as the model returns, before the loss
             rec.event("fwd_post", root)
-        value = step_loss(out, labels)
-        del out
+        # FSDP2 runs the root's pre-backward when its outputs' gradient arrives, after the loss's own
+        # backward (the fp32 logits' gradient): a pre-hook on the node that made each output
+        nodes = {id(t.grad_fn): t.grad_fn for t in tree_flatten(out)[0]
+                 if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+        fired: list[bool] = []
+
+        def root_pre_backward(grad_outputs):
+            if not fired:
+                fired.append(True)
+                rec.event("bwd_pre", root)
         if root is not None:
-            rec.event("bwd_pre", root)
+            for node in nodes.values():
+                node.register_prehook(root_pre_backward)
+        value = step_loss(out, labels)
+        del out, nodes
+        rec.event("bwd_start")
         with warnings.catch_warnings():  # full backward hooks warn on int inputs; harmless here
             warnings.simplefilter("ignore")
             value.backward()
