@@ -103,18 +103,7 @@ def test_p424_silent_for_the_gathered_form(graphs):
 
 def test_p424_silent_for_gpt_neox_per_head_fused_qkv(graphs):
     # query_key_value is viewed as (heads, 3 x head_dim) first: a colwise split keeps whole heads
-    text = """model hf:gpt-neox-tiny
-mesh (shard = *, tensor = 2)
-unit gpt_neox.layers.*
-parallel gpt_neox.embed_in rowwise { input replicate; output replicate }
-parallel gpt_neox.layers.*.attention.query_key_value colwise
-parallel gpt_neox.layers.*.attention.dense rowwise
-parallel gpt_neox.layers.*.mlp.dense_h_to_4h colwise
-parallel gpt_neox.layers.*.mlp.dense_4h_to_h rowwise
-parallel gpt_neox.layers.*.{input_layernorm,post_attention_layernorm} replicate
-parallel gpt_neox.final_layer_norm replicate
-parallel lm_head colwise { output replicate }
-"""
+    text = (pathlib.Path(__file__).resolve().parent / "fixtures" / "tp" / "gpt-neox-tiny.plan").read_text()
     assert _codes(text, graphs["gpt-neox-tiny"]) == []
 
 

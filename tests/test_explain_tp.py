@@ -103,7 +103,8 @@ def test_json_has_the_tensor_axis_and_per_unit_placements(monkeypatch):
     code, out, _ = explain(["plans/llama-tp.plan", "--world-size", "16", "--format", "json"], monkeypatch)
     data = json.loads(out)
     assert data["mesh"]["tensor"] == 2 and data["mesh"]["shard"] == 8
-    assert data["mesh"]["axes"] == [{"axis": "shard", "role": "shard", "size": 8}, {"axis": "tensor", "role": "tensor", "size": 2}]
+    assert data["mesh"]["axes"] == [{"axis": "shard", "role": "shard", "size": 8},
+                                    {"axis": "tensor", "role": "tensor", "size": 2}]
     layer = data["units"][0]
     groups = {g["params"][0]: g["axes"] for g in layer["placements"]}
     assert groups["self_attn.q_proj.weight"] == {"shard": "_StridedShard(0, sf=2)", "tensor": "Shard(0)"}

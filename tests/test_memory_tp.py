@@ -101,33 +101,8 @@ def test_sequence_parallel_splits_the_tokens_between_blocks():
 # Newcomer's plans on two more architectures (issue 20): OLMo 2's q_norm/k_norm normalise the features a
 # colwise q_proj/k_proj split, written `sequence { sequence_dim 2; local_output true }` (DTensor runs the
 # norm on the local features with its weight's local slice); GPT-NeoX's fused, per-head query_key_value.
-HF_2D = {
-    "olmo2-tiny": """model hf:olmo2-tiny
-mesh (shard = *, tensor = 2)
-unit model.layers.*
-parallel model.embed_tokens rowwise { input replicate; output replicate }
-parallel model.layers.*.self_attn.{q_proj,k_proj,v_proj} colwise
-parallel model.layers.*.self_attn.{q_norm,k_norm} sequence { sequence_dim 2; local_output true }
-parallel model.layers.*.self_attn.o_proj rowwise
-parallel model.layers.*.mlp.{gate_proj,up_proj} colwise
-parallel model.layers.*.mlp.down_proj rowwise
-parallel model.layers.*.{post_attention_layernorm,post_feedforward_layernorm} replicate
-parallel model.norm replicate
-parallel lm_head colwise { output replicate }
-""",
-    "gpt-neox-tiny": """model hf:gpt-neox-tiny
-mesh (shard = *, tensor = 2)
-unit gpt_neox.layers.*
-parallel gpt_neox.embed_in rowwise { input replicate; output replicate }
-parallel gpt_neox.layers.*.attention.query_key_value colwise
-parallel gpt_neox.layers.*.attention.dense rowwise
-parallel gpt_neox.layers.*.mlp.dense_h_to_4h colwise
-parallel gpt_neox.layers.*.mlp.dense_4h_to_h rowwise
-parallel gpt_neox.layers.*.{input_layernorm,post_attention_layernorm} replicate
-parallel gpt_neox.final_layer_norm replicate
-parallel lm_head colwise { output replicate }
-""",
-}
+HF_2D = {name: (ROOT / "tests" / "fixtures" / "tp" / f"{name}.plan").read_text()
+         for name in ("olmo2-tiny", "gpt-neox-tiny")}
 
 
 @pytest.mark.parametrize("name", sorted(HF_2D))
