@@ -113,3 +113,12 @@ def test_a_plan_for_a_full_size_config_is_verified_on_its_shrunk_twin(tmp_path):
     verdict = verify.verify(compiled, base=str(tmp_path))
     assert verdict.ok and (verdict.sizes["shard"], verdict.sizes["tensor"]) == (2, 2)
     assert "shrunk to 2 layers" in verdict.twin
+
+
+@pytest.mark.dist
+def test_a_full_size_model_given_with_model_runs_its_twin(capsys):
+    """`--model planc.zoo:seed_transformer` (1.4B) names the model the plan is for; verify runs its tiny
+    twin (it once ran the model given, a full-size build on every rank)."""
+    code = planc_main(["check", "plans/seed.plan", "--model", "planc.zoo:seed_transformer", "--verify"])
+    out = capsys.readouterr().out
+    assert code == 0 and "against one process on `planc.zoo:seed_transformer_tiny`" in out

@@ -503,13 +503,14 @@ def diagnostics(compiled, verdict: Verdict) -> list[Diagnostic]:
 
 
 def verify(compiled, *, base: str | None = None, twin: str | None = None, timeout: float = 240.0,
-           allow: frozenset[str] = frozenset()) -> Verdict:
+           allow: frozenset[str] = frozenset(), model: str | None = None) -> Verdict:
     """Train the plan on its twin on local processes and compare with one process (see the module docstring).
 
     Args:
         compiled: the plan compiled against its model (any size: the twin is what runs).
         base: the plan's folder (relative `hf:` config paths).
-        twin: the model reference to run (default `twin_reference` of the plan's `model` line).
+        twin: the model reference to run as it is (default: `twin_reference` of `model`).
+        model: the model the plan is for (default the plan's `model` line; `planc check --model`).
         allow: error codes the run goes on despite (the tests verify the plans P423/P424 refuse,
             to show that the static rules and this oracle agree); `planc check` verifies only
             plans without errors.
@@ -519,16 +520,16 @@ def verify(compiled, *, base: str | None = None, twin: str | None = None, timeou
             apply or train on the twin, or a run past `timeout`.
     """
     with tempfile.TemporaryDirectory(prefix="planc-twin-") as folder:  # a shrunk config lives here
-        return _verify(compiled, base, twin, timeout, allow, folder)
+        return _verify(compiled, base, twin, timeout, allow, folder, model)
 
 
 def _verify(compiled, base: str | None, twin: str | None, timeout: float, allow: frozenset[str],
-            folder: str) -> Verdict:
+            folder: str, model: str | None = None) -> Verdict:
     from planc.analysis.shapecheck import simulation_world
 
     start = time.monotonic()
-    ref = compiled.plan.model_ref
-    if twin is None:
+    ref = model or compiled.plan.model_ref
+    if twin is None:  # a full-size model is never run: its small twin is
         if ref is None:
             raise VerifyError("the plan has no `model` line: pass --model or --verify-model")
         twin = twin_reference(ref, base, folder)

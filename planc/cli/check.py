@@ -100,8 +100,7 @@ def verify_plan(path: str, args, compiled) -> tuple[list[Diagnostic], str | None
 
     base = None if args.model else os.path.dirname(os.path.abspath(path))
     try:
-        verdict = verify.verify(compiled, base=base, twin=getattr(args, "verify_model", None) or
-                                (args.model if args.model else None))
+        verdict = verify.verify(compiled, base=base, twin=getattr(args, "verify_model", None), model=args.model)
     except verify.VerifyError as err:
         return [verify.not_verified(compiled, str(err))], None
     return verify.diagnostics(compiled, verdict), (verdict.summary() if verdict.ok else None)
