@@ -24,7 +24,7 @@ from planc.estimate import memory
 from planc.estimate.time import estimate_step_time, unit_collectives
 from planc.estimate.trace import MicrobatchError
 from planc.lang.fmt import format_plan
-from planc.lower.job import BACKWARD_INPUT, FORWARD, FULL_BACKWARD
+from planc.lower.job import BACKWARD_INPUT, FORWARD, FULL_BACKWARD, Action
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SEED = "".join(line + "\n" for line in (ROOT / "plans" / "seed.plan").read_text().splitlines()
@@ -48,7 +48,7 @@ def test_step_line_lowers_to_the_microbatch_schedule():
     every = _compile(SEED + "step { accumulate 3 }\n").job.schedule
     assert every.gradient_sync == "every" and all(every.reduces(a) for a in every.actions[0] if a.kind != FORWARD)
     assert _compile(SEED).job.schedule.microbatches == 1
-    assert not schedule.reduces(type(schedule.actions[0][0])(0, BACKWARD_INPUT, 3))
+    assert not schedule.reduces(Action(0, BACKWARD_INPUT, 3))
 
 
 def test_step_line_formats_and_reads_back():
