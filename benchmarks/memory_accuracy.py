@@ -9,6 +9,7 @@ within 3% of 1.00 everywhere. Prints one line per case, then one JSON line.
 
     python benchmarks/memory_accuracy.py           # 8B-class models at 8 and 64 ranks (minutes)
     python benchmarks/memory_accuracy.py --quick   # tiny configs, 8 ranks (seconds)
+    python benchmarks/memory_accuracy.py --tp      # 2-D (FSDP x TP) plans of two HF architectures, 4 ranks
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ QUICK = [
     ("Mixtral tiny (HF)", "mixtral.plan", "hf:mixtral-tiny", (2, 32), "adamw"),
     ("GPT-2 tiny (HF)", "gpt2.plan", "hf:gpt2-tiny", (2, 32), "adamw"),
 ]
+# 2-D plans (shard x tensor = 2 x 2) of Hugging Face architectures planc ships no plan for (issue 20's
+# newcomer fixtures), each at a tiny and a larger input.
+TP = [(f"{name} (HF, 2-D)", f"tests/fixtures/tp/{name}.plan", f"hf:{name}", shape, "adamw")
+      for name in ("olmo2-tiny", "gpt-neox-tiny") for shape in ((2, 16), (4, 128))]
 
 
 def one(label: str, plan: str, ref: str, shape: tuple[int, int], optimizer: str, world: int) -> dict:
@@ -44,7 +49,7 @@ def one(label: str, plan: str, ref: str, shape: tuple[int, int], optimizer: str,
     from planc.model.build import build_model
 
     build = lambda: build_model(ref, device="meta")  # noqa: E731
-    text = (ROOT / "plans" / plan).read_text()
+    text = (ROOT / (plan if "/" in plan else f"plans/{plan}")).read_text()
     t0 = time.perf_counter()
     model = build()
     compiled = planc.compile(planc.loads(text, filename=plan), model, world)
@@ -66,10 +71,11 @@ def one(label: str, plan: str, ref: str, shape: tuple[int, int], optimizer: str,
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny configs at 8 ranks")
+    p.add_argument("--tp", action="store_true", help="2-D plans of Hugging Face models at 4 ranks")
     p.add_argument("--only", help="run only cases whose label contains this")
     args = p.parse_args(argv)
-    cases = QUICK if args.quick else FULL
-    worlds = (8,) if args.quick else (8, 64)
+    cases = QUICK if args.quick else TP if args.tp else FULL
+    worlds = (8,) if args.quick else (4,) if args.tp else (8, 64)
     rows, failed = [], []
     for label, plan, ref, shape, optimizer in cases:
         if args.only and args.only not in label:
