@@ -26,8 +26,12 @@ def test_every_stage_runs_forward_and_backward_of_every_microbatch_once(name, pp
 
 
 @pytest.mark.parametrize("name", [n for n in SCHEDULES if n not in SINGLE_STAGE])
-def test_multi_stage_actions_are_torchs_pipeline_order(name):
-    pp, mb = 4, 8
+@pytest.mark.parametrize("pp,mb", [(2, 4), (2, 8), (4, 4), (4, 8)])
+def test_multi_stage_actions_are_torchs_pipeline_order(name, pp, mb):
+    if name == "DualPipeV" and mb < 2 * pp:  # torch 2.13 refuses fewer microbatches than stages
+        with pytest.raises(ValueError, match="at least as many microbatches as stages"):
+            schedule(name, pp, mb, 2)
+        return
     sched = schedule(name, pp, mb, 2)
     cls = torch_schedules.get_schedule_class(name)
     for rank, held in enumerate(sched.stages):
