@@ -35,7 +35,6 @@ import json
 import logging
 import math
 import os
-import socket
 import tempfile
 import time
 import warnings
@@ -45,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from planc.analysis.launch import LaunchError, launch
 from planc.diagnostics import Diagnostic
 from planc.resolve.styles import STYLES
 
@@ -276,57 +276,46 @@ def _fp32(compiled):
     return compiled
 
 
-def _rank(rank: int, world: int, port: int, out_dir: str, spec: dict) -> None:
-    """One rank of the sharded run; rank 0 writes what it gathered to `out_dir`."""
+def _rank(rank: int, world: int, spec: dict) -> dict | None:
+    """One rank of the sharded run (on a `launch`ed gloo process); rank 0 returns what it gathered."""
     import torch.distributed as dist
 
     import planc
+    from planc.backends.runtime import build_mesh, run
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     warnings.simplefilter("ignore")  # the ranks' own warnings are not the verdict (it is written by rank 0)
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from planc.backends.runtime import build_mesh, run
 
-        model = _build(spec["twin"], spec["base"])
-        compiled = planc.compile(planc.loads(spec["text"], filename=spec["file"]), model, world, strict=False,
-                                 check_memory=False)
-        blocking = [d for d in compiled.diagnostics if d.is_error and d.code not in spec["allow"]]
-        if blocking:
-            raise VerifyError(f"{blocking[0].code} on the twin: {blocking[0].message}")
-        compiled = _fp32(compiled)  # then made real as `planc.apply` does, op by op
-        applied = run(compiled.job.program, model, build_mesh(compiled.mesh, world), compiled)
-        dp_rank, dp = applied.data_parallel_rank()  # ranks of one tensor or context group share a slice
-        per = spec["global_batch"] // dp
-        tensor = applied.compiled.mesh.axis_name("tensor")
-        tp = applied.mesh[tensor].size() if tensor else 1
+    model = _build(spec["twin"], spec["base"])
+    compiled = planc.compile(planc.loads(spec["text"], filename=spec["file"]), model, world, strict=False,
+                             check_memory=False)
+    blocking = [d for d in compiled.diagnostics if d.is_error and d.code not in spec["allow"]]
+    if blocking:
+        raise VerifyError(f"{blocking[0].code} on the twin: {blocking[0].message}")
+    compiled = _fp32(compiled)  # then made real as `planc.apply` does, op by op
+    applied = run(compiled.job.program, model, build_mesh(compiled.mesh, world), compiled)
+    dp_rank, dp = applied.data_parallel_rank()  # ranks of one tensor or context group share a slice
+    per = spec["global_batch"] // dp
+    tensor = applied.compiled.mesh.axis_name("tensor")
+    tp = applied.mesh[tensor].size() if tensor else 1
 
-        def reduce_loss(total: torch.Tensor) -> float:
-            total = total.clone()
-            dist.all_reduce(total)  # tensor ranks hold the same loss: the mean over all is the data-parallel mean
-            return (total / world).item()
+    def reduce_loss(total: torch.Tensor) -> float:
+        total = total.clone()
+        dist.all_reduce(total)  # tensor ranks hold the same loss: the mean over all is the data-parallel mean
+        return (total / world).item()
 
-        data = [b[dp_rank * per:(dp_rank + 1) * per] for b in _batches(model, spec["global_batch"], spec["seq"])]
-        scale = _loss_scale(compiled, world // tp)
+    data = [b[dp_rank * per:(dp_rank + 1) * per] for b in _batches(model, spec["global_batch"], spec["seq"])]
+    scale = _loss_scale(compiled, world // tp)
 
-        def forward(model: nn.Module, tokens: torch.Tensor):  # a context axis: this rank's sequence shard
-            batch = applied.shard_batch(tokens, tokens)
-            if batch.positions is None:
-                return _forward(model, tokens), tokens
-            return model(batch.tokens, positions=batch.positions), batch.labels
+    def forward(model: nn.Module, tokens: torch.Tensor):  # a context axis: this rank's sequence shard
+        batch = applied.shard_batch(tokens, tokens)
+        if batch.positions is None:
+            return _forward(model, tokens), tokens
+        return model(batch.tokens, positions=batch.positions), batch.labels
 
-        out = _train(model, data, applied.accumulate, applied.loss_parallel, applied.microbatches / scale,
-                     lambda total: reduce_loss(total / scale), forward)
-        if rank == 0:
-            torch.save({"ok": True, "out": out}, os.path.join(out_dir, "0.pt"))
-        dist.barrier()
-    except BaseException as err:
-        torch.save({"ok": False, "error": f"{type(err).__name__}: {err}"}, os.path.join(out_dir, f"e{rank}.pt"))
-        raise
-    finally:
-        dist.destroy_process_group()
+    out = _train(model, data, applied.accumulate, applied.loss_parallel, applied.microbatches / scale,
+                 lambda total: reduce_loss(total / scale), forward)
+    return out if rank == 0 else None
 
 
 def _loss_scale(compiled, dp: int) -> float:
@@ -346,32 +335,13 @@ def _loss_scale(compiled, dp: int) -> float:
     return found.pop() / dp if found else 1.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(world: int, spec: dict, timeout: float) -> dict:
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_rank, args=(world, _free_port(), out_dir, spec), nprocs=world, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-                if time.monotonic() >= deadline:
-                    for p in ctx.processes:
-                        p.kill()
-                    raise VerifyError(f"the sharded run did not finish in {timeout:.0f} s (a hang?)")
-        except VerifyError:
-            raise
-        except Exception:
-            errors = [torch.load(os.path.join(out_dir, f)) for f in sorted(os.listdir(out_dir)) if f.startswith("e")]
-            first = errors[0]["error"] if errors else "a rank died"
-            raise VerifyError(f"the plan did not train on {world} ranks: {first}") from None
-        return torch.load(os.path.join(out_dir, "0.pt"))["out"]
+    try:
+        return launch(_rank, world, spec, timeout=timeout)[0]
+    except LaunchError as err:
+        if err.timed_out:
+            raise VerifyError(f"the sharded run did not finish in {timeout:.0f} s (a hang?)") from None
+        raise VerifyError(f"the plan did not train on {world} ranks: {err.error or 'a rank died'}") from None
 
 
 # ===================================================================== compare and locate
