@@ -60,6 +60,7 @@ from planc.lower.program import (
 from planc.model.graph import ModelGraph
 from planc.resolve.ir import Unit
 from planc.resolve.mesh import Mesh
+from planc.resolve.step import MicrobatchError, check_splits  # noqa: F401  (MicrobatchError: what accumulate raises)
 from planc.resolve.styles import STYLES
 
 __all__ = ["AppliedPlan", "AppliedUnit", "apply", "build_mesh", "device_type", "fully_shard_kwargs", "run",
@@ -256,13 +257,11 @@ class AppliedPlan:
             optimizer.step()
 
         Raises:
-            ValueError: a tensor's first dimension does not divide into the microbatches.
+            MicrobatchError: a tensor's first dimension does not divide into the microbatches.
         """
         k = self.microbatches
         for t in batch:
-            if t.dim() == 0 or t.shape[0] % k:
-                raise ValueError(f"a batch tensor of shape {tuple(t.shape)} does not split into the plan's {k} "
-                                 f"microbatches (`step {{ accumulate {k} }}`): give a batch that is a multiple of {k}")
+            check_splits(tuple(t.shape), k)
         chunks = [t.chunk(k) for t in batch]
         try:
             for mb in range(k):

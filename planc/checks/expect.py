@@ -16,6 +16,7 @@ from planc.limits import MAX_RANKS
 from planc.quantities import show_bytes, show_shape
 from planc.resolve.mesh import Role
 from planc.resolve.selectors import match_modules
+from planc.resolve.step import MicrobatchError, check_splits
 
 METRICS = ("units", "memory.peak", "memory.sharded", "memory.unsharded_peak", "memory.activations")
 _OPS = {"==": lambda a, b: a == b, "!=": lambda a, b: a != b, "<=": lambda a, b: a <= b,
@@ -147,7 +148,7 @@ def _expect_memory(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
                    "and S the sequence length in tokens (e.g. `2x512`)",), severity="warning")
         return
     step = ctx.res.step
-    if shape is not None and step is not None and shape[0] % step.value.microbatches:
+    if shape is not None and step is not None and not _splits(shape, step.value.microbatches):
         k = step.value.microbatches
         yield err("P160", f"a batch of {shape[0]} does not divide into the {k} microbatches of a step",
                   s.input_span or s.span, f"{shape[0]} rows do not split in {k}",
@@ -194,3 +195,12 @@ def _at_clause(s: st.ExpectMetric, world: int, shape: str) -> str:
     """The line's `at` clause with an input added: `world = 8, input = BxS`, or `input = BxS`
     when the world size comes from the command line."""
     return (f"world = {world}, " if s.world is not None else "") + f"input = {shape}"
+
+
+def _splits(shape: tuple[int, ...], microbatches: int) -> bool:
+    """Whether a batch of `shape` splits into the step's microbatches (`resolve.step.check_splits`)."""
+    try:
+        check_splits(shape, microbatches)
+    except MicrobatchError:
+        return False
+    return True

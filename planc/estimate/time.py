@@ -95,6 +95,7 @@ from planc.lower.fsdp import owners as fsdp_owners
 from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, Schedule, step_schedule
 from planc.lower.lowering import tensor_dims
 from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, Program, SetPrefetch, UnitMethod
+from planc.resolve.step import check_splits
 
 PHASES = ("forward", "backward", "optimizer")
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "host_to_device", "device_to_host")
@@ -359,13 +360,12 @@ def _compute(program: Program, graph, flops, div: int, per_unit: list[UnitTime],
 
 def _microbatch(inputs, input_shape, k: int):
     """The inputs of one of `k` microbatches of a step's (`MicrobatchError` when they do not divide)."""
-    from planc.estimate.trace import Example, MicrobatchError
+    from planc.estimate.trace import Example
 
     if inputs is not None:
         return Example.of(inputs).microbatch(k), input_shape
     if input_shape is not None:
-        if input_shape[0] % k:
-            raise MicrobatchError(f"a batch of {input_shape[0]} does not divide into {k} microbatches")
+        check_splits(tuple(input_shape), k)
         return None, (input_shape[0] // k, *input_shape[1:])
     return None, None
 

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten
 from planc.lower.fsdp import root_index, unit_of_module
 from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
 from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
+from planc.resolve.step import MicrobatchError, check_splits  # noqa: F401  (MicrobatchError: re-exported)
 
 # What the trace records: the units' hooks (`FullyShard`), checkpointing, each tensor style's
 # local shapes and layouts; prefetch lists, `compile` and unit methods change no byte it records
@@ -164,10 +165,6 @@ def known_cause(reason: str) -> str | None:
     return None
 
 
-class MicrobatchError(ValueError):
-    """A step's batch does not divide into the plan's microbatches (`step { accumulate N }`)."""
-
-
 @dataclass(frozen=True)
 class Example:
     """Example inputs of one step: positional and keyword arguments of `model(...)`.
@@ -217,10 +214,7 @@ class Example:
         if not 0 <= index < microbatches:
             raise ValueError(f"microbatch {index} of {microbatches}")
         for t in self.tensors():
-            if t.dim() == 0 or t.shape[0] % microbatches:
-                size = "a scalar" if t.dim() == 0 else f"a batch of {t.shape[0]}"
-                raise MicrobatchError(f"an input of shape {tuple(t.shape)} has {size}, which does not divide "
-                                      f"into {microbatches} microbatches")
+            check_splits(tuple(t.shape), microbatches)
         return self.map(lambda t: t.chunk(microbatches)[index])
 
 

@@ -24,6 +24,26 @@ from planc.resolve.options import OptionSpec, Param, _Bad, _bind, enum, positive
 GRADIENT_SYNC = ("every", "last")
 
 
+class MicrobatchError(ValueError):
+    """A step's batch does not divide into the plan's microbatches (`step { accumulate N }`)."""
+
+
+def check_splits(shape: tuple[int, ...], microbatches: int) -> None:
+    """The one rule for splitting a batch tensor into microbatches: its first dimension (the batch)
+    into `microbatches` equal parts (what the runtime, the trace and the step time all do).
+
+    Raises:
+        MicrobatchError: `shape` is a scalar's or its batch does not divide.
+    """
+    if microbatches == 1:
+        return
+    if not shape or shape[0] % microbatches:
+        size = "a scalar" if not shape else f"a batch of {shape[0]}"
+        raise MicrobatchError(f"an input of shape {tuple(shape)} has {size}, which does not divide into {microbatches} "
+                              f"microbatches (`step {{ accumulate {microbatches} }}`): give a batch that is a multiple "
+                              f"of {microbatches}")
+
+
 @dataclass(frozen=True)
 class Accumulation:
     """Microbatches per optimizer step and when their gradients are reduced (`GRADIENT_SYNC`)."""
