@@ -34,7 +34,7 @@ TRAILING = "  "  # two spaces before a comment that follows code, as PEP 8 does
 _KIND = {
     st.ModelStmt: "model", st.IncludeStmt: "model", st.MeshStmt: "mesh", st.DefaultsStmt: "defaults",
     st.UnitStmt: "unit", st.RootStmt: "unit", st.CheckpointStmt: "transform", st.CompileStmt: "transform",
-    st.ParallelStmt: "parallel", st.StepStmt: "step",
+    st.ParallelStmt: "parallel", st.StepStmt: "step", st.PipelineStmt: "pipeline", st.StageStmt: "pipeline",
     st.IgnoreStmt: "param", st.PlaceStmt: "param", st.ExpectUnit: "expect", st.ExpectMetric: "expect",
 }
 

@@ -13,12 +13,22 @@ from pygments.token import Comment, Keyword, Name, Number, Operator, Punctuation
 
 __all__ = ["PlanLexer"]
 
-from planc.lang.vocabulary import BOOLS, CLAUSES, DTYPES, FSDP1_WORDS, STATEMENTS, STEP_OPTIONS, STYLE_END, STYLES
+from planc.lang.vocabulary import (
+    BOOLS,
+    CLAUSES,
+    DTYPES,
+    FSDP1_WORDS,
+    PIPELINE_OPTIONS,
+    STATEMENTS,
+    STEP_OPTIONS,
+    STYLE_END,
+    STYLES,
+)
 from planc.lang.vocabulary import OPTIONS as _UNIT_OPTIONS
 
 CONSTANTS = BOOLS
 # block options that are not also statement keywords (those are highlighted as keywords)
-OPTIONS = tuple(o for o in _UNIT_OPTIONS + STEP_OPTIONS if o not in STATEMENTS)
+OPTIONS = tuple(o for o in _UNIT_OPTIONS + STEP_OPTIONS + PIPELINE_OPTIONS if o not in STATEMENTS)
 
 _NAME = r"[A-Za-z_][A-Za-z0-9_]*"
 
@@ -43,6 +53,11 @@ class PlanLexer(RegexLexer):
             (r"\b(model)([ \t]+)([A-Za-z_][\w.]*:[\w./-]+)", bygroups(Keyword.Namespace, Whitespace, Name.Namespace)),
             (r're"(\\.|[^"\\\n])*"', String.Regex),
             (r'"(\\.|[^"\\\n])*"', String.Double),
+            # `pipeline 1F1B`: the schedule, torch's class name (it may start with a digit)
+            (r"\b(pipeline)([ \t]+)([A-Za-z0-9_]+)", bygroups(Keyword, Whitespace, Name.Class)),
+            # `stage 0:`: a pipeline stage's index (not a class guard)
+            (r"\b(stage)([ \t]+)([0-9]+)([ \t]*)(:)", bygroups(Keyword, Whitespace, Number.Integer, Whitespace,
+                                                           Punctuation)),
             (words(STATEMENTS, prefix=r"(?<![\w.*])", suffix=r"\b(?![.*])"), Keyword),
             (words(CLAUSES, prefix=r"(?<![\w.*])", suffix=r"\b(?![.*])"), Keyword),
             (words(CONSTANTS, prefix=r"(?<![\w.*])", suffix=r"\b(?![.*])"), Keyword.Constant),

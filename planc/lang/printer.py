@@ -131,6 +131,8 @@ _HEADS: dict[str, Callable[[Any], str]] = {
     "IgnoreStmt": lambda s: f"{_optional(s)}ignore {_selector(s.selector)}",
     "PlaceStmt": lambda s: f"{_optional(s)}place {_selector(s.selector)} {_call(s.placement)}",
     "StepStmt": lambda s: "step",
+    "PipelineStmt": lambda s: f"pipeline {s.schedule.value}",
+    "StageStmt": lambda s: f"stage {s.index}: " + ", ".join(_selector(x) for x in s.selectors),
     "ExpectUnit": lambda s: f"expect {'not ' if s.negated else ''}unit {text(s.target)}",
     "ExpectMetric": _expect_metric,
 }
@@ -158,6 +160,8 @@ _RULE_NAMES: dict[str, Callable[[Any], str]] = {
     "CompileStmt": lambda s: f"compile {_selector(s.selector)}",
     "ParallelStmt": lambda s: f"parallel {_selector(s.selector)} {s.style.value}",
     "StepStmt": lambda s: "step",
+    "PipelineStmt": lambda s: f"pipeline {s.schedule.value}",
+    "StageStmt": lambda s: f"stage {s.index}",
 }
 
 

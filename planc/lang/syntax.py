@@ -302,6 +302,25 @@ class StepStmt:
 
 
 @_node
+class PipelineStmt:
+    """`pipeline 1F1B { microbatches 8 }`: the pipeline schedule and its options (planc/resolve/pipeline.py)."""
+
+    span: Span
+    schedule: Name
+    block: Block | None
+
+
+@_node
+class StageStmt:
+    """`stage 0: tok_embeddings, layers[0:4]`: the modules of one pipeline stage (planc/resolve/pipeline.py)."""
+
+    span: Span
+    index: int
+    index_span: Span
+    selectors: tuple[Selector, ...]
+
+
+@_node
 class CompileStmt:
     span: Span
     selector: Selector
@@ -353,7 +372,7 @@ class ExpectMetric:
 
 Statement = Union[
     ModelStmt, IncludeStmt, MeshStmt, DefaultsStmt, UnitStmt, RootStmt, CheckpointStmt,
-    CompileStmt, IgnoreStmt, PlaceStmt, StepStmt, ExpectUnit, ExpectMetric,
+    CompileStmt, IgnoreStmt, PlaceStmt, StepStmt, PipelineStmt, StageStmt, ExpectUnit, ExpectMetric,
 ]
 
 

@@ -124,6 +124,18 @@ class ToSyntax(Transformer):
         return st.StepStmt(span=self._span(meta), block=items[0])
 
     @v_args(meta=True)
+    def pipeline_stmt(self, meta, items):
+        name, block = items
+        return st.PipelineStmt(span=self._span(meta), schedule=st.Name(span=self._tok(name), value=str(name)),
+                               block=block)
+
+    @v_args(meta=True)
+    def stage_stmt(self, meta, items):
+        index, *selectors = items
+        return st.StageStmt(span=self._span(meta), index=self._int(index), index_span=self._tok(index),
+                            selectors=tuple(selectors))
+
+    @v_args(meta=True)
     def compile_stmt(self, meta, items):
         optional, selector = items
         return st.CompileStmt(span=self._span(meta), selector=selector, optional=optional is not None)

@@ -17,10 +17,10 @@ from pathlib import Path
 
 # Statement keywords of the grammar, in the order the grammar lists them.
 STATEMENTS = ("model", "include", "mesh", "defaults", "unit", "root", "checkpoint", "parallel", "compile",
-              "ignore", "place", "step", "expect")
+              "ignore", "place", "step", "pipeline", "stage", "expect")
 # The same with `optional`, likeliest first: the order syntax-error help lists them in.
 STATEMENT_ORDER = ("unit", "checkpoint", "compile", "defaults", "root", "mesh", "model", "include",
-                   "ignore", "place", "expect", "parallel", "step", "optional")
+                   "ignore", "place", "expect", "parallel", "step", "pipeline", "stage", "optional")
 OPTIONAL_STATEMENTS = ("unit", "checkpoint", "parallel", "compile", "ignore", "place")
 # Keywords inside statements.
 CLAUSES = ("optional", "except", "where", "not", "at", "world", "input", "none", "units", "unit")
@@ -29,6 +29,8 @@ OPTIONS = ("precision", "reshard", "offload", "prefetch", "reduction", "checkpoi
            "sharding_strategy", "mixed_precision", "cpu_offload")
 # Options of the `step` block (`planc/resolve/step.py`).
 STEP_OPTIONS = ("accumulate",)
+# Options of the `pipeline` block (`planc/resolve/pipeline.py`).
+PIPELINE_OPTIONS = ("microbatches", "stages_per_rank", "split")
 # Dtype words (`options.DTYPES`, without `none`, which is a clause word).
 DTYPES = ("fp32", "float32", "f32", "bf16", "bfloat16", "fp16", "float16", "half")
 # Boolean words (`options.BOOLS`).
@@ -74,7 +76,7 @@ def tmlanguage(template: dict) -> dict:
     boolean["match"] = rf"(?<![\w.*])\b({_alternation(BOOLS)})\b(?![.*])"
     dtype["match"] = rf"(?<![\w.*])\b({_alternation(DTYPES)})\b(?![.*])"
     fsdp1["match"] = rf"\b({_alternation(FSDP1_WORDS)})\b"
-    options = [o for o in OPTIONS + STEP_OPTIONS if o not in STATEMENTS]
+    options = [o for o in OPTIONS + STEP_OPTIONS + PIPELINE_OPTIONS if o not in STATEMENTS]
     repo["option"]["match"] = rf"(?<![\w.*])\b({_alternation(options)})\b(?![.*=])"
     repo["style"]["match"] = rf"(?<![\w.*])\b({_alternation(STYLES)})\b{STYLE_END}"
     return template
