@@ -36,7 +36,24 @@ def test_multi_stage_actions_are_torchs_pipeline_order(name, pp, mb):
     cls = torch_schedules.get_schedule_class(name)
     for rank, held in enumerate(sched.stages):
         built = cls([_PlaceholderStage(s, 2 * pp, rank, pp) for s in held], mb)
-        assert [str(a) for a in sched.actions[rank]] == [str(a) for a in built.pipeline_order[rank] if a is not None]
+        # the runtime lowers the compute-only order with torch's own `_add_reduce_grad`
+        order = torch_schedules._add_reduce_grad(list(built.pipeline_order[rank]), mb)
+        assert [str(a) for a in sched.actions[rank]] == [str(a) for a in order if a is not None]
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_each_stage_reduces_once_after_its_last_backward(name):
+    # torch's stage backs every microbatch without gradient sync and reduces in REDUCE_GRAD
+    sched = schedule(name, 2, 4, _v(name))
+    assert sched.gradient_sync == "last" and sched.pipelined
+    for rank, actions in enumerate(sched.actions):
+        flat = [a for action in actions for a in (action.sub or (action,))]
+        reducing = [i for i, a in enumerate(flat) if sched.reduces(a)]
+        assert sorted(flat[i].stage for i in reducing) == sorted(sched.stages[rank])
+        assert all(flat[i].kind == "REDUCE_GRAD" for i in reducing)
+        for i in reducing:
+            last = max(j for j, a in enumerate(flat) if a.stage == flat[i].stage and a.kind in "BW")
+            assert last < i
 
 
 def test_single_stage_rank0_matches_torchs_order():

@@ -135,10 +135,24 @@ class Schedule:
     origin: Setting | None = None
 
     def reduces(self, action: Action) -> bool:
-        """Whether `action`'s backward reduces its stage's gradients over the data-parallel axes."""
-        if action.kind not in (FULL_BACKWARD, BACKWARD_WEIGHT):
+        """Whether `action` reduces its stage's gradients over the data-parallel axes.
+
+        Without a pipeline, a backward does: every microbatch's (`every`) or the last one's
+        (`last`). Under a pipeline torch's stage runs every microbatch's backward without
+        gradient sync and reduces in the stage's `REDUCE_GRAD` action, after its last backward
+        (`PipelineStage.perform_reduce_grad`, torch 2.13): the schedule's sync is `last` and
+        only `REDUCE_GRAD` reduces.
+        """
+        if action.kind == REDUCE_GRAD:
+            return True
+        if action.kind not in (FULL_BACKWARD, BACKWARD_WEIGHT) or self.pipelined:
             return False
         return self.gradient_sync == "every" or action.microbatch == self.microbatches - 1
+
+    @property
+    def pipelined(self) -> bool:
+        """A pipeline schedule (torch's), not the `step` of one stage."""
+        return self.name != "step"
 
 
 def step_schedule(microbatches: int = 1, gradient_sync: str = "every", origin: Setting | None = None) -> Schedule:

@@ -4,7 +4,10 @@ The one place that decides what is done to the model, in what order, with which
 arguments. FSDP2's defaulting rules are applied here and nowhere else:
 
 * `reshard_after_forward` left unset is True for inner units and False for the root
-  (what FSDP2 does with `None`, which is what is passed);
+  (what FSDP2 does with `None`, which is what is passed); under a pipeline it is False for
+  every unit (torchtitan's `reshard_after_forward = not pp_enabled`: a stage runs several
+  microbatches' forwards before their backwards, and resharding between them is wrong with
+  the split-backward schedules on torch 2.13, P465), and False is what is passed;
 * a precision left unset keeps the parameter's own dtype; the reduce dtype defaults to the
   compute dtype (`Precision.compute_dtype` / `Precision.reduce`);
 * offloading pins memory unless the plan says not to (and never on a CPU mesh).
@@ -16,7 +19,11 @@ prefetch lists and the `FSDPModule` methods the plan sets, which need every unit
 
 from __future__ import annotations
 
+import dataclasses
+
+from planc.lower import schedules
 from planc.lower.job import DENSE, Job, LossParallel, Part, ShardBatch, View, step_schedule
+from planc.lower.pipeline import pipeline_job
 from planc.lower.program import (
     AttendOverContext,
     Checkpoint,
@@ -33,7 +40,7 @@ from planc.lower.program import (
 )
 from planc.model.graph import ModelGraph
 from planc.resolve.context import BALANCE, BATCH_TENSORS
-from planc.resolve.ir import Resolution, Unit
+from planc.resolve.ir import Resolution, Setting, Unit
 from planc.resolve.mesh import Role
 from planc.resolve.styles import ROWS, STYLES, SUBTREE
 
@@ -46,9 +53,12 @@ UNIT_METHODS: dict[str, str] = {
 }
 
 
-def policy_of(unit: Unit) -> Policy:
-    """The effective FSDP2 policy of one resolved unit (every default resolved)."""
+def policy_of(unit: Unit, pipelined: bool = False) -> Policy:
+    """The effective FSDP2 policy of one resolved unit (every default resolved); `pipelined`:
+    the plan has a pipeline (no resharding after forward unless the plan says so)."""
     argument = unit["reshard_after_forward"]
+    if argument is None and pipelined:
+        argument = False
     return Policy(
         reshard_after_forward=(not unit.is_root) if argument is None else argument,
         reshard_argument=argument,
@@ -67,7 +77,8 @@ def _fully_shard(unit: Unit, res: Resolution, graph: ModelGraph, axes: tuple[str
     placements = tuple((n, res.placements[n][0]) for n in unit.params if n in res.placements)
     ignored = tuple(sorted(n for n in res.ignored if n in subtree))
     return FullyShard(
-        name=unit.name, modules=unit.modules, is_root=unit.is_root, axes=axes, policy=policy_of(unit),
+        name=unit.name, modules=unit.modules, is_root=unit.is_root, axes=axes,
+        policy=policy_of(unit, res.pipeline is not None),
         params=unit.params, placements=placements, ignored=ignored, rule=unit.rule, span=unit.span,
         placement_spans={n: res.placements[n][1] for n, _ in placements},
         ignored_spans={n: res.ignored[n] for n in ignored})
@@ -154,10 +165,11 @@ def lower(res: Resolution, graph: ModelGraph) -> Program:
 
 
 def lower_job(res: Resolution, graph: ModelGraph) -> Job:
-    """The job for a resolution without errors: today one part (the whole model), the dense
-    view, the one-stage schedule over the `step` line's microbatches, `loss_parallel()` as a
-    step op when the plan asks for it, and with a context axis the batch sharded along the
-    sequence (`ShardBatch`)."""
+    """The job for a resolution without errors: one part (the whole model), the dense view, the
+    one-stage schedule over the `step` line's microbatches, `loss_parallel()` as a step op when
+    the plan asks for it, and with a context axis the batch sharded along the sequence
+    (`ShardBatch`). With a pipeline: one part per stage (`pipeline_job`), run by torch's
+    schedule over the `pipeline` line's microbatches (`planc.lower.schedules.schedule`)."""
     program = lower(res, graph)
     step_ops: tuple = tuple(LossParallel(op.module, op.origin) for op in program.of_type(Parallelize)
                             if op.style.loss_parallel)
@@ -166,4 +178,10 @@ def lower_job(res: Resolution, graph: ModelGraph) -> Job:
         step_ops += (ShardBatch(attends[0].axis, BATCH_TENSORS, BALANCE, attends[0].origin),)
     step = res.step
     schedule = step_schedule() if step is None else step_schedule(step.value.microbatches, step.value.sync, step)
-    return Job(res.mesh, (View(DENSE, res.mesh.device_axes),), (Part(0, ("",), program),), schedule, step_ops)
+    job = Job(res.mesh, (View(DENSE, res.mesh.device_axes),), (Part(0, ("",), program),), schedule, step_ops)
+    pp = res.pipeline
+    if pp is None:
+        return job
+    # the pipeline's stages, run by torch's schedule over the plan's microbatches (planc/lower/pipeline.py)
+    piped = schedules.schedule(pp.schedule, pp.pp, pp.microbatch_count, pp.stages_per_rank)
+    return pipeline_job(job, pp.stages, dataclasses.replace(piped, origin=Setting(pp, pp.span, "pipeline", 0)))

@@ -9,6 +9,8 @@ single-stage schedules (GPipe, 1F1B) do not run their `pipeline_order` (their
 (rank 1 of 2, 4 microbatches: `1F1 1B0 ... 1F4`): their actions follow the loop instead. The
 placement (which stages a rank holds) follows torchtitan's `pipeline_parallel.py`: loop
 (`rank + k * pp`) for the looped schedules, V (`rank`, `2 * pp - 1 - rank`) for the V ones.
+Every row ends each stage's backwards with its `REDUCE_GRAD` (torch's runtime inserts it with
+`_add_reduce_grad`; GPipe's and 1F1B's loops call it last): the gradient sync is `last`.
 """
 
 from __future__ import annotations
@@ -17,11 +19,9 @@ from torch.distributed.pipelining import schedules as _torch_schedules
 from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from planc.lower.job import Action, Schedule
+from planc.resolve.pipeline import SCHEDULES, SINGLE_STAGE, V_SCHEDULES
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
-             "DualPipeV")
-SINGLE_STAGE = ("GPipe", "1F1B")
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+__all__ = ["SCHEDULES", "SINGLE_STAGE", "V_SCHEDULES", "placement", "schedule"]
 
 
 class _PlaceholderStage(_PipelineStageBase):
@@ -69,14 +69,16 @@ def schedule(name: str, pp: int, microbatches: int, stages_per_rank: int = 1) ->
     stages = placement(name, pp, stages_per_rank)
     if single:
         rows = tuple(_single_stage_actions(name, rank, pp, microbatches) for rank in range(pp))
-        return Schedule(name, microbatches, stages, rows)
+        return Schedule(name, microbatches, stages, rows, "last")
     cls = _torch_schedules.get_schedule_class(name)
     total = pp * stages_per_rank
     rows = []
     for rank, held in enumerate(stages):
         built = cls([_PlaceholderStage(s, total, rank, pp) for s in held], microbatches)
-        rows.append(tuple(_action(a) for a in built.pipeline_order[rank] if a is not None))
-    return Schedule(name, microbatches, stages, tuple(rows))
+        # the runtime adds each stage's REDUCE_GRAD after its last backward (`_add_reduce_grad`)
+        order = _torch_schedules._add_reduce_grad(list(built.pipeline_order[rank]), microbatches)
+        rows.append(tuple(_action(a) for a in order if a is not None))
+    return Schedule(name, microbatches, stages, tuple(rows), "last")
 
 
 def _single_stage_actions(name: str, rank: int, pp: int, microbatches: int) -> tuple[Action, ...]:

@@ -81,6 +81,7 @@ class Resolution:
     conflicted: set[int] = field(default_factory=set)                      # rules dropped by P203
     broken: set[int] = field(default_factory=set)                          # rules with a bad option
     step: Setting | None = None                                            # `step`: an Accumulation
+    pipeline: Any = None                        # `pipeline`/`stage` lines: a `planc.resolve.pipeline.Pipeline`
 
     def unit(self, name: str) -> Unit:
         for u in self.units:

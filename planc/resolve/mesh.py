@@ -75,7 +75,7 @@ class RoleRule:
 # The roles, outermost axis first: the order the dense `DeviceMesh` has them in (torchtitan's
 # pp, dp_replicate, dp_shard, cp, tp), whatever order the plan writes them in.
 RULES: tuple[RoleRule, ...] = (
-    RoleRule(Role.PIPELINE, ("pipeline", "pp"), "pipeline parallelism",
+    RoleRule(Role.PIPELINE, ("pipeline", "pp"), "pipeline parallelism", built=True,
              star_help="fix the pipeline size, e.g. `mesh (pipeline = 4, shard = *)`"),
     RoleRule(Role.REPLICATE, ("replicate", "dp_replicate"), "data parallelism (replicated)", implied=True,
              default=1, data_parallel=True, omit_at_one=True, built=True,

@@ -24,6 +24,7 @@ from planc.resolve.context import context_style, is_context
 from planc.resolve.ir import DEFAULT_SETTINGS, Resolution, Setting, Unit
 from planc.resolve.mesh import Role, resolve_mesh
 from planc.resolve.options import CHECKPOINT_MODES, MODULE_SETTINGS, Assignment, parse_option
+from planc.resolve.pipeline import resolve_pipeline
 from planc.resolve.selectors import check_regexes, match_modules, match_params
 from planc.resolve.step import resolve_step
 from planc.resolve.tensor import TensorStyle, tensor_style
@@ -91,6 +92,8 @@ class Resolver:
         for stale in models[:-1]:
             self._replaced(stale, models[-1], "model")
         self.out.step = resolve_step(stmts, self.plan.file, self.diags)
+        if self._mesh_ok:  # a broken mesh has no pipeline axis to speak of
+            self.out.pipeline = resolve_pipeline(stmts, self.plan.file, self.out.mesh, self.graph, self.diags)
         roots = [s for s in stmts if isinstance(s, st.RootStmt)]
         self.out.root_disabled = bool(roots) and roots[-1].disabled
 
