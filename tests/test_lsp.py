@@ -251,6 +251,19 @@ async def test_hover_on_style_words_and_an_unestimated_context_plan(client):
 
 
 @ASYNC
+async def test_hover_on_the_pipeline_and_stage_lines(client):
+    text = ("model planc.zoo:llama_tiny\nmesh (pipeline = 2, shard = *)\npipeline 1F1B { microbatches 4 }\n"
+            "unit layers.*\nstage 0: tok_embeddings, layers.0\nstage 1: layers.1, norm, output\n")
+    uri, diags = await open_doc(client, text)
+    assert diags == []
+    whole = await hover(client, uri, text, "pipeline 1F1B")
+    assert "2 ranks x 1 stages per rank" in whole and "| 0 | 0 |" in whole and "| 1 | 1 |" in whole
+    one = await hover(client, uri, text, "stage 1")
+    assert "layers.1, norm, output" in one and "| 0 | 0 |" not in one
+    assert "microbatches per optimizer step" in await hover(client, uri, text, "microbatches")
+
+
+@ASYNC
 async def test_hover_on_the_step_line(client):
     text = "model planc.zoo:gpt_tiny\nunit blocks.*\nstep { accumulate 4, sync = last }\n"
     uri, diags = await open_doc(client, text)

@@ -128,6 +128,10 @@ def _expect_units(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
 
 
 def _expect_memory(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
+    if ctx.res.pipeline is not None:  # the estimators refuse a job of several parts (planc/lower/job.py)
+        from planc.checks.pipeline import not_estimated
+        yield not_estimated(ctx.res.pipeline, s.span, f"`expect {s.metric}` was not checked")
+        return
     context = ctx.res.mesh.axis(Role.CONTEXT)
     if context is not None:  # the estimators refuse the job's `ShardBatch` (planc/lower/job.py: Reader)
         yield err("P497", f"`expect {s.metric}` was not checked: context parallelism is not yet estimated", s.span,

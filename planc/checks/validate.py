@@ -5,7 +5,7 @@ pattern); each entry declares the inputs it needs (`planc/checks/context.py`), a
 `validate` runs exactly those the compile can feed: without a model only the mesh and the
 `expect` lines read alone are checked. Each check reads a `Context` and never mutates it, so
 each can be tested alone. The checks live by family: `structure`, `precision`, `mesh`,
-`rules`, `tensor` (tensor parallelism), `expect`.
+`rules`, `tensor` (tensor parallelism), `context_parallel`, `pipeline`, `expect`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,14 @@ from planc.checks.context_parallel import (
 )
 from planc.checks.expect import METRICS, check_expects, check_memory_expects, check_metric_lines, metric_problems
 from planc.checks.mesh import check_mesh, check_placements, check_rank_limits, check_reshard_size
+from planc.checks.pipeline import (
+    check_pipeline_batch,
+    check_pipeline_microbatches,
+    check_pipeline_reshard,
+    check_pipeline_stages,
+    check_pipeline_tied,
+    check_pipeline_units,
+)
 from planc.checks.precision import check_ignored_precision, check_precision
 from planc.checks.rules import check_root_reshard, check_shadowed
 from planc.checks.structure import (
@@ -80,6 +88,12 @@ CHECKS: tuple[Check, ...] = (
     Check(check_context_unused, _MODEL),
     Check(check_context_modules, _MODEL),
     Check(check_context_sequence),
+    Check(check_pipeline_stages, _MODEL),
+    Check(check_pipeline_units, _MODEL),
+    Check(check_pipeline_tied, _MODEL),
+    Check(check_pipeline_reshard),
+    Check(check_pipeline_microbatches),
+    Check(check_pipeline_batch),
     Check(check_root_reshard, _MODEL),
     Check(check_shadowed, _MODEL),
     Check(check_metric_lines, about_expectations=True),

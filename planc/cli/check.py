@@ -77,6 +77,13 @@ def simulate_plan(path: str, args, compiled) -> tuple[list[Diagnostic], list[int
     ref = args.model or c.plan.model_ref
     base = None if args.model else os.path.dirname(os.path.abspath(path))
     worlds = [x.world_size for x in compiled if x.world_size is not None] or [simulation_world(c.mesh)]
+    pipeline = c.resolution.pipeline
+    if pipeline is not None:  # the shape check runs one part: say so, located, and check the batch
+        from planc.checks.pipeline import batch_problem, not_estimated
+
+        found = batch_problem(pipeline, shape, pipeline.option_span("microbatches")) if shape else None
+        skipped = not_estimated(pipeline, pipeline.span, "`--simulate` did not run a step")
+        return [d for d in (found, skipped) if d is not None], []
     if c.resolution.context:  # the shape check refuses `ShardBatch`: say so, located, and check the shape
         from planc.checks.context_parallel import not_simulated
 

@@ -51,6 +51,8 @@ def main(args) -> int:
             raise UsageError("explain needs a model: add a `model` line to the plan or pass --model")
         return EXIT_USAGE if io else EXIT_ERRORS
     c = compiled[0]
+    if c.resolution.pipeline is not None:
+        return _explain_pipeline(c, diags, sources, args)
     ref = args.model or c.plan.model_ref
     is_zoo = bool(ref and ref.startswith("planc.zoo:"))
     if args.simulate and shape is None and is_zoo:
@@ -114,6 +116,23 @@ def main(args) -> int:
     else:
         print(render_text(data, c, color=use_color(sys.stdout)))
     return EXIT_ERRORS if failed else EXIT_OK
+
+
+def _explain_pipeline(c, diags, sources, args) -> int:
+    """A pipeline plan: the stages table, and P476 (warning): memory and time are not estimated yet."""
+    from planc.analysis.stages import pipeline_summary, render_stages
+    from planc.checks.pipeline import not_estimated
+
+    summary = pipeline_summary(c)
+    shown = [d for d in diags if args.format == "text" or d.is_error]
+    shown.append(not_estimated(c.resolution.pipeline, c.resolution.pipeline.span,
+                               "`planc explain` did not estimate memory or step time"))
+    print(render.render_text(shown, sources, color=use_color(sys.stderr)), file=sys.stderr)
+    if args.format == "json":
+        print(json.dumps({"plan": c.plan.file, "world_size": args.world_size, "pipeline": summary}, indent=2))
+    else:
+        print(render_stages(summary))
+    return EXIT_ERRORS if any(d.is_error for d in diags) else EXIT_OK
 
 
 def _step_time(compiled, args, shape, example, loss):

@@ -15,7 +15,7 @@ from typing import Sequence
 from planc.cli import check, codes, emit, explain, fmt, importer, lsp, suggest, tree
 from planc.cli.common import EXIT_ERRORS, EXIT_USAGE, UsageError
 from planc.limits import MAX_RANKS
-from planc.lower.job import UnknownKind
+from planc.lower.job import Action, UnknownKind
 
 # ===================================================================== argument parsing
 
@@ -140,6 +140,8 @@ def _unhandled(err: UnknownKind) -> str:
     if type(err.what).__name__ in ("AttendOverContext", "ShardBatch"):
         return (f"{where}context parallelism is not yet estimated{rule}: {err.interpreter} does not model it; "
                 "`planc check`, `planc emit` and `planc.apply` handle it")
+    if isinstance(err.what, Action):  # a pipeline schedule's action (its REDUCE_GRAD, split backward, ...)
+        return f"{err}: pipeline plans are not yet handled by {err.interpreter} (`planc check` and `planc explain` are)"
     return f"{where}{err}"
 
 

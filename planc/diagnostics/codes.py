@@ -307,6 +307,76 @@ CODES: dict[str, Code] = {
                  "split the fused weight into one Linear per part.\n\n"
                  "    parallel **.mlp.gate_up_proj colwise   # error: [gate | up] split contiguously\n"
                  "    parallel **.mlp.down_proj rowwise"),
+    # --- pipeline parallelism (P46x-P47x; planc/resolve/pipeline.py, planc/checks/pipeline.py)
+    "P460": Code("unknown pipeline schedule", "`pipeline NAME` names one of torch's schedule classes without "
+                 "the `Schedule` prefix: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
+                 "ZBVZeroBubble, DualPipeV.\n\n    pipeline OneFOneB { microbatches 8 }   # error: write `1F1B`"),
+    "P461": Code("stages per rank do not fit the schedule", "GPipe and 1F1B run one stage per pipeline rank; "
+                 "the looped schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) at least 2; the V "
+                 "schedules (ZBVZeroBubble, DualPipeV) exactly 2, stages r and 2 x pipeline - 1 - r on rank r "
+                 "(given a loop placement a V schedule hangs: tests/test_pipeline_facts_dist.py).\n\n"
+                 "    pipeline ZBVZeroBubble { microbatches 8, stages_per_rank = 3 }   # error"),
+    "P462": Code("pipeline without a pipeline axis", "A `pipeline` or `stage` line needs a pipeline axis on "
+                 "the mesh, the outermost: `mesh (pipeline = 2, shard = *)`.\n\n"
+                 "    mesh (shard = *)\n    pipeline 1F1B { microbatches 8 }   # error: no pipeline axis"),
+    "P463": Code("pipeline axis without a schedule", "The mesh has a pipeline axis but the plan does not say "
+                 "how the model runs on it: add a `pipeline` line with torch's schedule and the microbatches.\n\n"
+                 "    mesh (pipeline = 2, shard = *)   # error: add `pipeline 1F1B { microbatches 8 }`"),
+    "P464": Code("pipeline axis without a fixed size", "The stages are cut for a known number of pipeline "
+                 "ranks: give the pipeline axis a size and let a data-parallel axis take the rest of the world.\n\n"
+                 "    mesh (pipeline = *, shard = 8)   # error: write `pipeline = 4, shard = *`"),
+    "P465": Code("resharding after forward under a split-backward schedule", "InterleavedZeroBubble, "
+                 "ZBVZeroBubble and DualPipeV split each backward into an input and a weight part; with FSDP "
+                 "resharding after forward they train with wrong gradients on torch 2.13 (DualPipeV silently: "
+                 "tests/test_pipeline_facts_dist.py). torchtitan never reshards after forward under a pipeline, "
+                 "and neither does planc by default: remove `reshard after_forward = true`.\n\n"
+                 "    pipeline DualPipeV { microbatches 8 }\n"
+                 "    unit layers.* { reshard after_forward = true }   # error"),
+    "P466": Code("local batch does not divide into the microbatches", "The pipeline cuts each data-parallel "
+                 "rank's batch (the input's batch divided by the data-parallel degree) into the `pipeline` line's "
+                 "microbatches; torch fails deep in the runtime when they are uneven "
+                 "(tests/test_pipeline_facts_dist.py). Give a batch that divides, or fewer microbatches.\n\n"
+                 "    mesh (pipeline = 2, shard = *)\n    pipeline 1F1B { microbatches 3 }\n"
+                 "    expect memory.peak <= 1GiB at world = 4, input = 8x128   # error: 4 rows in 3"),
+    "P467": Code("module in no stage", "Every module with parameters must be in one pipeline stage: a stage "
+                 "keeps only its modules and drops the others. Add the module to a `stage` line.\n\n"
+                 "    stage 0: tok_embeddings, layers[0:2]\n    stage 1: layers[2:], norm   # error: `output` in no stage"),
+    "P468": Code("module in two stages", "A module (or its parameters) is listed in two `stage` lines; each "
+                 "stage must own its modules alone.\n\n"
+                 "    stage 0: tok_embeddings, layers[0:3]\n    stage 1: layers[2:], norm, output   # error: layers.2"),
+    "P469": Code("stages out of forward order", "Stage N + 1 runs on the output of stage N: the stages must "
+                 "hold contiguous runs of the model's modules in forward (registration) order, stage 0 first.\n\n"
+                 "    stage 0: tok_embeddings, layers[2:4]\n    stage 1: layers[0:2], norm, output   # error"),
+    "P470": Code("stages miscounted", "A pipeline of P ranks with V stages per rank has P x V stages, "
+                 "numbered 0 to P x V - 1: write one `stage N:` line for each.\n\n"
+                 "    mesh (pipeline = 2, shard = *)\n    pipeline 1F1B { microbatches 8 }\n"
+                 "    stage 0: tok_embeddings, layers[0:4]\n    stage 2: layers[4:], norm, output   # error"),
+    "P471": Code("embedding not first or head not last", "The first stage takes the token ids, so it holds "
+                 "the input embedding; the last stage computes the loss, so it holds the output head.\n\n"
+                 "    stage 0: layers[0:4], tok_embeddings   # error if `tok_embeddings` is in a later stage"),
+    "P472": Code("unit spans two stages", "An FSDP unit gathers its parameters as one group on one rank; its "
+                 "modules must lie in one stage. Split the unit, or move the stage boundary.\n\n"
+                 "    unit [norm, output]\n    stage 0: tok_embeddings, layers, norm\n    stage 1: output   # error"),
+    "P473": Code("tied weights across stages", "A parameter shared by modules in two stages (an embedding tied "
+                 "to the output head) would be two copies trained apart on two ranks; torchtitan refuses it too. "
+                 "Untie the weights, or keep their modules in one stage (a one-stage pipeline is no pipeline)."),
+    "P474": Code("fewer microbatches than stages", "With m microbatches on p pipeline ranks the pipeline is "
+                 "idle (p - 1) / (m + p - 1) of the step (interleaved with v stages per rank: (p - 1) / (v m + p - 1)); "
+                 "with fewer microbatches than stages most of the step is bubble. Use more microbatches.\n\n"
+                 "    mesh (pipeline = 4, shard = *)\n    pipeline 1F1B { microbatches 2 }   # warning: 60% bubble",
+                 "warning"),
+    "P475": Code("accumulation and a pipeline", "Under a pipeline, the `pipeline` line's microbatches are the "
+                 "gradient accumulation: torch's schedule runs them all in one step. Remove the `step { accumulate "
+                 "N }` line and write `microbatches N` in the `pipeline` block."),
+    "P476": Code("pipeline plans are not yet estimated", "planc's memory and step-time models do not model a "
+                 "pipeline yet (per-rank stages, microbatches in flight, the bubble); an `expect memory...` line "
+                 "or `check --simulate` of a plan with a pipeline is not checked.", "warning"),
+    "P477": Code("the model cannot be cut automatically", "The automatic split cuts the model's repeated blocks "
+                 "(with the embedding and the head each weighing one block) into pipeline x stages_per_rank "
+                 "stages; the model has no list of blocks, or fewer pieces than stages. Use fewer stages, or "
+                 "write `stage` lines."),
+    "P478": Code("split has no effect", "`split` says what the automatic split balances; with `stage` lines "
+                 "there is no automatic split. Remove one or the other.", "warning"),
     # --- context parallelism (P49x; planc/resolve/context.py, planc/checks/context_parallel.py)
     "P490": Code("context style without a context axis", "`parallel SELECTOR context` makes attention gather keys "
                  "and values over the mesh's context axis, and the mesh has none. Add one.\n\n"

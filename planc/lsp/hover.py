@@ -22,6 +22,7 @@ from planc.lsp.positions import contains
 from planc.resolve.context import CONTEXT_STYLE
 from planc.resolve.mesh import Role
 from planc.resolve.options import DTYPES, OPTIONS, Param
+from planc.resolve.pipeline import PIPELINE_OPTIONS
 from planc.resolve.selectors import match_modules, match_params
 from planc.resolve.step import STEP_OPTIONS
 from planc.resolve.styles import STYLES
@@ -88,7 +89,32 @@ def _node_hover(analysis: Analysis, chain: list[Any], line: int, column: int) ->
         return f"mesh `{_safe(lambda: str(analysis.compiled.mesh))}`", stmt.span
     if isinstance(stmt, st.StepStmt):
         return _step_hover(analysis), stmt.span
+    if isinstance(stmt, (st.PipelineStmt, st.StageStmt)):
+        return _pipeline_hover(analysis, stmt), stmt.span
     return None, None
+
+
+def _pipeline_hover(analysis: Analysis, stmt) -> str:
+    """The pipeline as resolved: the schedule and each stage's rank, modules, parameters and units
+    (on a `stage` line, that stage's); memory per stage is not estimated yet (P476)."""
+    from planc.analysis.stages import pipeline_summary
+    compiled = analysis.compiled
+    if compiled is None or compiled.graph is None or compiled.resolution.pipeline is None:
+        return "**pipeline**: torch's schedule by name, e.g. `pipeline 1F1B { microbatches 8 }`"
+    if any(d.is_error for d in analysis.diagnostics):
+        return "**pipeline**: the plan has errors: fix them to see the stages"
+    summary = _safe(lambda: pipeline_summary(compiled), None)
+    if summary is None:
+        return "**pipeline**: the stages could not be cut"
+    rows = summary["stages"]
+    if isinstance(stmt, st.StageStmt):
+        rows = [r for r in rows if r["stage"] == stmt.index]
+    head = (f"**pipeline {summary['schedule']}**: {summary['pipeline']} ranks x {summary['stages_per_rank']} "
+            f"stages per rank ({summary['placement']}), {summary['microbatches']} microbatches")
+    lines = [head, "", "| stage | rank | parameters | units | modules |", "|---|---|---|---|---|"]
+    lines += [f"| {r['stage']} | {r['pipeline_rank']} | {count(r['params'])} | {len(r['units'])} | "
+              f"{', '.join(r['modules'])} |" for r in rows]
+    return "\n".join(lines + ["", "memory per stage: not estimated yet (P476)"])
 
 
 def _step_hover(analysis: Analysis) -> str:
@@ -125,7 +151,7 @@ def values_of(param: Param) -> list[str]:
 
 
 def _option_hover(opt: st.Option, line: int, column: int) -> tuple[str | None, Span | None]:
-    spec = OPTIONS.get(opt.name) or STEP_OPTIONS.get(opt.name)
+    spec = OPTIONS.get(opt.name) or STEP_OPTIONS.get(opt.name) or PIPELINE_OPTIONS.get(opt.name)
     if spec is None:
         return None, opt.name_span
     for arg in opt.args:

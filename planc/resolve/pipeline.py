@@ -223,8 +223,8 @@ def resolve_pipeline(stmts: tuple, file: str, mesh: Mesh, graph: ModelGraph | No
     except SplitError as exc:
         diags.append(_err("P477", f"the model cannot be cut into {count} stages: {exc}", stmt.span,
                           f"{axis.size} ranks x {spr} stages per rank",
-                          ("use fewer pipeline ranks or stages per rank, or write the stages: "
-                           "`stage 0: tok_embeddings, layers[0:4]`",)))
+                          ("use fewer pipeline ranks or stages per rank, or write the stages, one `stage N:` "
+                           "line each (`stage 0: tok_embeddings, layers[0:4]`)",)))
         return Pipeline(split=split, stages=(), stage_spans=(), **base)
     return Pipeline(split=split, stages=tuple(cut), stage_spans=(stmt.span,) * count, **base)
 
