@@ -15,6 +15,14 @@ def not_estimated(path: pathlib.Path) -> str | None:
     mesh = planc.compile(planc.load(path), None, strict=False).mesh
     if mesh.axis(Role.CONTEXT) is not None:
         return "context parallelism is not yet estimated (the estimators refuse AttendOverContext / ShardBatch)"
+    return not_run(path) and "pipeline plans are not yet estimated (P476: the estimators refuse a job of several parts)"
+
+
+def not_run(path: pathlib.Path) -> str | None:
+    """Why the runtime and emit do not run the plan at `path` yet (a pipeline), or None."""
+    mesh = planc.compile(planc.load(path), None, strict=False).mesh
+    if mesh.axis(Role.PIPELINE) is not None:
+        return "pipeline plans are not yet run by planc.apply / emit / verify (the pipeline runtime, issue 21)"
     return None
 
 

@@ -53,7 +53,7 @@ def _one_d_zoo_plans() -> list[tuple[str, str]]:
     for path in sorted((ROOT / "plans").glob("*.plan")):
         plan = planc.load(path)
         ref = plan.model_ref or ""
-        one_d = not any(line.lstrip().startswith("parallel ") for line in path.read_text().splitlines())
+        one_d = not any(line.lstrip().startswith(("parallel ", "pipeline ")) for line in path.read_text().splitlines())
         if one_d and ref.startswith("planc.zoo:") and f"{ref.split(':')[1]}_tiny" in zoo.ZOO:
             out.append((path.name, f"{ref.split(':')[1]}_tiny"))
     return out

@@ -288,6 +288,7 @@ def test_zoo_registry_and_frozen_configs():
         "moe_transformer_tiny",
         "llama",
         "llama_tiny",
+        "llama3_405b",
         "routed_moe",
         "routed_moe_tiny",
     }
@@ -297,6 +298,12 @@ def test_zoo_registry_and_frozen_configs():
             assert dataclasses.is_dataclass(model.config), name
             with pytest.raises(dataclasses.FrozenInstanceError):
                 model.config.dim = 1
+
+
+def test_llama3_405b_is_the_405b_shape_on_meta():
+    model = zoo.llama3_405b()
+    assert all(p.is_meta for p in model.parameters())
+    assert 405e9 < sum(p.numel() for p in model.parameters()) < 406e9  # Llama 3.1 405B: 405.85B
 
 
 def test_configs_reject_inconsistent_shapes():

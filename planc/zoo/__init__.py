@@ -56,6 +56,7 @@ from torch import nn
 from planc.zoo.gpt import GPT, GPT_TINY_CONFIG, GPTBlock, GPTConfig, gpt, gpt_tiny
 from planc.zoo.layers import MLP, CausalSelfAttention
 from planc.zoo.llama3 import (
+    LLAMA3_405B_CONFIG,
     LLAMA_TINY_CONFIG,
     Attention,
     FeedForward,
@@ -64,6 +65,7 @@ from planc.zoo.llama3 import (
     RMSNorm,
     TransformerBlock,
     llama,
+    llama3_405b,
     llama_tiny,
 )
 from planc.zoo.moe import (
@@ -105,6 +107,8 @@ __all__ = [
     "Llama",
     "llama",
     "llama_tiny",
+    "llama3_405b",
+    "LLAMA3_405B_CONFIG",
     "seed_transformer",
     "seed_transformer_tiny",
     "gpt",
@@ -161,6 +165,7 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
     "moe_transformer_tiny": moe_transformer_tiny,
     "llama": llama,
     "llama_tiny": llama_tiny,
+    "llama3_405b": llama3_405b,
     "routed_moe": routed_moe,
     "routed_moe_tiny": routed_moe_tiny,
 }

@@ -202,3 +202,15 @@ def llama(config: LlamaConfig | None = None) -> Llama:
 def llama_tiny() -> Llama:
     """Builds a :class:`Llama` with :data:`LLAMA_TINY_CONFIG`."""
     return Llama(LLAMA_TINY_CONFIG)
+
+
+# Llama 3.1 405B (torchtitan's `llama3_405b` / Meta's params.json: dim 16384, 126 layers, 128 query
+# heads, 8 KV heads, FFN 53248 = 1.3 x 8/3 x 16384 rounded up to a multiple of 4096).
+LLAMA3_405B_CONFIG = LlamaConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                                 hidden_dim=53248)
+
+
+def llama3_405b() -> Llama:
+    """Builds the Llama 3.1 405B shape on the meta device (no memory: for planning, never training)."""
+    with torch.device("meta"):
+        return Llama(LLAMA3_405B_CONFIG)
