@@ -1,0 +1,112 @@
+"""Pipeline plans: the `pipeline`/`stage` lines resolved, the automatic split, the lowered Job.
+
+Oracles: torchtitan's own `_generate_llm_fqn_per_model_part` for the automatic split of equal
+blocks; a brute force over every cut for `partition`; `planc.lower.pipeline.pipeline_job` and
+`planc.lower.schedules.schedule` (torch's own orders) for the lowered job.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+import planc
+from planc import zoo
+from planc.checks.pipeline import bubble
+from planc.lower.pipeline import pipeline_job
+from planc.lower.schedules import schedule
+from planc.model.graph import ModelGraph
+from planc.resolve.split import auto_split, block_list, partition
+
+HEAD = "model planc.zoo:llama_tiny\nmesh (pipeline = 2, shard = *)\n"
+
+
+def _compile(text: str, model=None, world: int = 4):
+    return planc.compile(planc.loads(text, filename="pp.plan"), model or zoo.llama_tiny(), world, strict=False)
+
+
+@pytest.mark.parametrize("stages,layers", [(2, 2), (4, 8), (3, 7), (8, 30), (16, 126)])
+def test_the_automatic_split_is_torchtitans_on_equal_blocks(stages, layers):
+    titan = pytest.importorskip("torchtitan.distributed.pipeline_parallel")
+    import torch
+    with torch.device("meta"):
+        model = zoo.llama(zoo.LlamaConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2,
+                                          hidden_dim=64))
+    expected = titan._generate_llm_fqn_per_model_part(stages, layers)
+    expected = [[{"lm_head": "output"}.get(m, m) for m in stage] for stage in expected]
+    assert [list(s) for s in auto_split(ModelGraph.from_module(model), stages)] == expected
+
+
+def test_partition_minimises_the_heaviest_stage():
+    rng = random.Random(0)
+    for _ in range(40):
+        weights = [rng.randint(1, 9) for _ in range(rng.randint(2, 9))]
+        k = rng.randint(1, len(weights))
+        sizes = partition(weights, k)
+        assert len(sizes) == k and sum(sizes) == len(weights) and min(sizes) >= 1
+
+        def worst(cut):
+            bounds = (0, *cut, len(weights))
+            return max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:]))
+        best = min(worst(c) for c in itertools.combinations(range(1, len(weights)), k - 1))
+        cut = tuple(itertools.accumulate(sizes))[:-1]
+        assert worst(cut) == best, (weights, k, sizes)
+
+
+def test_the_blocks_of_each_zoo_family():
+    assert block_list(ModelGraph.from_module(zoo.gpt_tiny())) == "blocks"
+    assert block_list(ModelGraph.from_module(zoo.seed_transformer_tiny())) == "transformer_layers"
+    assert block_list(ModelGraph.from_module(zoo.llama_tiny())) == "layers"
+
+
+def test_stage_lines_lower_to_the_pipeline_job():
+    text = HEAD + ("pipeline Interleaved1F1B { microbatches 4, stages_per_rank = 2 }\nunit layers.*\n"
+                   "stage 0: tok_embeddings\nstage 1: layers[0:1]\nstage 2: layers.1\nstage 3: norm, output\n")
+    c = _compile(text, world=8)
+    assert c.ok, c.diagnostics
+    job = c.job
+    stages = [("tok_embeddings",), ("layers.0",), ("layers.1",), ("norm", "output")]
+    assert [p.modules for p in job.parts] == stages
+    expected = schedule("Interleaved1F1B", 2, 4, 2)
+    assert job.schedule.actions == expected.actions and job.schedule.stages == ((0, 2), (1, 3))
+    # the same cut of the same plan without the pipeline lines, by the stage contract
+    plain = _compile("model planc.zoo:llama_tiny\nmesh (shard = *)\nunit layers.*\n", world=4).job
+    by_contract = pipeline_job(plain, stages, expected)
+    assert [[u.name for u in p.program.units] for p in job.parts] == \
+        [[u.name for u in p.program.units] for p in by_contract.parts]
+
+
+def test_fsdp_does_not_reshard_after_forward_under_a_pipeline():
+    c = _compile(HEAD + "pipeline 1F1B { microbatches 4 }\nunit tok_embeddings\nunit layers.*\n"
+                 "unit [norm, output]\n")
+    assert c.ok, c.diagnostics
+    units = [u for p in c.job.parts for u in p.program.units]
+    assert units and all(u.policy.reshard_after_forward is False and u.policy.reshard_argument is False
+                         for u in units)
+    # without the pipeline FSDP2's own default (None: True for inner units) stands
+    plain = _compile("model planc.zoo:llama_tiny\nmesh (shard = *)\nunit layers.*\n")
+    assert [u.policy.reshard_argument for u in plain.job.program.units] == [None, None, None]
+    # a plan that asks for it keeps it where torch trains right (1F1B: tests/test_pipeline_facts_dist.py)
+    asked = _compile(HEAD + "pipeline 1F1B { microbatches 4 }\nunit layers.* { reshard after_forward = true }\n")
+    assert asked.ok and [u.policy.reshard_after_forward for u in asked.job.parts[0].program.units] == [True, False]
+
+
+def test_defaults_and_the_gradient_sync():
+    c = _compile(HEAD + "pipeline GPipe\nunit layers.*\n")
+    pp = c.resolution.pipeline
+    assert (pp.stages_per_rank, pp.microbatch_count, pp.split) == (1, 2, "parameters")
+    sched = c.job.schedule
+    assert sched.name == "GPipe" and sched.microbatches == 2 and sched.gradient_sync == "last"
+    reducing = [str(a) for row in sched.actions for a in row if sched.reduces(a)]
+    assert reducing == ["0REDUCE_GRAD", "1REDUCE_GRAD"]
+    v = _compile(HEAD + "pipeline DualPipeV { microbatches 4 }\nunit layers.*\n", world=8)
+    assert v.resolution.pipeline.stages_per_rank == 2 and v.job.schedule.stages == ((0, 3), (1, 2))
+
+
+def test_the_bubble_is_the_closed_form():
+    c = _compile(HEAD.replace("2", "4") + "pipeline 1F1B { microbatches 2 }\nunit layers.*\n", world=8)
+    assert c.ok and bubble(c.resolution.pipeline) == pytest.approx(3 / 5)  # (p-1)/(m+p-1), p=4 m=2
+    inter = _compile(HEAD + "pipeline Interleaved1F1B { microbatches 1 }\nunit layers.*\n", world=8)
+    assert bubble(inter.resolution.pipeline) == pytest.approx(1 / 3)  # (p-1)/(v m + p - 1), p=2 v=2 m=1
