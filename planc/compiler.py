@@ -46,7 +46,9 @@ class CompiledPlan:
     @cached_property
     def _resolved(self) -> tuple[Resolution, list[Diagnostic]]:
         with paused_gc():
-            return resolve(self.plan, self.graph)
+            res, diags = resolve(self.plan, self.graph)
+        split_by_compute(self.plan, self.graph, res, diags)
+        return res, diags
 
     @property
     def resolution(self) -> Resolution:
@@ -147,6 +149,35 @@ class CompiledPlan:
 
     def __repr__(self) -> str:
         return f"<CompiledPlan {self.plan.file}: {len(self.units)} units, {len(self.errors)} errors>"
+
+
+def split_by_compute(plan: st.Plan, graph: ModelGraph | None, res: Resolution, diags: list[Diagnostic]) -> None:
+    """`pipeline ... { split = compute }`: cut the model again, each block weighing its forward and
+    backward FLOPs in the step profile (`planc/estimate/flops.py`) on the plan's first `expect`
+    input, else one sequence of 512 tokens; the resolver (below the estimators) cut it by
+    parameters. P477 when the model does not run on that input."""
+    pp = res.pipeline
+    if pp is None or pp.split != "compute" or not pp.stages or graph is None or graph.model is None:
+        return
+    import dataclasses
+
+    from planc.estimate.flops import step_profile
+    from planc.estimate.trace import TraceError
+    from planc.resolve.split import auto_split, block_list, split_items
+
+    shape = next((s.input_shape for s in plan.statements
+                  if isinstance(s, st.ExpectMetric) and s.input_shape and len(s.input_shape) == 2), (1, 512))
+    try:
+        prof = step_profile(graph, input_shape=tuple(shape), repeat=True)
+    except TraceError as err:
+        diags.append(Diagnostic(code="P477", severity="error", span=pp.option_span("split"),
+                                message=f"`split = compute` cannot weigh the blocks: {err}", label="no FLOPs",
+                                help=("give an `expect ... at input = BxS` the model runs on, or `split = parameters`",)))
+        return
+    blocks = split_items(graph, block_list(graph))[1]
+    weights = {b: prof.subtree(prof.forward, b) + prof.subtree(prof.backward, b) for b in blocks}
+    if sum(weights.values()) > 0:
+        res.pipeline = dataclasses.replace(pp, stages=tuple(auto_split(graph, len(pp.stages), weights)))
 
 
 def as_plan(plan: st.Plan | str | os.PathLike) -> st.Plan:

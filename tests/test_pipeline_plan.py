@@ -11,6 +11,7 @@ import itertools
 import random
 
 import pytest
+from torch import nn
 
 import planc
 from planc import zoo
@@ -110,3 +111,42 @@ def test_the_bubble_is_the_closed_form():
     assert c.ok and bubble(c.resolution.pipeline) == pytest.approx(3 / 5)  # (p-1)/(m+p-1), p=4 m=2
     inter = _compile(HEAD + "pipeline Interleaved1F1B { microbatches 1 }\nunit layers.*\n", world=8)
     assert bubble(inter.resolution.pipeline) == pytest.approx(1 / 3)  # (p-1)/(v m + p - 1), p=2 v=2 m=1
+
+
+class _Block(nn.Module):
+    """A block that applies its one projection `reps` times: equal parameters, `reps` x the compute."""
+
+    def __init__(self, dim: int, reps: int):
+        super().__init__()
+        self.proj, self.reps = nn.Linear(dim, dim, bias=False), reps
+
+    def forward(self, x):
+        for _ in range(self.reps):
+            x = self.proj(x)
+        return x
+
+
+class _Uneven(nn.Module):
+    def __init__(self, reps=(3, 3, 1, 1, 1, 1), dim=16, vocab=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(_Block(dim, r) for r in reps)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def test_split_by_compute_weighs_each_blocks_flops():
+    text = ("mesh (pipeline = 2, shard = *)\npipeline 1F1B { microbatches 2, split = %s }\n"
+            "expect memory.peak <= 1GiB at world = 4, input = 2x8\n")
+    blocks = [f"blocks.{i}" for i in range(6)]
+    by_params = _compile(text % "parameters", _Uneven()).resolution.pipeline.stages
+    assert by_params == (("emb", *blocks[:3]), (*blocks[3:], "head"))  # 8 equal pieces: 4 | 4
+    # FLOPs 3,3,1,1,1,1 (x 2 B S d^2 each), the embedding and the head one mean block each (10/6):
+    # {emb, 3, 3} = 7.7 | {1, 1, 1, 1, head} = 5.7 is the lightest heaviest stage (by hand)
+    by_compute = _compile(text % "compute", _Uneven()).resolution.pipeline.stages
+    assert by_compute == (("emb", *blocks[:2]), (*blocks[2:], "head"))
