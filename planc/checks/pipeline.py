@@ -1,4 +1,4 @@
-"""Pipeline parallelism, statically (P465-P476): the stages, the units, the schedule, the batch.
+"""Pipeline parallelism, statically (P465-P476, P479): the stages, the units, the schedule, the batch.
 
 The `pipeline` and `stage` lines themselves are resolved in `planc/resolve/pipeline.py`
 (P460-P464, P470, P477, P478); here the stages are checked against the model and the rest
@@ -7,7 +7,8 @@ backed by a facts test of what torch really does (tests/test_pipeline_facts_dist
 resharding after forward under a split-backward schedule (wrong gradients, P465) and a batch
 that does not divide into the microbatches (P466). Every module with parameters lies in one
 stage (P467, P468), the stages run in forward order (P469), the embedding first and the head
-last (P471); a unit (P472) or a tied weight (P473) does not cross stages; fewer microbatches
+last (P471); a unit (P472), a tied weight (P473) or a module a rule applies to (P479) does not
+cross stages; fewer microbatches
 than stages is a warning with the bubble (P474); a `step` accumulation beside a pipeline is
 refused (P475); memory and time are not estimated yet (P476, `not_estimated`).
 """
@@ -123,6 +124,28 @@ def check_pipeline_units(ctx: Context) -> Iterator[Diagnostic]:
                       "one FSDP group, two ranks",
                       (f"split the unit so that each part lies in one stage, or move the boundary between stages "
                        f"{stages[0]} and {stages[1]}",), related=((pp.stage_spans[stages[1]], f"stage {stages[1]}"),))
+
+
+def check_pipeline_rules(ctx: Context) -> Iterator[Diagnostic]:
+    """P479: a `checkpoint`, `compile` or `parallel` rule on a module the stages cut apart (an
+    ancestor of modules in two stages): no stage holds the module, so the rule would do nothing."""
+    pp = _cut(ctx)
+    if pp is None:
+        return
+    res = ctx.res
+    found = []
+    for table in (res.checkpoint, res.compile, res.parallel, res.context):
+        for path, setting in table.items():
+            if pp.stage_of(path):
+                continue
+            inner = sorted({i for i, mods in enumerate(pp.stages) for m in mods if _inside(m, path)})
+            if len(inner) > 1:
+                found.append(((setting.span, setting.rule, inner[0], inner[-1]), path))
+    for (span, rule, first, last), paths in by_key(found).items():
+        yield err("P479", f"`{rule}` applies to {listed(paths)}, which the pipeline cuts into stages {first} to {last}",
+                  span, "no stage holds the whole module",
+                  ("apply it to the modules inside the stages instead (e.g. the blocks: `layers.*`), or move the "
+                   "stage boundaries outside the module",))
 
 
 def check_pipeline_tied(ctx: Context) -> Iterator[Diagnostic]:

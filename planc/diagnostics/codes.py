@@ -375,6 +375,11 @@ CODES: dict[str, Code] = {
                  "(with the embedding and the head each weighing one block) into pipeline x stages_per_rank "
                  "stages; the model has no list of blocks, or fewer pieces than stages. Use fewer stages, or "
                  "write `stage` lines."),
+    "P479": Code("rule on a module the stages cut", "A `checkpoint`, `compile` or `parallel` rule applies to a "
+                 "module whose submodules lie in several stages (a Hugging Face `model` holding the blocks): no "
+                 "stage keeps the whole module, so the rule would do nothing. Apply it to modules inside the "
+                 "stages.\n\n    checkpoint model full   # error under a pipeline: write `checkpoint "
+                 "model.layers.* full`"),
     "P478": Code("split has no effect", "`split` says what the automatic split balances; with `stage` lines "
                  "there is no automatic split. Remove one or the other.", "warning"),
     # --- context parallelism (P49x; planc/resolve/context.py, planc/checks/context_parallel.py)
