@@ -10,7 +10,8 @@ stage (P467, P468), the stages run in forward order (P469), the embedding first 
 last (P471); a unit (P472), a tied weight (P473) or a module a rule applies to (P479) does not
 cross stages; fewer microbatches
 than stages is a warning with the bubble (P474); a `step` accumulation beside a pipeline is
-refused (P475); memory and time are not estimated yet (P476, `not_estimated`).
+refused (P475); DualPipeV with fewer microbatches than stages, which torch refuses to build,
+is P463; memory and time are not estimated yet (P476, `not_estimated`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Iterator
 from planc.checks.context import Context, by_key, err, listed
 from planc.diagnostics import Diagnostic
 from planc.lang import syntax as st
-from planc.resolve.pipeline import SINGLE_STAGE, SPLIT_BACKWARD, Pipeline
+from planc.resolve.pipeline import AT_LEAST_ONE_MICROBATCH_PER_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, Pipeline
+from planc.resolve.step import MicrobatchError, check_splits
 
 FACTS = "tests/test_pipeline_facts_dist.py"
 
@@ -189,12 +191,17 @@ def bubble(pp: Pipeline) -> float:
 
 
 def check_pipeline_microbatches(ctx: Context) -> Iterator[Diagnostic]:
-    """P474 (warning): fewer microbatches than stages; P475: a `step` accumulation beside the pipeline."""
+    """P463 / P474 (warning): fewer microbatches than stages (refused by DualPipeV); P475: a `step`
+    accumulation beside the pipeline."""
     pp = ctx.res.pipeline
     if pp is None or pp.stage_count is None:
         return
     m = pp.microbatch_count
-    if m < pp.stage_count:
+    if m < pp.stage_count and pp.schedule in AT_LEAST_ONE_MICROBATCH_PER_STAGE:
+        yield err("P463", f"{pp.schedule} needs at least as many microbatches as stages: {m} for {pp.stage_count}",
+                  pp.option_span("microbatches"), "torch refuses to build the schedule",
+                  (f"use at least {pp.stage_count} microbatches (`microbatches {pp.stage_count}`)",))
+    elif m < pp.stage_count:
         yield err("P474", f"{m} microbatch{'es' * (m != 1)} for {pp.stage_count} stages: the pipeline idles "
                   f"{bubble(pp):.0%} of the step", pp.option_span("microbatches"), "fewer microbatches than stages",
                   (f"use at least {pp.stage_count} microbatches (the bubble is (p - 1) / (m + p - 1) of a step on "
@@ -222,8 +229,13 @@ def check_pipeline_batch(ctx: Context) -> Iterator[Diagnostic]:
 def batch_problem(pp: Pipeline, shape: tuple[int, ...], span) -> Diagnostic | None:
     """P466 when the batch of `shape` (one data-parallel rank's) does not cut into the microbatches."""
     m = pp.microbatch_count
-    if m is None or not shape or shape[0] % m == 0:
+    if m is None:
         return None
+    try:
+        check_splits(shape, m)  # the one rule for cutting a batch into microbatches
+        return None
+    except MicrobatchError:
+        pass
     return err("P466", f"a batch of {shape[0]} does not divide into the pipeline's {m} microbatches", span,
                f"{shape[0]} rows do not split in {m}",
                (f"give each data-parallel rank a batch that is a multiple of {m}, or use a number of microbatches "

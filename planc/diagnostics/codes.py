@@ -316,12 +316,15 @@ CODES: dict[str, Code] = {
                  "schedules (ZBVZeroBubble, DualPipeV) exactly 2, stages r and 2 x pipeline - 1 - r on rank r "
                  "(given a loop placement a V schedule hangs: tests/test_pipeline_facts_dist.py).\n\n"
                  "    pipeline ZBVZeroBubble { microbatches 8, stages_per_rank = 3 }   # error"),
-    "P462": Code("pipeline without a pipeline axis", "A `pipeline` or `stage` line needs a pipeline axis on "
-                 "the mesh, the outermost: `mesh (pipeline = 2, shard = *)`.\n\n"
-                 "    mesh (shard = *)\n    pipeline 1F1B { microbatches 8 }   # error: no pipeline axis"),
-    "P463": Code("pipeline axis without a schedule", "The mesh has a pipeline axis but the plan does not say "
-                 "how the model runs on it: add a `pipeline` line with torch's schedule and the microbatches.\n\n"
+    "P462": Code("pipeline lines and the pipeline axis disagree", "A `pipeline` or `stage` line needs a pipeline "
+                 "axis on the mesh, the outermost (`mesh (pipeline = 2, shard = *)`), and a pipeline axis needs a "
+                 "`pipeline` line naming torch's schedule and the microbatches.\n\n"
+                 "    mesh (shard = *)\n    pipeline 1F1B { microbatches 8 }   # error: no pipeline axis\n\n"
                  "    mesh (pipeline = 2, shard = *)   # error: add `pipeline 1F1B { microbatches 8 }`"),
+    "P463": Code("fewer microbatches than stages under DualPipeV", "torch 2.13 builds DualPipeV only with at least "
+                 "as many microbatches as stages (`ValueError: DualPipeV requires at least as many microbatches as "
+                 "stages`). Use more microbatches.\n\n"
+                 "    mesh (pipeline = 2, shard = *)\n    pipeline DualPipeV { microbatches 2 }   # error: 4 stages"),
     "P464": Code("pipeline axis without a fixed size", "The stages are cut for a known number of pipeline "
                  "ranks: give the pipeline axis a size and let a data-parallel axis take the rest of the world.\n\n"
                  "    mesh (pipeline = *, shard = 8)   # error: write `pipeline = 4, shard = *`"),

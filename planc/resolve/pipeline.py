@@ -38,6 +38,8 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")     # exactly two stages per rank, 
 # forward they train with wrong gradients on torch 2.13 (planc/checks/pipeline.py, P465).
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 SPLITS = ("parameters", "compute")               # what the automatic split balances
+# Schedules torch 2.13 refuses to build with fewer microbatches than stages (P463).
+AT_LEAST_ONE_MICROBATCH_PER_STAGE = ("DualPipeV",)
 
 
 def default_stages_per_rank(schedule: str) -> int:
@@ -154,8 +156,8 @@ def resolve_pipeline(stmts: tuple, file: str, mesh: Mesh, graph: ModelGraph | No
     """The plan's pipeline (None without a `pipeline` line), its stages cut when the model is known.
 
     Diagnoses: options (P101, P103, P207), the schedule name (P460), stages per rank (P461),
-    `pipeline`/`stage` lines without a pipeline axis (P462) and the reverse (P463), a `*`
-    pipeline size (P464), stage numbering (P470), an automatic split that cannot be made (P477)
+    `pipeline`/`stage` lines without a pipeline axis and the reverse (P462), a `*` pipeline
+    size (P464), stage numbering (P470), an automatic split that cannot be made (P477)
     and `split` beside `stage` lines (P478, warning).
     """
     lines = [s for s in stmts if isinstance(s, st.PipelineStmt)]
@@ -163,7 +165,7 @@ def resolve_pipeline(stmts: tuple, file: str, mesh: Mesh, graph: ModelGraph | No
     axis = mesh.axis(Role.PIPELINE)
     if not lines:
         if axis is not None:
-            diags.append(_err("P463", f"the mesh has a pipeline axis (`{axis}`) but the plan has no `pipeline` line",
+            diags.append(_err("P462", f"the mesh has a pipeline axis (`{axis}`) but the plan has no `pipeline` line",
                               mesh.span or Span.point(file), "no schedule for this axis",
                               ("name torch's schedule and the microbatches: `pipeline 1F1B { microbatches 8 }`"
                                + (" (the `stage` lines need it too)" if stage_lines else ""),)))
