@@ -256,6 +256,8 @@ def _expect_hover(analysis: Analysis, s: st.ExpectMetric) -> str:
         return text + f"\n\ncurrently **{len(compiled.units)}** units"
     if s.metric not in METRICS:
         return text
+    if compiled.resolution.pipeline is not None:
+        return text + "\n\nnot estimated: pipeline plans are not yet estimated (P476)"
     world = s.world or compiled.world_size
     if world is None:
         return text + "\n\nno world size: write `at world = N` to estimate it"
