@@ -14,6 +14,7 @@ import pytest
 from torch import nn
 
 import planc
+import planc.resolve.pipeline
 from planc import zoo
 from planc.checks.pipeline import bubble
 from planc.lower.pipeline import pipeline_job
@@ -150,3 +151,19 @@ def test_split_by_compute_weighs_each_blocks_flops():
     # {emb, 3, 3} = 7.7 | {1, 1, 1, 1, head} = 5.7 is the lightest heaviest stage (by hand)
     by_compute = _compile(text % "compute", _Uneven()).resolution.pipeline.stages
     assert by_compute == (("emb", *blocks[:2]), (*blocks[2:], "head"))
+
+
+def test_editors_know_the_pipeline_lines():
+    from pygments.token import Keyword, Name, Number
+
+    from planc.lang.lexer import PlanLexer
+    from planc.lsp.completion import complete
+    tokens = [(t, v) for t, v in PlanLexer().get_tokens("pipeline 1F1B { microbatches 8 }\nstage 0: layers[0:2]\n")
+              if v.strip()]
+    assert tokens[:3] == [(Keyword, "pipeline"), (Name.Class, "1F1B"), (tokens[2][0], "{")]
+    assert (Name.Builtin, "microbatches") in tokens and (Number.Integer, "0") in tokens
+    assert (Name.Class, "layers") not in tokens  # `stage 0:` is not a class guard
+    g = ModelGraph.from_module(zoo.llama_tiny())
+    assert [i.label for i in complete(["pipeline "], 1, 10, g)] == list(planc.resolve.pipeline.SCHEDULES)
+    assert [i.label for i in complete(["pipeline 1F1B { "], 1, 17, g)] == ["microbatches", "stages_per_rank", "split"]
+    assert "layers" in [i.label for i in complete(["stage 0: tok_embeddings, la"], 1, 28, g)]

@@ -16,9 +16,13 @@ from planc.checks.validate import METRICS
 from planc.lsp.hover import values_of
 from planc.model.graph import ModelGraph
 from planc.resolve.options import DTYPES, FSDP1_MESH, OPTIONS
+from planc.resolve.pipeline import PIPELINE_OPTIONS, SCHEDULES
+from planc.resolve.step import STEP_OPTIONS
 
 STATEMENTS = ("model", "include", "mesh", "defaults", "unit", "root", "checkpoint", "parallel", "compile", "ignore",
-              "place", "expect", "optional")
+              "place", "step", "pipeline", "stage", "expect", "optional")
+# the options of a block opened on a line that starts with this statement (the others: unit options)
+BLOCK_OPTIONS = {"pipeline": PIPELINE_OPTIONS, "step": STEP_OPTIONS}
 OPTIONALS = ("unit", "checkpoint", "parallel", "compile", "ignore", "place")
 MAX_INDICES = 32  # indices offered inside `name[`
 
@@ -41,8 +45,13 @@ def complete(lines: list[str], line: int, column: int, graph: ModelGraph | None)
     if "#" in before or before.count('"') % 2:
         return []  # in a comment or a string
     if _in_block(lines, line, before):
-        return _in_option(re.split(r"[{;]", before)[-1], graph)
+        first = before.lstrip().split(" ", 1)[0]
+        return _in_option(re.split(r"[{;]", before)[-1], graph, BLOCK_OPTIONS.get(first, OPTIONS))
     head = before.lstrip()
+    if re.fullmatch(r"pipeline\s+\w*", head):
+        return [Item(name, "value", f"torch.distributed.pipelining's Schedule{name}") for name in SCHEDULES]
+    if m := re.fullmatch(r"stage\s+\d+\s*:\s*(?:.*,\s*)?(.*)", head):
+        return _selector(m.group(1), graph)
     if re.fullmatch(r"\w*", head):
         return [Item(k, "keyword") for k in STATEMENTS]
     if re.fullmatch(r"optional\s+\w*", head):
@@ -85,11 +94,11 @@ def _in_block(lines: list[str], line: int, before: str) -> bool:
 # ===================================================================== options
 
 
-def _in_option(seg: str, graph: ModelGraph | None) -> list[Item]:
+def _in_option(seg: str, graph: ModelGraph | None, options: dict = OPTIONS) -> list[Item]:
     if re.fullmatch(r"\s*\w*", seg):
-        return [Item(name, "option", spec.summary) for name, spec in OPTIONS.items()]
+        return [Item(name, "option", spec.summary) for name, spec in options.items()]
     m = re.fullmatch(r"\s*(\w+)\s+(.*)", seg)
-    spec = OPTIONS.get(m.group(1)) if m else None
+    spec = options.get(m.group(1)) if m else None
     if spec is None:
         return []
     args = m.group(2)
