@@ -8,10 +8,11 @@ resharding after forward under a split-backward schedule (wrong gradients, P465)
 that does not divide into the microbatches (P466). Every module with parameters lies in one
 stage (P467, P468), the stages run in forward order (P469), the embedding first and the head
 last (P471); a unit (P472), a tied weight (P473) or a module a rule applies to (P479) does not
-cross stages; fewer microbatches
-than stages is a warning with the bubble (P474); a `step` accumulation beside a pipeline is
-refused (P475); DualPipeV with fewer microbatches than stages, which torch refuses to build,
-is P463; memory and time are not estimated yet (P476, `not_estimated`).
+cross stages; fewer microbatches than stages is a warning with the bubble (P474); a `step`
+accumulation beside a pipeline is refused (P475); microbatches torch refuses to build the
+schedule with (DualPipeV with fewer than stages, the interleaved schedules off a multiple of
+their rounds) are P463, with torch's reason; memory and time are not estimated yet (P476,
+`not_estimated`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Iterator
 from planc.checks.context import Context, by_key, err, listed
 from planc.diagnostics import Diagnostic
 from planc.lang import syntax as st
-from planc.resolve.pipeline import AT_LEAST_ONE_MICROBATCH_PER_STAGE, SINGLE_STAGE, SPLIT_BACKWARD, Pipeline
+from planc.resolve.pipeline import SINGLE_STAGE, SPLIT_BACKWARD, Pipeline
 from planc.resolve.step import MicrobatchError, check_splits
 
 FACTS = "tests/test_pipeline_facts_dist.py"
@@ -191,16 +192,18 @@ def bubble(pp: Pipeline) -> float:
 
 
 def check_pipeline_microbatches(ctx: Context) -> Iterator[Diagnostic]:
-    """P463 / P474 (warning): fewer microbatches than stages (refused by DualPipeV); P475: a `step`
-    accumulation beside the pipeline."""
+    """P463: microbatches torch's schedule refuses; P474 (warning): fewer microbatches than stages;
+    P475: a `step` accumulation beside the pipeline."""
     pp = ctx.res.pipeline
     if pp is None or pp.stage_count is None:
         return
     m = pp.microbatch_count
-    if m < pp.stage_count and pp.schedule in AT_LEAST_ONE_MICROBATCH_PER_STAGE:
-        yield err("P463", f"{pp.schedule} needs at least as many microbatches as stages: {m} for {pp.stage_count}",
-                  pp.option_span("microbatches"), "torch refuses to build the schedule",
-                  (f"use at least {pp.stage_count} microbatches (`microbatches {pp.stage_count}`)",))
+    refused = schedule_refused(pp)
+    if refused is not None:
+        yield err("P463", f"torch refuses to build {pp.schedule} with {m} microbatch{'es' * (m != 1)} on "
+                  f"{pp.pp} ranks x {pp.stages_per_rank} stages: {refused}", pp.option_span("microbatches"),
+                  "torch's schedule refuses these numbers",
+                  (f"use {_fitting(pp)} microbatches" if _fitting(pp) else "use more microbatches",))
     elif m < pp.stage_count:
         yield err("P474", f"{m} microbatch{'es' * (m != 1)} for {pp.stage_count} stages: the pipeline idles "
                   f"{bubble(pp):.0%} of the step", pp.option_span("microbatches"), "fewer microbatches than stages",
@@ -212,6 +215,24 @@ def check_pipeline_microbatches(ctx: Context) -> Iterator[Diagnostic]:
                   step.span, "a second accumulation",
                   (f"remove the `step` line and write `microbatches {step.value.microbatches * m}` in the "
                    "`pipeline` block",), related=((pp.span, "the pipeline"),))
+
+
+def schedule_refused(pp: Pipeline, microbatches: int | None = None) -> str | None:
+    """torch's own reason for refusing to build the schedule with these numbers (None: it builds):
+    DualPipeV needs a microbatch per stage, the interleaved schedules a multiple of their rounds."""
+    from planc.lower.schedules import schedule
+    try:
+        schedule(pp.schedule, pp.pp, microbatches or pp.microbatch_count, pp.stages_per_rank)
+    except ValueError as exc:
+        return str(exc).split(". ")[0].rstrip(".")
+    return None
+
+
+def _fitting(pp: Pipeline) -> str:
+    """The nearest microbatch counts above the plan's that torch builds (for the help)."""
+    m = pp.microbatch_count
+    found = [k for k in range(m + 1, m + 4 * (pp.stage_count or 1) + 1) if schedule_refused(pp, k) is None][:2]
+    return " or ".join(map(str, found))
 
 
 def check_pipeline_batch(ctx: Context) -> Iterator[Diagnostic]:

@@ -321,9 +321,11 @@ CODES: dict[str, Code] = {
                  "`pipeline` line naming torch's schedule and the microbatches.\n\n"
                  "    mesh (shard = *)\n    pipeline 1F1B { microbatches 8 }   # error: no pipeline axis\n\n"
                  "    mesh (pipeline = 2, shard = *)   # error: add `pipeline 1F1B { microbatches 8 }`"),
-    "P463": Code("fewer microbatches than stages under DualPipeV", "torch 2.13 builds DualPipeV only with at least "
-                 "as many microbatches as stages (`ValueError: DualPipeV requires at least as many microbatches as "
-                 "stages`). Use more microbatches.\n\n"
+    "P463": Code("torch refuses the schedule's microbatches", "torch 2.13 refuses to build some schedules with "
+                 "some microbatch counts: DualPipeV needs at least as many microbatches as stages, Interleaved1F1B "
+                 "and InterleavedZeroBubble a multiple of their rounds once there are more microbatches than "
+                 "pipeline ranks. planc builds the schedule as torch does and reports torch's reason. Use a count "
+                 "it accepts.\n\n"
                  "    mesh (pipeline = 2, shard = *)\n    pipeline DualPipeV { microbatches 2 }   # error: 4 stages"),
     "P464": Code("pipeline axis without a fixed size", "The stages are cut for a known number of pipeline "
                  "ranks: give the pipeline axis a size and let a data-parallel axis take the rest of the world.\n\n"

@@ -38,8 +38,6 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")     # exactly two stages per rank, 
 # forward they train with wrong gradients on torch 2.13 (planc/checks/pipeline.py, P465).
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 SPLITS = ("parameters", "compute")               # what the automatic split balances
-# Schedules torch 2.13 refuses to build with fewer microbatches than stages (P463).
-AT_LEAST_ONE_MICROBATCH_PER_STAGE = ("DualPipeV",)
 
 
 def default_stages_per_rank(schedule: str) -> int:
