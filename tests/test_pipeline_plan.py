@@ -167,3 +167,30 @@ def test_editors_know_the_pipeline_lines():
     assert [i.label for i in complete(["pipeline "], 1, 10, g)] == list(planc.resolve.pipeline.SCHEDULES)
     assert [i.label for i in complete(["pipeline 1F1B { "], 1, 17, g)] == ["microbatches", "stages_per_rank", "split"]
     assert "layers" in [i.label for i in complete(["stage 0: tok_embeddings, la"], 1, 28, g)]
+
+
+def test_the_405b_recipe_lowers_to_torchtitans_stages(capsys):
+    """plans/llama3-405b-pp.plan: 16 stages as torchtitan cuts 126 layers, loop placement, torch's
+    Interleaved1F1B over 32 microbatches, every tensor-parallel op in the stage holding its module."""
+    titan = pytest.importorskip("torchtitan.distributed.pipeline_parallel")
+    import pathlib
+
+    from planc.cli.main import main
+    from planc.lower.pipeline import inside
+    from planc.lower.program import Parallelize
+    from planc.model.build import build_model
+    path = pathlib.Path(__file__).resolve().parent.parent / "plans" / "llama3-405b-pp.plan"
+    c = planc.compile(planc.load(path), build_model("planc.zoo:llama3_405b"), 512)
+    assert c.ok, c.errors
+    job = c.job
+    expected = [tuple({"lm_head": "output"}.get(m, m) for m in s) for s in titan._generate_llm_fqn_per_model_part(16, 126)]
+    assert [p.modules for p in job.parts] == expected
+    assert job.schedule.stages == tuple((r, r + 8) for r in range(8))
+    assert job.schedule.actions == schedule("Interleaved1F1B", 8, 32, 2).actions
+    for part in job.parts:
+        ops = part.program.of_type(Parallelize)
+        assert ops and all(inside(op.module, part.modules) for op in ops)
+    assert sum(len(p.program.of_type(Parallelize)) for p in job.parts) == len(c.resolution.parallel)
+    assert main(["explain", str(path), "--world-size", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "   15     7   24.4B      8  layers[119:126], norm, output" in out
