@@ -261,6 +261,8 @@ async def test_hover_on_the_pipeline_and_stage_lines(client):
     one = await hover(client, uri, text, "stage 1")
     assert "layers.1, norm, output" in one and "| 0 | 0 |" not in one
     assert "microbatches per optimizer step" in await hover(client, uri, text, "microbatches")
+    # under a pipeline FSDP does not reshard after forward: the unit's lowered policy, from its stage
+    assert re.search(r"reshard_after_forward +false", await hover(client, uri, text, "layers.*"))
 
 
 @ASYNC

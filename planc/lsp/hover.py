@@ -216,7 +216,9 @@ def _units_of(analysis: Analysis, paths: list[str]) -> str | None:
         names = ", ".join(f"`{u.name}`" for u in units[:SHOW_UNITS])
         head = f"in {len(units)} units: {names}" + (", ..." if len(units) > SHOW_UNITS else "")
     u = units[0]
-    policy = _safe(lambda: analysis.compiled.program.unit(u.name).policy, None)
+    # the unit's lowered policy, in the stage that holds it under a pipeline
+    policy = _safe(lambda: next(p.program.unit(u.name) for p in analysis.compiled.job.parts
+                                if any(x.name == u.name for x in p.program.units)).policy, None)
     rows = []
     for key in SHOWN_SETTINGS:
         if key in u.settings:  # the effective value (FSDP2's defaults applied), as `planc explain` shows it
