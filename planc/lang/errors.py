@@ -133,6 +133,10 @@ def habit_help(row: str, col: int, tok_text: str, tok_type: str) -> str | None:
     head = row.split("#", 1)[0].split()
     if at.startswith("//") or at.startswith("/*"):
         return "comments start with `#` (not `//` or `/*`): `# like this`"
+    ranged = re.search(r"([\w*]+)\.?\[\s*(\d+)\s*\.\.\s*(\d+)\s*\]", row)
+    if ranged and ranged.start() < col <= ranged.end():  # `layers.[0..3]`: a range, inclusive
+        name, first, last = ranged.group(1), int(ranged.group(2)), int(ranged.group(3))
+        return f"a range of children is a slice, the end excluded: `{name}[{first}:{last + 1}]`"
     if re.match(r"-\d", at) and before.endswith("."):
         seg = re.search(r"([\w*]+)\.$", before)
         name = seg.group(1) if seg else "layers"
