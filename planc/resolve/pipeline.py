@@ -245,7 +245,8 @@ def _explicit(lines: list[st.StageStmt], count: int, graph: ModelGraph,
     missing = sorted(set(range(count)) - set(by_index))
     if wrong or missing:
         where = by_index[wrong[0]].index_span if wrong else lines[-1].span
-        what = (f"stage {wrong[0]} is past the last stage" if wrong else
+        what = ((f"stage {wrong[0]} is past the last stage" if wrong[0] >= count else
+                 f"stage {wrong[0]} is not a stage number") if wrong else
                 "stage" + "s" * (len(missing) > 1) + " " + ", ".join(map(str, missing[:6])) + " missing")
         diags.append(_err("P470", f"the pipeline has {count} stages (0 to {count - 1}): {what}", where,
                           f"{count} stages", ("write one `stage N:` line for each N from 0 to "
