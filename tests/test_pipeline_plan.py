@@ -194,3 +194,22 @@ def test_the_405b_recipe_lowers_to_torchtitans_stages(capsys):
     assert main(["explain", str(path), "--world-size", "512"]) == 0
     out = capsys.readouterr().out
     assert "   15     7   24.4B      8  layers[119:126], norm, output" in out
+
+
+@pytest.mark.parametrize("name", list(planc.resolve.pipeline.SCHEDULES))
+def test_every_accepted_pipeline_lowers(name):
+    """Over a grid of sizes, stages per rank and microbatches: compiling never raises, and every plan
+    without errors lowers to a job whose schedule places each of its parts (no error at run time
+    that the checks let through)."""
+    graph = ModelGraph.from_module(zoo.llama_tiny())
+    for pp, spr, m in itertools.product((2, 4), (None, 1, 3), (None, 1, 5)):
+        opts = "; ".join([f"microbatches {m}"] * (m is not None) + [f"stages_per_rank {spr}"] * (spr is not None))
+        text = (f"model planc.zoo:llama_tiny\nmesh (pipeline = {pp}, shard = *)\npipeline {name} {{ {opts} }}\n"
+                "unit layers.*\n")
+        c = planc.compile(planc.loads(text, filename="grid.plan"), graph, pp * 2, strict=False)
+        if c.ok:
+            job = c.job
+            assert len(job.parts) == pp * c.resolution.pipeline.stages_per_rank
+            assert sorted(s for row in job.schedule.stages for s in row) == list(range(len(job.parts)))
+        else:
+            assert all(d.code.startswith("P46") or d.code.startswith("P47") for d in c.errors), c.errors

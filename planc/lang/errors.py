@@ -155,6 +155,12 @@ def habit_help(row: str, col: int, tok_text: str, tok_type: str) -> str | None:
             name = vocab.TORCH_LAYOUTS.get(call.group(1), call.group(1))
             return f"layout arguments are positional, and layouts are plan words: write `{name}({args.strip()})`"
         return f"placement arguments are positional: write `{call.group(1)}({args.strip()})`"
+    option = re.search(r"(?:[{;]|^[ \t]+)\s*([A-Za-z_]\w*)\s*$", before)
+    if tok_text == "=" and option:  # `{ microbatches = 8 }`: an option takes its value without `=`
+        value = re.match(r"=\s*([^,;}#]*)", at)
+        shown = value.group(1).strip() if value and value.group(1).strip() else "VALUE"
+        return f"an option takes its value without `=` (its keys take one: `reshard after_forward = false`): " \
+               f"write `{option.group(1)} {shown}`"
     if tok_text == "(" and prev in vocab.TORCH_STYLES.values():
         word = next(k for k, v in vocab.TORCH_STYLES.items() if v == prev)
         return f"styles are plan words: write `{word}` for torch's `{prev}`, with its arguments in a block " \
