@@ -261,7 +261,8 @@ def batch_problem(pp: Pipeline, shape: tuple[int, ...], span) -> Diagnostic | No
                f"{shape[0]} rows do not split in {m}",
                (f"give each data-parallel rank a batch that is a multiple of {m}, or use a number of microbatches "
                 f"that divides {shape[0]} (torch fails deep in its runtime on uneven microbatches: {FACTS})",),
-               related=((pp.option_span("microbatches"), f"{m} microbatches"),))
+               related=((pp.option_span("microbatches"), f"{m} microbatches"),) if span != pp.option_span("microbatches")
+               else ())
 
 
 def not_estimated(pp: Pipeline, span, what: str) -> Diagnostic:

@@ -121,10 +121,16 @@ def main(args) -> int:
 def _explain_pipeline(c, diags, sources, args) -> int:
     """A pipeline plan: the stages table, and P476 (warning): memory and time are not estimated yet."""
     from planc.analysis.stages import pipeline_summary, render_stages
-    from planc.checks.pipeline import not_estimated
+    from planc.checks.pipeline import batch_problem, not_estimated
 
     summary = pipeline_summary(c)
     shown = [d for d in diags if args.format == "text" or d.is_error]
+    shape = parse_shape(args.input_shape)
+    uneven = batch_problem(c.resolution.pipeline, shape, c.resolution.pipeline.option_span("microbatches")) \
+        if shape else None
+    if uneven is not None:  # `--input-shape`: each data-parallel rank's batch, cut into the microbatches
+        print(render.render_text(shown + [uneven], sources, color=use_color(sys.stderr)), file=sys.stderr)
+        return EXIT_ERRORS
     shown.append(not_estimated(c.resolution.pipeline, c.resolution.pipeline.span,
                                "`planc explain` did not estimate memory or step time"))
     print(render.render_text(shown, sources, color=use_color(sys.stderr)), file=sys.stderr)
