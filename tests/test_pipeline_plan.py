@@ -213,3 +213,18 @@ def test_every_accepted_pipeline_lowers(name):
             assert sorted(s for row in job.schedule.stages for s in row) == list(range(len(job.parts)))
         else:
             assert all(d.code.startswith("P46") or d.code.startswith("P47") for d in c.errors), c.errors
+
+
+def test_explain_and_simulate_check_the_batch_against_the_microbatches(capsys, monkeypatch):
+    import pathlib
+
+    from planc.cli.main import main
+    plan = "tests/ui/ok_pipeline.plan"  # 4 microbatches
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parent.parent)
+    assert main(["explain", plan, "--world-size", "8", "--input-shape", "6x16"]) == 1
+    assert "error[P466]: a batch of 6 does not divide into the pipeline's 4 microbatches" in capsys.readouterr().err
+    assert main(["explain", plan, "--world-size", "8", "--input-shape", "8x16"]) == 0
+    out = capsys.readouterr()
+    assert "warning[P476]" in out.err and "layers.1, norm, output" in out.out
+    assert main(["check", plan, "--world-size", "8", "--simulate", "--input-shape", "6x16"]) == 1
+    assert "P466" in capsys.readouterr().out
