@@ -73,8 +73,9 @@ def count(n: int) -> str:
 
 def render_stages(summary: dict[str, Any]) -> str:
     """The table `planc explain` prints for a pipeline plan."""
+    placed = "" if summary["stages_per_rank"] == 1 else f" ({summary['placement']} placement)"
     head = (f"pipeline {summary['schedule']}: {summary['pipeline']} ranks x {summary['stages_per_rank']} "
-            f"stage{'s' * (summary['stages_per_rank'] != 1)} per rank ({summary['placement']}), "
+            f"stage{'s' * (summary['stages_per_rank'] != 1)} per rank{placed}, "
             f"{summary['microbatches']} microbatches, split {summary['split']} ({summary['line']})")
     rows = [("stage", "rank", "params", "units", "modules")]
     for r in summary["stages"]:

@@ -207,8 +207,10 @@ def check_pipeline_microbatches(ctx: Context) -> Iterator[Diagnostic]:
     elif m < pp.stage_count:
         yield err("P474", f"{m} microbatch{'es' * (m != 1)} for {pp.stage_count} stages: the pipeline idles "
                   f"{bubble(pp):.0%} of the step", pp.option_span("microbatches"), "fewer microbatches than stages",
-                  (f"use at least {pp.stage_count} microbatches (the bubble is (p - 1) / (m + p - 1) of a step on "
-                   "p pipeline ranks)",), severity="warning")
+                  (f"use at least {pp.stage_count} microbatches (the bubble is (p - 1) / "
+                   + ("(m + p - 1)" if pp.schedule in SINGLE_STAGE else "(v m + p - 1)")
+                   + " of a step on p pipeline ranks" + ("" if pp.schedule in SINGLE_STAGE else
+                                                         " with v stages per rank") + ")",), severity="warning")
     step = ctx.res.step
     if step is not None and step.value.microbatches > 1:
         yield err("P475", "`step { accumulate }` beside a pipeline: the pipeline's microbatches are the accumulation",
