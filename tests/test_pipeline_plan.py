@@ -163,6 +163,8 @@ def test_editors_know_the_pipeline_lines():
     assert tokens[:3] == [(Keyword, "pipeline"), (Name.Class, "1F1B"), (tokens[2][0], "{")]
     assert (Name.Builtin, "microbatches") in tokens and (Number.Integer, "0") in tokens
     assert (Name.Class, "layers") not in tokens  # `stage 0:` is not a class guard
+    mesh = [(t, v) for t, v in PlanLexer().get_tokens("mesh (pipeline = 2, shard = *)\n") if v.strip()]
+    assert (Name.Attribute, "pipeline") in mesh  # an axis word there, not the statement
     g = ModelGraph.from_module(zoo.llama_tiny())
     assert [i.label for i in complete(["pipeline "], 1, 10, g)] == list(planc.resolve.pipeline.SCHEDULES)
     assert [i.label for i in complete(["pipeline 1F1B { "], 1, 17, g)] == ["microbatches", "stages_per_rank", "split"]

@@ -58,7 +58,8 @@ class PlanLexer(RegexLexer):
             # `stage 0:`: a pipeline stage's index (not a class guard)
             (r"\b(stage)([ \t]+)([0-9]+)([ \t]*)(:)", bygroups(Keyword, Whitespace, Number.Integer, Whitespace,
                                                            Punctuation)),
-            (words(STATEMENTS, prefix=r"(?<![\w.*])", suffix=r"\b(?![.*])"), Keyword),
+            # a statement word, unless it names a mesh axis (`mesh (pipeline = 2)`)
+            (words(STATEMENTS, prefix=r"(?<![\w.*])", suffix=r"\b(?![.*])(?![ \t]*=(?!=))"), Keyword),
             (words(CLAUSES, prefix=r"(?<![\w.*])", suffix=r"\b(?![.*])"), Keyword),
             (words(CONSTANTS, prefix=r"(?<![\w.*])", suffix=r"\b(?![.*])"), Keyword.Constant),
             (words(DTYPES, prefix=r"(?<![\w.*])", suffix=r"\b(?![.*])"), Keyword.Type),

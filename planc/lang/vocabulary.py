@@ -70,7 +70,7 @@ def tmlanguage(template: dict) -> dict:
     """The TextMate grammar `template` with its word lists set from this module."""
     repo = template["repository"]
     keyword, clause = repo["keyword"]["patterns"]
-    keyword["match"] = rf"(?<![\w.*])\b({_alternation(STATEMENTS)})\b(?![.*])"
+    keyword["match"] = rf"(?<![\w.*])\b({_alternation(STATEMENTS)})\b(?![.*])(?![ \t]*=(?!=))"
     clause["match"] = rf"(?<![\w.*])\b({_alternation(c for c in CLAUSES if c != 'unit')})\b(?![.*])"
     boolean, dtype, fsdp1 = repo["constant"]["patterns"]
     boolean["match"] = rf"(?<![\w.*])\b({_alternation(BOOLS)})\b(?![.*])"
