@@ -1,0 +1,70 @@
+"""Pipeline stages built from the whole model by pass-throughs (planc/backends/stages.py).
+
+Oracle: the unsplit model. Chained, the stages compute exactly its forward; each stage keeps
+the very modules of its part under their paths in the whole model, and nothing else that trains.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from planc import zoo
+from planc.backends.stages import PassThrough, SplitError, check_chain, split
+
+STAGES = [("tok_embeddings", "layers.0"), ("layers.1",), ("norm", "output")]
+
+
+def _tokens(model, batch=2, seq=8):
+    return torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+
+def test_chained_stages_equal_the_whole_model():
+    torch.manual_seed(0)
+    model = zoo.llama_tiny()
+    x = _tokens(model)
+    h = x
+    for mods in STAGES:
+        h = split(model, mods)(h)
+    assert torch.equal(h, model(x))
+
+
+def test_a_stage_keeps_its_modules_under_their_paths():
+    model = zoo.llama_tiny()
+    stage = split(model, STAGES[1])
+    assert stage is not model and type(stage) is type(model)
+    assert stage.layers[1] is model.layers[1]
+    assert [n for n, _ in stage.named_parameters()] == [n for n, _ in model.named_parameters()
+                                                         if n.startswith("layers.1.")]
+    assert isinstance(stage.tok_embeddings, PassThrough) and isinstance(stage.layers[0], PassThrough)
+    assert model.layers[0] is not None and not isinstance(model.tok_embeddings, PassThrough)  # the model is untouched
+    assert split(model, ("",)) is model
+
+
+def test_split_on_meta_allocates_nothing_and_checks_the_chain():
+    with torch.device("meta"):
+        model = zoo.llama_tiny()
+    h = _tokens(model)
+    for mods in STAGES:
+        stage = split(model, mods)
+        assert all(p.is_meta for p in stage.parameters())
+        h = check_chain(stage, [h])
+    assert h.shape == (2, 8, model.config.vocab_size)
+
+
+def test_a_forward_that_is_not_a_chain_is_refused():
+    """GPT adds the position embedding to the token embedding: a pass-through for `wpe` is wrong."""
+    with torch.device("meta"):
+        model = zoo.gpt_tiny()
+    hidden = torch.empty(2, 8, model.wte.weight.shape[1], device="meta")
+    with pytest.raises(SplitError, match="`wpe` got \\(8,\\)"):
+        check_chain(split(model, ("blocks.1", "ln_f")), [hidden])
+
+
+def test_unknown_module_and_parameters_across_stages_are_refused():
+    model = zoo.llama_tiny()
+    with pytest.raises(SplitError, match="not a module"):
+        split(model, ("layers.7",))
+    model.layers.register_parameter("scale", torch.nn.Parameter(torch.ones(1)))
+    with pytest.raises(SplitError, match="`layers` owns parameters"):
+        split(model, ("layers.0",))
