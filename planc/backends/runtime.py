@@ -482,6 +482,9 @@ def apply(model: nn.Module, plan: st.Plan | CompiledPlan | str | os.PathLike, *,
             sharded; please report it.)
     """
     compiled, extra = _compile_live(plan, model, mesh)
+    if compiled.ok and len(compiled.job.parts) > 1:  # pipeline stages: planc/backends/pipelining.py
+        from planc.backends import pipelining
+        return pipelining.apply(model, compiled, extra, mesh)
     if compiled.ok:
         READER.compiled(compiled)  # before anything changes, so a refused job leaves the model as it was
     diagnostics = sort_diagnostics(list(compiled.diagnostics) + extra)
@@ -624,7 +627,8 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
     from torch.distributed._composable import checkpoint
 
     READER.program(program)
-    READER.compiled(compiled)
+    if len(compiled.job.parts) == 1:  # a pipeline's job is read by its own reader (pipelining.READER)
+        READER.compiled(compiled)
     # tensor parallelism runs first (the lowering puts it first): it replaces parameters with
     # DTensors, so the `fully_shard` arguments are computed after it, on the parameters FSDP sees
     tp = [op for op in program.ops if isinstance(op, Parallelize)]

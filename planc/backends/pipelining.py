@@ -1,0 +1,217 @@
+"""Apply a pipeline job: this rank's stages split from the model, each stage's program, torch's schedule.
+
+`planc.apply` hands a job with several parts here (`apply`). On each rank, in torchtitan's
+order (`pipeline_llm`: split, then the same parallelize function per stage, then the schedule):
+
+    the one root device mesh (pipeline axis outermost, `Job.mesh`)
+    -> per stage this pipeline rank holds (`Schedule.stages`, loop or V placement):
+       the stage module (`planc.backends.stages.split`: the model, modules outside the stage
+       passed through, paths kept), its program run on it (`runtime.run`: tensor
+       parallelism, checkpointing, compile, `fully_shard` on the data-parallel submesh)
+       and torch's `PipelineStage` on the pipeline axis's process group
+    -> torch's schedule class of the job's name, built on the first `step` (it needs the loss
+       function), its action list checked against the job's for this rank.
+
+FSDP under a pipeline: a unit whose plan leaves `reshard after_forward` unset does not
+reshard after forward (torchtitan's `reshard_after_forward = not pp_enabled`: every
+microbatch's forward would gather again); a stage turns off gradient sync itself for all but
+the last microbatch (`pipelining/stage.py`).
+
+Gradient scaling, stated: the schedule is built with `scale_grads=True`, so the gradients are
+those of the mean over the step's microbatches of `loss_fn(output, target)` per microbatch,
+averaged by FSDP over the data-parallel ranks: for a mean-reduced loss over equal microbatches,
+the gradients of one unsharded process over the whole global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from planc.backends import runtime, stages
+from planc.compiler import CompiledPlan
+from planc.diagnostics import Diagnostic, PlanError, sort_diagnostics
+from planc.lower.job import ACTION_KINDS, Job, Reader
+from planc.lower.program import FullyShard, Program
+from planc.lower.schedules import SINGLE_STAGE
+from planc.resolve.mesh import Role
+
+# What the pipeline runtime runs: every op the one-part runtime runs, on each stage; every
+# action kind, because torch's schedule class of the job's name runs them (the job's actions
+# are that class's `pipeline_order`, checked against it when the schedule is built); no step
+# op yet: loss parallelism and context parallelism under a pipeline are refused.
+READER = Reader("the pipeline runtime (planc.apply)", runtime.READER.ops, ACTION_KINDS, ())
+
+SCALE_GRADS = True  # the schedule divides each microbatch's gradients by their count (see the docstring)
+
+
+def pipeline_defaults(program: Program) -> Program:
+    """`program` with FSDP's defaults under a pipeline: a unit whose reshard after forward the
+    plan leaves unset does not reshard after forward (torchtitan's)."""
+    ops = []
+    for op in program.ops:
+        if isinstance(op, FullyShard) and op.policy.reshard_argument is None:
+            policy = dataclasses.replace(op.policy, reshard_after_forward=False, reshard_argument=False)
+            op = dataclasses.replace(op, policy=policy)
+        ops.append(op)
+    return dataclasses.replace(program, ops=tuple(ops))
+
+
+@dataclass
+class PipelinedPlan(runtime.AppliedPlan):
+    """What `apply` did with a pipeline job on this rank: its stages and the schedule.
+
+    `model` is the model passed in; train `parameters()` (this rank's stages' parameters),
+    with `step` for each batch::
+
+        optimizer = torch.optim.AdamW(applied.parameters())
+        loss = applied.step(tokens, labels, loss_fn)   # None unless applied.holds_loss
+        optimizer.step(); optimizer.zero_grad()
+
+    Attributes:
+        stages: this rank's stage modules, in the order it holds them (`stage_ids`).
+        stage_ids: the stage indices this pipeline rank holds.
+        pipeline_stages: torch's `PipelineStage` of each.
+        pipeline_rank: this rank's index on the pipeline axis.
+    """
+
+    stages: list[nn.Module] = field(default_factory=list)
+    stage_ids: tuple[int, ...] = ()
+    pipeline_stages: list = field(default_factory=list)
+    pipeline_rank: int = 0
+    _schedule: Any = None
+    _loss_fn: Callable | None = None
+
+    @property
+    def job(self) -> Job:
+        return self.compiled.job
+
+    @property
+    def loss_pipeline_rank(self) -> int:
+        """The pipeline rank that holds the last stage, where the loss is computed (the last
+        rank with loop placement, rank 0 with V placement)."""
+        last = len(self.job.parts) - 1
+        return next(r for r, held in enumerate(self.job.schedule.stages) if last in held)
+
+    @property
+    def holds_loss(self) -> bool:
+        """Whether `step` returns the loss on this rank (it holds the last stage)."""
+        return self.pipeline_rank == self.loss_pipeline_rank
+
+    @property
+    def holds_inputs(self) -> bool:
+        """Whether this rank holds the first stage (the one `step` feeds the inputs to)."""
+        return 0 in self.stage_ids
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's stages' parameters, each once: what its optimizer steps."""
+        seen: set[int] = set()
+        for module in self.stages:
+            for p in module.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's stages' parameters under their paths in the whole model."""
+        for module in self.stages:
+            yield from module.named_parameters()
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor | None:
+        """Forward and backward of one optimizer step's batch through the pipeline.
+
+        Every rank of the pipeline passes its data-parallel batch (`inputs` are read on the rank
+        holding the first stage, `targets` on the rank holding the last); it is cut into the
+        job's microbatches on the first dimension. Returns the mean of the microbatches'
+        `loss_fn(output, target)` (detached) on the rank that `holds_loss`, else None.
+
+        Raises:
+            ValueError: the batch does not divide into the microbatches.
+        """
+        k = self.job.schedule.microbatches
+        for t in (inputs, targets):
+            if t.dim() == 0 or t.shape[0] % k:
+                raise ValueError(f"a batch of shape {tuple(t.shape)} does not split into the plan's {k} "
+                                 f"pipeline microbatches: give a batch that is a multiple of {k}")
+        schedule = self._schedule_for(loss_fn)
+        losses: list[torch.Tensor] = []
+        last = len(self.job.parts) - 1 in self.stage_ids
+        args = (inputs,) if self.holds_inputs else ()
+        kwargs = {"target": targets, "losses": losses} if last else {}
+        schedule.step(*args, **kwargs)
+        return torch.stack([v.detach() for v in losses]).mean() if last else None
+
+    def _schedule_for(self, loss_fn: Callable):
+        if self._schedule is None or loss_fn is not self._loss_fn:
+            self._schedule = build_schedule(self.job, self.pipeline_stages, self.pipeline_rank, loss_fn)
+            self._loss_fn = loss_fn
+        return self._schedule
+
+
+def build_schedule(job: Job, pipeline_stages: list, pipeline_rank: int, loss_fn: Callable):
+    """torch's schedule class of the job's name over this rank's stages, with `scale_grads`
+    stated; its action list for this rank must be the job's (multi-stage schedules)."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    name = job.schedule.name
+    cls = get_schedule_class(name)
+    held = pipeline_stages[0] if name in SINGLE_STAGE else pipeline_stages
+    schedule = cls(held, n_microbatches=job.schedule.microbatches, loss_fn=loss_fn, scale_grads=SCALE_GRADS)
+    order = getattr(schedule, "pipeline_order", None)
+    if name not in SINGLE_STAGE and order is not None:
+        runs = [str(a) for a in order[pipeline_rank] if a is not None]
+        planned = [str(a) for a in job.schedule.actions[pipeline_rank]]
+        if runs != planned:
+            raise RuntimeError(f"torch's {name} runs {runs[:6]}... on pipeline rank {pipeline_rank}, the job "
+                               f"planned {planned[:6]}...: the lowering and torch disagree")
+    return schedule
+
+
+def _device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
+
+
+def apply(model: nn.Module, compiled: CompiledPlan, extra: list[Diagnostic],
+          mesh: DeviceMesh | None = None) -> PipelinedPlan:
+    """Split `model` into this rank's stages of `compiled.job`, apply each stage's program and
+    build its `PipelineStage` (see the module docstring). Called by `planc.apply`.
+
+    Raises:
+        PlanError: the plan has errors.
+        SplitError: a stage cannot be cut from the model (the pipeline checks refuse such a plan
+            before it runs: `stages.check_chain`).
+        UnknownKind: the job holds a step op the pipeline runtime has no rule for.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    job = READER.job(compiled.job)
+    diagnostics = sort_diagnostics(list(compiled.diagnostics) + extra)
+    if any(d.is_error for d in diagnostics):
+        raise PlanError(diagnostics, compiled.sources)
+    axis = job.mesh.axis_name(Role.PIPELINE)
+    if axis is None:
+        raise ValueError("a job with several parts needs a pipeline axis on its mesh (`Job.mesh`)")
+    if mesh is None:
+        mesh = runtime.build_mesh(job.mesh)
+    pp_mesh = mesh[axis]
+    rank = pp_mesh.get_local_rank()
+    held = job.schedule.stages[rank]
+    # every stage split before anything is sharded: a stage that cannot be cut leaves the model as it was
+    modules = [stages.split(model, job.parts[s].modules) for s in held]
+    applied = PipelinedPlan(compiled=compiled, mesh=mesh, model=model, stage_ids=tuple(held), pipeline_rank=rank)
+    for s, module in zip(held, modules):
+        one = runtime.run(pipeline_defaults(job.parts[s].program), module, mesh, compiled)
+        applied.units += one.units
+        applied.unit_of_module.update(one.unit_of_module)
+        applied.stages.append(module)
+        applied.pipeline_stages.append(PipelineStage(module, s, len(job.parts), _device(mesh),
+                                                     group=pp_mesh.get_group()))
+    return applied

@@ -1,0 +1,206 @@
+"""Rank bodies for tests/test_pipeline_dist.py: pipeline jobs trained through `planc.apply`.
+
+Until the plan language has a pipeline axis, a job is built as the lowering will build it: the
+plan compiled without a pipeline, cut by `pipeline_job` into stages run by a schedule, its
+mesh given the pipeline axis outermost (`pipeline_compiled`). The oracle is one unsharded
+process (the same seed, the same global batch, the same microbatches and loss reduction),
+computed on every rank; a second oracle is hand-written torchtitan-style code: the same
+split, `PipelineStage`s and schedule without planc.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import planc
+from planc.lower.pipeline import pipeline_job
+from planc.lower.schedules import SINGLE_STAGE, schedule
+from planc.resolve.mesh import Mesh, Role
+from planc.zoo import llama_tiny
+
+FSDP_PLAN = """model planc.zoo:llama_tiny
+mesh (shard = *)
+unit tok_embeddings
+unit layers.*
+unit [norm, output]
+"""
+
+TP_PLAN = """model planc.zoo:llama_tiny
+mesh (shard = *, tensor = 2)
+parallel tok_embeddings rowwise {
+  input replicate
+  output shard(1)
+}
+parallel layers.*.{attention_norm,ffn_norm} sequence
+parallel layers.*.attention prepare_input {
+  input shard(1)
+  desired_input replicate
+}
+parallel layers.*.attention.{wq,wk,wv} colwise
+parallel layers.*.attention.wo rowwise { output shard(1) }
+parallel layers.*.feed_forward prepare_input {
+  input shard(1)
+  desired_input replicate
+}
+parallel layers.*.feed_forward.{w1,w3} colwise
+parallel layers.*.feed_forward.w2 rowwise { output shard(1) }
+parallel norm sequence
+parallel output colwise {
+  input shard(1)
+  output replicate
+}
+"""
+
+ONE_STAGE = [("tok_embeddings", "layers.0"), ("layers.1", "norm", "output")]  # per rank: GPipe, 1F1B
+TWO_STAGES = [("tok_embeddings",), ("layers.0",), ("layers.1",), ("norm", "output")]  # the others
+STEPS, MICROBATCHES, BATCH, SEQ, LR = 3, 4, 8, 8, 1e-2
+
+
+def pipeline_compiled(plan: str, model: nn.Module, world: int, name: str, pp: int, microbatches: int):
+    """The plan compiled at `world`, its job cut into stages for schedule `name` on `pp` pipeline
+    ranks and its mesh given a pipeline axis of `pp`, outermost (the data-parallel axis fills the rest)."""
+    compiled = planc.compile(planc.loads(plan, filename="pp.plan"), model, world)
+    compiled.raise_for_errors()
+    cut = ONE_STAGE if name in SINGLE_STAGE else TWO_STAGES
+    job = pipeline_job(compiled.job, cut, schedule(name, pp, microbatches, 1 if name in SINGLE_STAGE else 2))
+    sizes = {a.role: (None if a.role == Role.SHARD else a.size) for a in compiled.mesh.axes}
+    names = {a.role: a.name for a in compiled.mesh.axes}
+    mesh = Mesh.of({Role.PIPELINE: pp, **sizes}, {Role.PIPELINE: "pipeline", **names})
+    compiled.__dict__["job"] = dataclasses.replace(job, mesh=mesh)  # what the lowering makes of a pipeline plan
+    return compiled
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def batches(dp: int):
+    """Per step, the global batch (dp x BATCH sequences): tokens and next-token labels."""
+    g = torch.Generator().manual_seed(7)
+    vocab = llama_tiny().config.vocab_size
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, vocab, (dp * BATCH, SEQ + 1), generator=g)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def reference(dp: int, microbatches: int):
+    """One process, the whole global batch: per step the mean over data-parallel slices and
+    microbatches of `loss_fn`; returns (per step: per dp slice loss, grads), final params."""
+    torch.manual_seed(0)
+    model = llama_tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grads = [], []
+    for tokens, labels in batches(dp):
+        per_slice = []
+        total = 0.0
+        for x, y in zip(tokens.chunk(dp), labels.chunk(dp)):
+            mb = [loss_fn(model(a), b) for a, b in zip(x.chunk(microbatches), y.chunk(microbatches))]
+            per_slice.append(torch.stack(mb).mean().item())
+            total = total + sum(mb) / (microbatches * dp)
+        total.backward()
+        losses.append(per_slice)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def train(rank: int, world: int, plan: str, name: str, pp: int) -> dict:
+    """Train the zoo Llama tiny 3 AdamW steps under `plan` cut for schedule `name`; compare with one process."""
+    torch.manual_seed(0)
+    model = llama_tiny()
+    compiled = pipeline_compiled(plan, model, world, name, pp, MICROBATCHES)
+    applied = planc.apply(model, compiled)
+    dp_rank, dp = applied.data_parallel_rank()
+    ref_losses, ref_grads, ref_params = reference(dp, MICROBATCHES)
+    opt = torch.optim.AdamW(applied.parameters(), lr=LR)
+    losses, grad_err = [], 0.0
+    for step, (tokens, labels) in enumerate(batches(dp)):
+        x, y = tokens.chunk(dp)[dp_rank], labels.chunk(dp)[dp_rank]
+        loss = applied.step(x, y, loss_fn)
+        if loss is not None:
+            losses.append((loss.item(), ref_losses[step][dp_rank]))
+        for n, p in applied.named_parameters():
+            grad_err = max(grad_err, _rel(_full(p.grad), ref_grads[step][n]))
+        opt.step()
+        opt.zero_grad()
+    params = {n: _full(p.detach()) for n, p in applied.named_parameters()}
+    return {"holds_loss": applied.holds_loss, "loss_rank": applied.loss_pipeline_rank, "losses": losses,
+            "grad_err": grad_err, "names": sorted(params), "stages": applied.stage_ids,
+            "param_err": max(_rel(p, ref_params[n]) for n, p in params.items())}
+
+
+def handwritten(rank: int, world: int, name: str, pp: int) -> dict:
+    """torchtitan-style code without planc: deep-copy the model per stage, delete what is outside
+    it, `PipelineStage` + the schedule class; 3 AdamW steps. Returns losses and params per stage."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    import copy
+
+    torch.manual_seed(0)
+    whole = llama_tiny()
+    single = name in SINGLE_STAGE
+    cut = ONE_STAGE if single else TWO_STAGES
+    held = [rank] if single else ([rank, 2 * pp - 1 - rank] if name in ("ZBVZeroBubble", "DualPipeV")
+                                  else [rank, rank + pp])
+    modules, pstages = [], []
+    for s in held:
+        part = copy.deepcopy(whole)
+        keep = cut[s]
+        for child in ("tok_embeddings", "norm", "output"):
+            if child not in keep:
+                setattr(part, child, nn.Identity())
+        for i in range(len(part.layers)):
+            if f"layers.{i}" not in keep:
+                part.layers[i] = nn.Identity()
+        modules.append(part)
+        pstages.append(PipelineStage(part, s, len(cut), torch.device("cpu")))
+    sched = get_schedule_class(name)(pstages[0] if single else pstages, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
+    params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.AdamW(params, lr=LR)
+    losses = []
+    for tokens, labels in batches(1):
+        out: list = []
+        first, last = 0 in held, len(cut) - 1 in held
+        sched.step(*((tokens,) if first else ()), **({"target": labels, "losses": out} if last else {}))
+        if last:
+            losses.append(torch.stack([v.detach() for v in out]).mean())
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "params": {n: p.detach() for m in modules for n, p in m.named_parameters()}}
+
+
+def launch_two(rank: int, world: int) -> dict:
+    from torch.distributed.pipelining.schedules import get_schedule_class  # noqa: F401 - fail early without it
+
+    from planc.lower.schedules import SCHEDULES
+
+    out = {}
+    for name in SCHEDULES:
+        out[name] = train(rank, world, FSDP_PLAN, name, 2)
+    for name in ("1F1B", "Interleaved1F1B", "DualPipeV"):
+        out[("handwritten", name)] = handwritten(rank, world, name, 2)
+    return out
+
+
+def launch_four(rank: int, world: int) -> dict:
+    out = {}
+    for name in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble"):
+        out[("fsdp", name)] = train(rank, world, FSDP_PLAN, name, 2)
+    out[("tp", "1F1B")] = train(rank, world, TP_PLAN, "1F1B", 2)
+    return out
