@@ -128,29 +128,31 @@ def train(rank: int, world: int, plan: str, name: str, pp: int) -> dict:
     dp_rank, dp = applied.data_parallel_rank()
     ref_losses, ref_grads, ref_params = reference(dp, MICROBATCHES)
     opt = torch.optim.AdamW(applied.parameters(), lr=LR)
-    losses, grad_err = [], 0.0
+    losses, grad_err, worst = [], [0.0] * STEPS, [None] * STEPS
     for step, (tokens, labels) in enumerate(batches(dp)):
         x, y = tokens.chunk(dp)[dp_rank], labels.chunk(dp)[dp_rank]
         loss = applied.step(x, y, loss_fn)
         if loss is not None:
             losses.append((loss.item(), ref_losses[step][dp_rank]))
         for n, p in applied.named_parameters():
-            grad_err = max(grad_err, _rel(_full(p.grad), ref_grads[step][n]))
+            err = _rel(_full(p.grad), ref_grads[step][n])
+            if err > grad_err[step]:
+                grad_err[step], worst[step] = err, n
         opt.step()
         opt.zero_grad()
     params = {n: _full(p.detach()) for n, p in applied.named_parameters()}
     return {"holds_loss": applied.holds_loss, "loss_rank": applied.loss_pipeline_rank, "losses": losses,
-            "grad_err": grad_err, "names": sorted(params), "stages": applied.stage_ids,
+            "grad_err": grad_err, "worst": worst, "names": sorted(params), "params": params, "stages": applied.stage_ids,
             "param_err": max(_rel(p, ref_params[n]) for n, p in params.items())}
 
 
 def handwritten(rank: int, world: int, name: str, pp: int) -> dict:
     """torchtitan-style code without planc: deep-copy the model per stage, delete what is outside
     it, `PipelineStage` + the schedule class; 3 AdamW steps. Returns losses and params per stage."""
+    import copy
+
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
-
-    import copy
 
     torch.manual_seed(0)
     whole = llama_tiny()
