@@ -187,7 +187,63 @@ def handwritten(rank: int, world: int, name: str, pp: int) -> dict:
     return {"losses": losses, "params": {n: p.detach() for m in modules for n, p in m.named_parameters()}}
 
 
-def launch_two(rank: int, world: int) -> dict:
+ONE_D_PLAN = "model planc.zoo:llama_tiny\nmesh (shard = *)\nunit layers.*\n"
+
+
+def _gather_full(named) -> dict:
+    """Every rank's {name: full tensor} of `named`, merged (each pipeline rank adds its stages)."""
+    import torch.distributed as dist
+
+    mine = {n: _full(t.detach()).clone() for n, t in named}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {n: t for part in every for n, t in part.items()}
+
+
+def meta_and_checkpoint(rank: int, world: int, directory: str) -> dict:
+    """Built on meta, applied (1F1B) and materialized per stage; one step; a DCP checkpoint of the
+    stages loaded under a 1-D FSDP plan, and one saved under that plan loaded back under the pipeline."""
+    import torch.distributed.checkpoint as dcp
+
+    with torch.device("meta"):
+        model = llama_tiny()
+    applied = planc.apply(model, pipeline_compiled(FSDP_PLAN, model, world, "1F1B", 2, MICROBATCHES))
+    applied.materialize("cpu")
+    out = {"stage_meta": any(p.is_meta for p in applied.parameters()),
+           "finite": all(torch.isfinite(_full(p)).all().item() for p in applied.parameters()),
+           "others_meta": [n for n, p in model.named_parameters() if n not in dict(applied.named_parameters())
+                           and not p.is_meta]}
+    tokens, labels = batches(1)[0]
+    loss = applied.step(tokens, labels, loss_fn)
+    out["loss"] = None if loss is None else loss.item()
+    torch.optim.AdamW(applied.parameters(), lr=LR).step()
+    dcp.save(applied.state_dict(), checkpoint_id=f"{directory}/pp")
+    pipelined = _gather_full(applied.named_parameters())
+    one_d = llama_tiny()
+    plain = planc.apply(one_d, planc.loads(ONE_D_PLAN, filename="one_d.plan"))
+    state = one_d.state_dict()
+    dcp.load(state, checkpoint_id=f"{directory}/pp")
+    one_d.load_state_dict(state)
+    loaded = _gather_full(one_d.named_parameters())
+    out["pp_to_1d"] = sorted(pipelined) == sorted(loaded) and all(torch.equal(pipelined[n], loaded[n]) for n in loaded)
+    with torch.no_grad():  # change every value, save under the 1-D plan, load back under the pipeline
+        for p in one_d.parameters():
+            p.mul_(0.5).add_(0.25)
+    dcp.save(one_d.state_dict(), checkpoint_id=f"{directory}/one_d")
+    changed = _gather_full(one_d.named_parameters())
+    fresh = llama_tiny()
+    again = planc.apply(fresh, pipeline_compiled(FSDP_PLAN, fresh, world, "1F1B", 2, MICROBATCHES))
+    state = again.state_dict()
+    dcp.load(state, checkpoint_id=f"{directory}/one_d")
+    again.load_state_dict(state)
+    back = _gather_full(again.named_parameters())
+    out["1d_to_pp"] = sorted(back) == sorted(changed) and all(torch.equal(back[n], changed[n]) for n in back)
+    out["changed"] = not torch.equal(changed["output.weight"], loaded["output.weight"])
+    del plain
+    return out
+
+
+def launch_two(rank: int, world: int, directory: str) -> dict:
     from torch.distributed.pipelining.schedules import get_schedule_class  # noqa: F401 - fail early without it
 
     from planc.lower.schedules import SCHEDULES
@@ -197,6 +253,7 @@ def launch_two(rank: int, world: int) -> dict:
         out[name] = train(rank, world, FSDP_PLAN, name, 2)
     for name in ("1F1B", "Interleaved1F1B", "DualPipeV"):
         out[("handwritten", name)] = handwritten(rank, world, name, 2)
+    out["meta_and_checkpoint"] = meta_and_checkpoint(rank, world, directory)
     return out
 
 

@@ -23,8 +23,8 @@ TOL = 1e-5  # relative: |a - b| / |b| for a loss, ||a - b|| / ||b|| for a gradie
 
 
 @pytest.fixture(scope="module")
-def two():
-    return run(workers.launch_two, 2, timeout=400)
+def two(tmp_path_factory):
+    return run(workers.launch_two, 2, str(tmp_path_factory.mktemp("dcp")), timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +85,16 @@ def test_pp_x_tp_trains_like_one_process(four):
     # and the later gradients (at those parameters) by up to 2.2e-5 (the same effect as in
     # tests/test_context_dist.py). The losses stay bitwise equal.
     _equal_to_one_process([r[("tp", "1F1B")] for r in four], later_steps=1e-4)
+
+
+@pytest.mark.dist
+def test_meta_build_materializes_each_stage_and_checkpoints_across_plans(two):
+    """Built on meta and applied, `applied.materialize` allocates and initialises this rank's
+    stages only; a DCP checkpoint saved under the pipeline loads under a 1-D FSDP plan, and one
+    saved under the 1-D plan loads back under the pipeline: every parameter equal bit for bit."""
+    results = [r["meta_and_checkpoint"] for r in two]
+    for rank, r in enumerate(results):
+        assert not r["stage_meta"] and r["finite"], rank
+        assert r["others_meta"] == [], (rank, r["others_meta"])  # the other rank's stages: not allocated here
+        assert r["pp_to_1d"] and r["1d_to_pp"] and r["changed"], (rank, r)
+    assert results[0]["loss"] is None and results[1]["loss"] > 0  # 1F1B: the last rank holds the loss

@@ -40,6 +40,7 @@ from planc.lower.job import ACTION_KINDS, Job, Reader
 from planc.lower.program import FullyShard, Program
 from planc.lower.schedules import SINGLE_STAGE
 from planc.resolve.mesh import Role
+from planc.resolve.step import check_splits
 
 # What the pipeline runtime runs: every op the one-part runtime runs, on each stage; every
 # action kind, because torch's schedule class of the job's name runs them (the job's actions
@@ -131,13 +132,10 @@ class PipelinedPlan(runtime.AppliedPlan):
         `loss_fn(output, target)` (detached) on the rank that `holds_loss`, else None.
 
         Raises:
-            ValueError: the batch does not divide into the microbatches.
+            MicrobatchError: the batch does not divide into the microbatches.
         """
-        k = self.job.schedule.microbatches
         for t in (inputs, targets):
-            if t.dim() == 0 or t.shape[0] % k:
-                raise ValueError(f"a batch of shape {tuple(t.shape)} does not split into the plan's {k} "
-                                 f"pipeline microbatches: give a batch that is a multiple of {k}")
+            check_splits(tuple(t.shape), self.job.schedule.microbatches)
         schedule = self._schedule_for(loss_fn)
         losses: list[torch.Tensor] = []
         last = len(self.job.parts) - 1 in self.stage_ids
@@ -145,6 +143,33 @@ class PipelinedPlan(runtime.AppliedPlan):
         kwargs = {"target": targets, "losses": losses} if last else {}
         schedule.step(*args, **kwargs)
         return torch.stack([v.detach() for v in losses]).mean() if last else None
+
+    def accumulate(self, *batch: torch.Tensor):
+        """Not under a pipeline: the schedule runs the microbatches (`step`)."""
+        raise TypeError("a pipeline plan runs its microbatches in `applied.step(inputs, targets, loss_fn)`")
+
+    def materialize(self, device: torch.device | str, init: Callable[[nn.Module], None] | None = None) -> None:
+        """`planc.materialize` each of this rank's stages (built on meta): the modules of stages
+        other ranks hold stay on meta, nothing of them is allocated here."""
+        from planc.backends.materialize import materialize
+
+        for module in self.stages:
+            materialize(module, device, init)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's stages' state, under the paths of the whole model (DTensors where sharded):
+        save it with `torch.distributed.checkpoint.save`; every rank adds its stages' keys."""
+        out: dict[str, Any] = {}
+        for module in self.stages:
+            out.update(module.state_dict())
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load each stage's entries of `state` (e.g. filled in place by
+        `torch.distributed.checkpoint.load(applied.state_dict(), ...)`)."""
+        for module in self.stages:
+            mine = module.state_dict()
+            module.load_state_dict({k: state[k] for k in mine})
 
     def _schedule_for(self, loss_fn: Callable):
         if self._schedule is None or loss_fn is not self._loss_fn:
