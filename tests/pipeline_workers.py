@@ -173,18 +173,40 @@ def handwritten(rank: int, world: int, name: str, pp: int) -> dict:
         modules.append(part)
         pstages.append(PipelineStage(part, s, len(cut), torch.device("cpu")))
     sched = get_schedule_class(name)(pstages[0] if single else pstages, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
-    params = [p for m in modules for p in m.parameters()]
-    opt = torch.optim.AdamW(params, lr=LR)
+    return _train_stages(modules, sched, held, len(cut))
+
+
+def _train_stages(modules, sched, held, n_stages):
+    """3 AdamW steps of a hand-built (or emitted) pipeline on the global batch of one dp rank."""
+    opt = torch.optim.AdamW([p for m in modules for p in m.parameters()], lr=LR)
     losses = []
     for tokens, labels in batches(1):
         out: list = []
-        first, last = 0 in held, len(cut) - 1 in held
+        first, last = 0 in held, n_stages - 1 in held
         sched.step(*((tokens,) if first else ()), **({"target": labels, "losses": out} if last else {}))
         if last:
             losses.append(torch.stack([v.detach() for v in out]).mean())
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "params": {n: p.detach() for m in modules for n, p in m.named_parameters()}}
+    return {"losses": losses, "params": {n: _full(p.detach()) for m in modules for n, p in m.named_parameters()}}
+
+
+def emitted(rank: int, world: int, name: str, pp: int) -> dict:
+    """The code `planc emit` prints for the job, executed: its `build_pipeline`, 3 AdamW steps."""
+    from planc.backends.emit import emit_python
+    from planc.backends.runtime import build_mesh
+
+    with torch.device("meta"):
+        shape = llama_tiny()
+    compiled = pipeline_compiled(FSDP_PLAN, shape, world, name, pp, MICROBATCHES)
+    namespace: dict = {}
+    exec(compile(emit_python(compiled), "emitted.py", "exec"), namespace)  # noqa: S102 - the code under test
+    torch.manual_seed(0)
+    model = llama_tiny()
+    mesh = build_mesh(compiled.job.mesh)
+    modules, sched = namespace["build_pipeline"](model, mesh, loss_fn)
+    held = namespace["HELD"][mesh["pipeline"].get_local_rank()]
+    return _train_stages(modules, sched, held, len(namespace["STAGES"]))
 
 
 ONE_D_PLAN = "model planc.zoo:llama_tiny\nmesh (shard = *)\nunit layers.*\n"
@@ -253,6 +275,7 @@ def launch_two(rank: int, world: int, directory: str) -> dict:
         out[name] = train(rank, world, FSDP_PLAN, name, 2)
     for name in ("1F1B", "Interleaved1F1B", "DualPipeV"):
         out[("handwritten", name)] = handwritten(rank, world, name, 2)
+        out[("emitted", name)] = emitted(rank, world, name, 2)
     out["meta_and_checkpoint"] = meta_and_checkpoint(rank, world, directory)
     return out
 

@@ -61,11 +61,14 @@ def test_each_schedule_trains_like_one_process(two, name):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("code", ["handwritten", "emitted"])
 @pytest.mark.parametrize("name", ["1F1B", "Interleaved1F1B", "DualPipeV"])
-def test_same_as_handwritten_torchtitan_style_code(two, name):
-    """Same split, same schedule, no planc: identical parameters per stage, bitwise equal losses."""
+def test_same_as_handwritten_torchtitan_style_code_and_emitted_code(two, name, code):
+    """Same split, same schedule, no planc (hand-written: deep copy per stage, the rest replaced
+    by `nn.Identity`), or the code `planc emit` prints, run: identical parameters per stage,
+    bitwise equal losses."""
     for rank, r in enumerate(two):
-        planc_run, hand = r[name], r[("handwritten", name)]
+        planc_run, hand = r[name], r[(code, name)]
         assert [got for got, _ in planc_run["losses"]] == [v.item() for v in hand["losses"]], rank
         assert planc_run["names"] == sorted(hand["params"]), rank
         for n, p in hand["params"].items():

@@ -478,10 +478,13 @@ def emit_python(compiled: CompiledPlan, *, plan_path: str | None = None, model_r
     if model is None:
         raise ValueError("emit needs a plan compiled against a model")
     compiled.raise_for_errors()
-    job = READER.compiled(compiled)
-    program = job.program
     plan_path = plan_path or compiled.plan.file
     model_ref = model_ref or compiled.plan.model_ref or type(model).__name__
+    if len(compiled.job.parts) > 1:  # pipeline stages: planc/backends/emit_pipeline.py
+        from planc.backends.emit_pipeline import emit_pipeline
+        return emit_pipeline(compiled, plan_path, model_ref)
+    job = READER.compiled(compiled)
+    program = job.program
     body = _body(compiled, program, model)
     return _module_text(program, body, plan_path, model_ref, job.step_op(ShardBatch)) + _accumulate_source(job.schedule)
 
