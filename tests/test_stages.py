@@ -68,3 +68,23 @@ def test_unknown_module_and_parameters_across_stages_are_refused():
     model.layers.register_parameter("scale", torch.nn.Parameter(torch.ones(1)))
     with pytest.raises(SplitError, match="`layers` owns parameters"):
         split(model, ("layers.0",))
+
+
+def test_a_hugging_face_llama_splits_into_stages():
+    """HF's forward builds masks and positions from the hidden state's shape and loops over
+    `self.layers[:n]`: with pass-throughs the chained stages give its logits exactly."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    x = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    cut = [("model.embed_tokens",), ("model.layers.0", "model.layers.1"), ("model.norm", "lm_head")]
+    h = x
+    for mods in cut:
+        stage = split(model, mods)
+        h = stage(h)
+        assert isinstance(h, torch.Tensor)
+        assert stage.model.rotary_emb is model.model.rotary_emb  # no parameters: shared by every stage
+    assert torch.equal(h, model(x).logits)
+    assert model.config.use_cache  # the stages' copies turned it off, not the model

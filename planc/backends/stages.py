@@ -22,7 +22,11 @@ its first argument and returns the next hidden state (the zoo's Llama and seed t
 torchtitan's Llama, Hugging Face decoders' layer loops). `check_chain` runs the split on meta
 and refuses what it can see is not one: a removed module called with other tensors than a
 hidden state (e.g. GPT's position embedding added to the token embedding), or called twice.
-Nothing is allocated: on meta the copies are meta too.
+Nothing is allocated: on meta the copies are meta too. A stage returns a tensor (a Hugging Face
+`ModelOutput` gives its first field, the logits); Hugging Face decoders (`model.embed_tokens`,
+`model.layers.N`, `model.norm`, `lm_head`) split soundly this way: their forward builds the
+mask and positions from the hidden state's shape and loops over `self.layers[:n]`, which
+pass-throughs and an empty `ModuleList` keep intact (tests/test_stages.py).
 """
 
 from __future__ import annotations
@@ -98,7 +102,25 @@ def split(model: nn.Module, modules: Sequence[str]) -> nn.Module:
             memo[id(module)] = type(module)()  # iterating it runs none of its blocks
         else:
             memo[id(module)] = PassThrough(path)
-    return copy.deepcopy(model, memo)
+    stage = copy.deepcopy(model, memo)
+    _tensor_output(stage)
+    return stage
+
+
+def _tensor_output(stage: nn.Module) -> None:
+    """Make the stage copy return a tensor: torch's `PipelineStage` sends tensors, and a Hugging
+    Face model returns a `ModelOutput` (its first field: the logits, or the hidden state a
+    passed-through head leaves there). Its key/value cache is turned off: a pipeline trains."""
+    config = getattr(stage, "config", None)
+    if getattr(config, "use_cache", None):
+        config.use_cache = False  # the copy's config (deep-copied), not the model's
+    forward = stage.forward
+
+    def tensor_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        return out.to_tuple()[0] if not isinstance(out, torch.Tensor) and hasattr(out, "to_tuple") else out
+
+    stage.forward = tensor_forward
 
 
 def _parent(path: str) -> str:
