@@ -60,12 +60,25 @@ TWO_STAGES = [("tok_embeddings",), ("layers.0",), ("layers.1",), ("norm", "outpu
 STEPS, MICROBATCHES, BATCH, SEQ, LR = 3, 4, 8, 8, 1e-2
 
 
-def pipeline_compiled(plan: str, model: nn.Module, world: int, name: str, pp: int, microbatches: int):
+def hf_llama_tiny() -> nn.Module:
+    """A tiny Hugging Face Llama (the pass-through split of its decoder, tests/test_stages.py)."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    return transformers.LlamaForCausalLM(config)
+
+
+HF_PLAN = "mesh (shard = *)\nunit model.layers.*\n"
+HF_STAGES = [("model.embed_tokens", "model.layers.0"), ("model.layers.1", "model.norm", "lm_head")]
+
+
+def pipeline_compiled(plan: str, model: nn.Module, world: int, name: str, pp: int, microbatches: int, cut=None):
     """The plan compiled at `world`, its job cut into stages for schedule `name` on `pp` pipeline
     ranks and its mesh given a pipeline axis of `pp`, outermost (the data-parallel axis fills the rest)."""
     compiled = planc.compile(planc.loads(plan, filename="pp.plan"), model, world)
     compiled.raise_for_errors()
-    cut = ONE_STAGE if name in SINGLE_STAGE else TWO_STAGES
+    cut = cut or (ONE_STAGE if name in SINGLE_STAGE else TWO_STAGES)
     job = pipeline_job(compiled.job, cut, schedule(name, pp, microbatches, 1 if name in SINGLE_STAGE else 2))
     sizes = {a.role: (None if a.role == Role.SHARD else a.size) for a in compiled.mesh.axes}
     names = {a.role: a.name for a in compiled.mesh.axes}
@@ -89,18 +102,22 @@ def batches(dp: int):
     return out
 
 
-def reference(dp: int, microbatches: int):
+def _logits(out):
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def reference(dp: int, microbatches: int, build=llama_tiny):
     """One process, the whole global batch: per step the mean over data-parallel slices and
     microbatches of `loss_fn`; returns (per step: per dp slice loss, grads), final params."""
     torch.manual_seed(0)
-    model = llama_tiny()
+    model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grads = [], []
     for tokens, labels in batches(dp):
         per_slice = []
         total = 0.0
         for x, y in zip(tokens.chunk(dp), labels.chunk(dp)):
-            mb = [loss_fn(model(a), b) for a, b in zip(x.chunk(microbatches), y.chunk(microbatches))]
+            mb = [loss_fn(_logits(model(a)), b) for a, b in zip(x.chunk(microbatches), y.chunk(microbatches))]
             per_slice.append(torch.stack(mb).mean().item())
             total = total + sum(mb) / (microbatches * dp)
         total.backward()
@@ -119,14 +136,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def train(rank: int, world: int, plan: str, name: str, pp: int) -> dict:
+def train(rank: int, world: int, plan: str, name: str, pp: int, build=llama_tiny, cut=None) -> dict:
     """Train the zoo Llama tiny 3 AdamW steps under `plan` cut for schedule `name`; compare with one process."""
     torch.manual_seed(0)
-    model = llama_tiny()
-    compiled = pipeline_compiled(plan, model, world, name, pp, MICROBATCHES)
+    model = build()
+    compiled = pipeline_compiled(plan, model, world, name, pp, MICROBATCHES, cut)
     applied = planc.apply(model, compiled)
     dp_rank, dp = applied.data_parallel_rank()
-    ref_losses, ref_grads, ref_params = reference(dp, MICROBATCHES)
+    ref_losses, ref_grads, ref_params = reference(dp, MICROBATCHES, build)
     opt = torch.optim.AdamW(applied.parameters(), lr=LR)
     losses, grad_err, worst = [], [0.0] * STEPS, [None] * STEPS
     for step, (tokens, labels) in enumerate(batches(dp)):
@@ -277,6 +294,7 @@ def launch_two(rank: int, world: int, directory: str) -> dict:
         out[("handwritten", name)] = handwritten(rank, world, name, 2)
         out[("emitted", name)] = emitted(rank, world, name, 2)
     out["meta_and_checkpoint"] = meta_and_checkpoint(rank, world, directory)
+    out["hf"] = train(rank, world, HF_PLAN, "1F1B", 2, hf_llama_tiny, HF_STAGES)
     return out
 
 

@@ -101,3 +101,12 @@ def test_meta_build_materializes_each_stage_and_checkpoints_across_plans(two):
         assert r["others_meta"] == [], (rank, r["others_meta"])  # the other rank's stages: not allocated here
         assert r["pp_to_1d"] and r["1d_to_pp"] and r["changed"], (rank, r)
     assert results[0]["loss"] is None and results[1]["loss"] > 0  # 1F1B: the last rank holds the loss
+
+
+@pytest.mark.dist
+def test_a_hugging_face_llama_trains_like_one_process(two):
+    """`LlamaForCausalLM` cut by pass-throughs (its forward loops over `self.layers[:n]` and builds
+    the mask from the hidden state), 1F1B on 2 ranks, equal to one process."""
+    results = [r["hf"] for r in two]
+    _equal_to_one_process(results)
+    assert [r["holds_loss"] for r in results] == [False, True]
