@@ -55,6 +55,8 @@ def test_each_schedule_trains_like_one_process(two, name):
     # every parameter of the model trains on exactly one pipeline rank
     names = [n for r in results for n in r["names"]]
     assert sorted(names) == sorted(n for n, _ in workers.llama_tiny().named_parameters())
+    # each rank holds the bytes of its own stages' parameters only (fp32, no data-parallel sharding)
+    assert sum(r["bytes"] for r in results) == 4 * sum(p.numel() for p in workers.llama_tiny().parameters())
     loss_rank = 0 if name in ("ZBVZeroBubble", "DualPipeV") else 1  # V placement: rank 0 holds the last stage
     assert [r["holds_loss"] for r in results] == [rank == loss_rank for rank in range(2)]
     assert all(r["loss_rank"] == loss_rank for r in results)
@@ -110,3 +112,9 @@ def test_a_hugging_face_llama_trains_like_one_process(two):
     results = [r["hf"] for r in two]
     _equal_to_one_process(results)
     assert [r["holds_loss"] for r in results] == [False, True]
+
+
+@pytest.mark.dist
+def test_checkpointing_under_a_pipeline_trains_like_one_process(two):
+    """Each stage's program runs on it: `checkpoint layers.* full` under Interleaved1F1B."""
+    _equal_to_one_process([r["checkpoint"] for r in two])

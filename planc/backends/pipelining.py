@@ -172,10 +172,17 @@ class PipelinedPlan(runtime.AppliedPlan):
             module.load_state_dict({k: state[k] for k in mine})
 
     def _schedule_for(self, loss_fn: Callable):
-        if self._schedule is None or loss_fn is not self._loss_fn:
-            self._schedule = build_schedule(self.job, self.pipeline_stages, self.pipeline_rank, loss_fn)
-            self._loss_fn = loss_fn
+        """The schedule, built once; it calls the loss function of the current `step` (so a new
+        function object per step, e.g. a lambda, does not rebuild it)."""
+        self._loss_fn = loss_fn
+        if self._schedule is None:
+            self._schedule = build_schedule(self.job, self.pipeline_stages, self.pipeline_rank,
+                                            lambda output, target: self._loss_fn(output, target))
         return self._schedule
+
+    def local_param_bytes(self) -> int:
+        """Bytes of parameter data this rank holds: its stages' local shards."""
+        return sum(runtime._local_bytes(p) for p in self.parameters())
 
 
 def build_schedule(job: Job, pipeline_stages: list, pipeline_rank: int, loss_fn: Callable):
