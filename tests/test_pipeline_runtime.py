@@ -1,0 +1,52 @@
+"""The pipeline runtime's pieces that need no process group: FSDP's defaults under a pipeline,
+what it refuses, and the code `planc emit` prints for a pipeline job (run for real in
+tests/test_pipeline_dist.py)."""
+
+from __future__ import annotations
+
+import pipeline_workers as workers
+import pytest
+import torch
+
+from planc.backends import emit_pipeline, pipelining
+from planc.backends.emit import emit_python
+from planc.lower.job import UnknownKind
+from planc.zoo import llama_tiny
+
+
+@pytest.fixture(scope="module")
+def meta_llama():
+    with torch.device("meta"):
+        return llama_tiny()
+
+
+def test_units_do_not_reshard_after_forward_unless_the_plan_says(meta_llama):
+    plan = workers.FSDP_PLAN.replace("unit [norm, output]", "unit [norm, output] { reshard after_forward = true }")
+    job = workers.pipeline_compiled(plan, meta_llama, 4, "1F1B", 2, 4).job
+    policies = {op.name: op.policy for part in job.parts
+                for op in pipelining.pipeline_defaults(part.program).units}
+    assert policies["layers.0"].reshard_argument is False and policies["<root>"].reshard_argument is False
+    assert policies["[norm, output]"].reshard_argument is True  # written in the plan: kept (the checks judge it)
+    assert {op.policy.reshard_argument for op in job.parts[0].program.units} == {None}  # the job itself unchanged
+
+
+def test_loss_parallel_under_a_pipeline_is_refused(meta_llama):
+    plan = workers.TP_PLAN.replace("output replicate", "loss_parallel")
+    job = workers.pipeline_compiled(plan, meta_llama, 4, "1F1B", 2, 4).job
+    with pytest.raises(UnknownKind, match="LossParallel"):
+        pipelining.READER.job(job)
+    with pytest.raises(UnknownKind, match="LossParallel"):
+        emit_pipeline.READER.job(job)
+
+
+@pytest.mark.parametrize("name, held", [("Interleaved1F1B", "((0, 2), (1, 3))"), ("DualPipeV", "((0, 3), (1, 2))"),
+                                        ("GPipe", "((0,), (1,))")])
+def test_emit_prints_each_stage_and_the_schedule(meta_llama, name, held):
+    source = emit_python(workers.pipeline_compiled(workers.FSDP_PLAN, meta_llama, 4, name, 2, 4))
+    compile(source, "emitted.py", "exec")
+    n = 2 if name == "GPipe" else 4
+    assert [f"def apply_stage_{s}(model, mesh):" in source for s in range(n)] == [True] * n
+    assert f"HELD = {held}" in source
+    assert f"Schedule{name}({'stages[0]' if n == 2 else 'stages'}, n_microbatches=4" in source
+    assert "scale_grads=True" in source and "reshard_after_forward=False" in source
+    assert "reshard_after_forward=True" not in source
