@@ -283,6 +283,25 @@ def meta_and_checkpoint(rank: int, world: int, directory: str) -> dict:
     return out
 
 
+def without_pipeline(rank: int, world: int) -> dict:
+    """`AppliedPlan.step` of a plan without a pipeline (`step { accumulate 4 }`, 1-D FSDP): the
+    same loop, every rank holding the loss; 3 AdamW steps against one process."""
+    torch.manual_seed(0)
+    model = llama_tiny()
+    applied = planc.apply(model, planc.loads(FSDP_PLAN + f"step {{ accumulate {MICROBATCHES} }}\n", filename="a.plan"))
+    dp_rank, dp = applied.data_parallel_rank()
+    ref_losses, ref_grads, _ = reference(dp, MICROBATCHES)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, grad_err = [], 0.0
+    for step, (tokens, labels) in enumerate(batches(dp)):
+        loss = applied.step(tokens.chunk(dp)[dp_rank], labels.chunk(dp)[dp_rank], loss_fn)
+        losses.append((loss.item(), ref_losses[step][dp_rank]))
+        grad_err = max(grad_err, max(_rel(_full(p.grad), ref_grads[step][n]) for n, p in model.named_parameters()))
+        opt.step()
+        opt.zero_grad()
+    return {"holds_loss": applied.holds_loss, "losses": losses, "grad_err": grad_err}
+
+
 def launch_two(rank: int, world: int, directory: str) -> dict:
     from torch.distributed.pipelining.schedules import get_schedule_class  # noqa: F401 - fail early without it
 
@@ -295,6 +314,7 @@ def launch_two(rank: int, world: int, directory: str) -> dict:
         out[("handwritten", name)] = handwritten(rank, world, name, 2)
         out[("emitted", name)] = emitted(rank, world, name, 2)
     out["meta_and_checkpoint"] = meta_and_checkpoint(rank, world, directory)
+    out["without_pipeline"] = without_pipeline(rank, world)
     out["checkpoint"] = train(rank, world, FSDP_PLAN + "checkpoint layers.* full\n", "Interleaved1F1B", 2)
     out["hf"] = train(rank, world, HF_PLAN, "1F1B", 2, hf_llama_tiny, HF_STAGES)
     return out

@@ -118,3 +118,15 @@ def test_a_hugging_face_llama_trains_like_one_process(two):
 def test_checkpointing_under_a_pipeline_trains_like_one_process(two):
     """Each stage's program runs on it: `checkpoint layers.* full` under Interleaved1F1B."""
     _equal_to_one_process([r["checkpoint"] for r in two])
+
+
+@pytest.mark.dist
+def test_step_without_a_pipeline_is_the_same_loop(two):
+    """`applied.step(inputs, targets, loss_fn)` also runs a plan without a pipeline (its
+    `step { accumulate 4 }` microbatches): every rank holds the loss, equal to one process."""
+    for rank, r in enumerate(two):
+        r = r["without_pipeline"]
+        assert r["holds_loss"] and len(r["losses"]) == workers.STEPS, rank
+        for got, want in r["losses"]:
+            assert got == pytest.approx(want, rel=TOL), rank
+        assert r["grad_err"] < TOL, rank

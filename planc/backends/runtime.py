@@ -270,6 +270,24 @@ class AppliedPlan:
         finally:  # a loop left early must not leave the next step without its reduction
             self.gradient_sync(k - 1)
 
+    holds_loss = True  # every rank computes the loss without a pipeline (`PipelinedPlan` says which rank does)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn) -> torch.Tensor:
+        """Forward and backward of one optimizer step's batch, as a pipeline plan's `step` does:
+        the mean over the step's microbatches (`accumulate`) of `loss_fn(model(inputs), targets)`
+        (inside `loss_parallel()` when the plan says so), returned detached on every rank. A
+        plan with a context axis shards each batch first: use `shard_batch` in your own loop."""
+        if self.compiled.job.step_op(ShardBatch):
+            raise TypeError("a plan with a context axis needs `applied.shard_batch(tokens, labels)` and "
+                            "`positions=` in the loop: write the loop (README)")
+        total = None
+        for x, y in self.accumulate(inputs, targets):
+            with self.loss_parallel():
+                loss = loss_fn(self.model(x), y) / self.microbatches
+                loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total
+
     def gradient_sync(self, microbatch: int) -> bool:
         """Set FSDP2's gradient sync for `microbatch` of the step as the plan says (`step {
         accumulate N, sync = last }`: off before the last microbatch, `set_requires_gradient_sync`;
