@@ -253,6 +253,7 @@ def meta_and_checkpoint(rank: int, world: int, directory: str) -> dict:
            "finite": all(torch.isfinite(_full(p)).all().item() for p in applied.parameters()),
            "others_meta": [n for n, p in model.named_parameters() if n not in dict(applied.named_parameters())
                            and not p.is_meta]}
+    out["summary"] = applied.summary()
     tokens, labels = batches(1)[0]
     loss = applied.step(tokens, labels, loss_fn)
     out["loss"] = None if loss is None else loss.item()

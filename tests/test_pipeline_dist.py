@@ -103,6 +103,8 @@ def test_meta_build_materializes_each_stage_and_checkpoints_across_plans(two):
         assert r["others_meta"] == [], (rank, r["others_meta"])  # the other rank's stages: not allocated here
         assert r["pp_to_1d"] and r["1d_to_pp"] and r["changed"], (rank, r)
     assert results[0]["loss"] is None and results[1]["loss"] > 0  # 1F1B: the last rank holds the loss
+    assert results[0]["summary"].startswith("planc: pipeline rank 0 of 2 holds stage 0 of 2 (1F1B, 4 microbatches, "
+                                            "scale_grads=True); the loss is on pipeline rank 1\n"), results[0]["summary"]
 
 
 @pytest.mark.dist

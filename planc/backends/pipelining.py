@@ -67,8 +67,9 @@ def pipeline_defaults(program: Program) -> Program:
 class PipelinedPlan(runtime.AppliedPlan):
     """What `apply` did with a pipeline job on this rank: its stages and the schedule.
 
-    `model` is the model passed in; train `parameters()` (this rank's stages' parameters),
-    with `step` for each batch::
+    `model` is the model passed in: the modules of this rank's stages are sharded in place
+    and shared with `stages`, the rest is left as it was (on meta, if built there): do not
+    call it. Train `parameters()` (this rank's stages' parameters), with `step` per batch::
 
         optimizer = torch.optim.AdamW(applied.parameters())
         loss = applied.step(tokens, labels, loss_fn)   # None unless applied.holds_loss
@@ -179,6 +180,15 @@ class PipelinedPlan(runtime.AppliedPlan):
             self._schedule = build_schedule(self.job, self.pipeline_stages, self.pipeline_rank,
                                             lambda output, target: self._loss_fn(output, target))
         return self._schedule
+
+    def summary(self) -> str:
+        """The pipeline (this rank's stages, the schedule, where the loss is), then the units."""
+        sched = self.job.schedule
+        head = (f"planc: pipeline rank {self.pipeline_rank} of {len(sched.stages)} holds stage"
+                f"{'s' if len(self.stage_ids) > 1 else ''} {', '.join(map(str, self.stage_ids))} of "
+                f"{len(self.job.parts)} ({sched.name}, {sched.microbatches} microbatches, scale_grads="
+                f"{SCALE_GRADS}); the loss is on pipeline rank {self.loss_pipeline_rank}")
+        return head + "\n" + super().summary()
 
     def local_param_bytes(self) -> int:
         """Bytes of parameter data this rank holds: its stages' local shards."""
