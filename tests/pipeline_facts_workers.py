@@ -82,6 +82,33 @@ def fsdp_split_backward(mesh, name: str, reshard_after_forward: bool) -> dict:
     return {"diff": diff, "missing": missing, "loss": [float(v) for v in losses]}
 
 
+def tied_across_stages(mesh) -> dict:
+    """A weight used by stage 0 and by stage 1 (tied, as an input embedding and a tied head are):
+    each pipeline rank trains its own copy. Returns this rank's gradient of it and the
+    gradient one process computes (the sum over both uses)."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    def build():
+        torch.manual_seed(0)
+        first, middle, last = nn.Linear(D, D, bias=False), nn.Linear(D, D), nn.Linear(D, D, bias=False)
+        last.weight = first.weight
+        return nn.Sequential(first, nn.Tanh(), middle, nn.Tanh(), last)
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, D, generator=g), torch.randn(8, D, generator=g)
+    ref = build()
+    _loss(ref(x), y).backward()
+    pp_rank = mesh["pp"].get_local_rank()
+    full = build()
+    stage = full[:2] if pp_rank == 0 else full[2:]
+    sched = get_schedule_class("1F1B")(PipelineStage(stage, pp_rank, 2, torch.device("cpu"),
+                                                     group=mesh["pp"].get_group()), n_microbatches=4, loss_fn=_loss)
+    _step(sched, [pp_rank], 2, x, y)
+    mine = full[0].weight.grad if pp_rank == 0 else full[4].weight.grad
+    return {"grad": mine.clone(), "ref": ref[0].weight.grad.clone()}
+
+
 def _pp_group(rank: int, world: int):
     """This rank's pipeline group (ranks r and r + 2 of 4) with a short timeout; every rank makes both."""
     mine = None
@@ -134,6 +161,8 @@ def launch(rank: int, world: int) -> dict:
     out = {}
     for name, raf in (("DualPipeV", True), ("InterleavedZeroBubble", True), ("DualPipeV", False)):
         out[(name, raf)] = fsdp_split_backward(mesh, name, raf)
+    dist.barrier()
+    out["tied"] = tied_across_stages(mesh)
     dist.barrier()
     for case in ("zbv_loop_placement", "uneven_microbatches"):  # the hang first: a failed case leaves messages behind
         out[case] = edge(rank, world, case)

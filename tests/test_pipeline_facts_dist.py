@@ -10,6 +10,9 @@ is one process over the same global batch. Each test backs one refusal of the pi
 * `test_fact_v_schedule_with_loop_placement_hangs`: ZBVZeroBubble given loop placement never
   finishes its step: pipeline rank 0 waits until the group's timeout, rank 1 (usually) reads a
   message meant for another stage as a size and dies allocating petabytes.
+* `test_fact_tied_weights_across_stages_train_untied`: a weight two stages use (an input
+  embedding tied to the head) gets on each pipeline rank only its own stage's share of the
+  gradient, silently: the copies drift apart (torchtitan raises `NotImplementedError`).
 * `test_fact_uneven_microbatches_fail_in_the_runtime`: a local batch of 8 in 3 microbatches
   dies deep in the runtime with a shape error on the last stage; the first stage hangs.
 """
@@ -63,3 +66,14 @@ def test_fact_uneven_microbatches_fail_in_the_runtime(facts):
     # in the runtime; the first stage then waits for a gradient that never comes
     assert all("must match the size of tensor" in c["error"] for c in cases[2:]), cases
     assert _timed_out(cases[0]) and _timed_out(cases[1]), cases
+
+
+@pytest.mark.dist
+def test_fact_tied_weights_across_stages_train_untied(facts):
+    import torch
+
+    ranks = [r["tied"] for r in facts]  # ranks 0, 1: pipeline rank 0 (stage 0); ranks 2, 3: stage 1
+    first, last, ref = ranks[0]["grad"], ranks[2]["grad"], ranks[0]["ref"]
+    assert not torch.allclose(first, ref, atol=1e-6) and not torch.allclose(last, ref, atol=1e-6)
+    # each rank holds exactly its own use's share: the missing piece is the exchange of the two
+    assert torch.allclose(first + last, ref, atol=1e-6)
