@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from planc import zoo
-from planc.backends.stages import PassThrough, SplitError, check_chain, split
+from planc.backends.stages import PassThrough, SplitError, check_chain, check_split, split
 
 STAGES = [("tok_embeddings", "layers.0"), ("layers.1",), ("norm", "output")]
 
@@ -88,3 +88,12 @@ def test_a_hugging_face_llama_splits_into_stages():
         assert stage.model.rotary_emb is model.model.rotary_emb  # no parameters: shared by every stage
     assert torch.equal(h, model(x).logits)
     assert model.config.use_cache  # the stages' copies turned it off, not the model
+
+
+def test_check_split_runs_every_stage_chained_on_meta():
+    with torch.device("meta"):
+        llama, gpt = zoo.llama_tiny(), zoo.gpt_tiny()
+    assert check_split(llama, STAGES, [_tokens(llama)]).shape == (2, 8, llama.config.vocab_size)
+    tokens = torch.randint(0, 64, (2, 8))
+    with pytest.raises(SplitError, match=r"^stage 1 \(blocks.1, ln_f\): .*`wpe` got \(8,\)"):
+        check_split(gpt, [("wte", "wpe", "blocks.0"), ("blocks.1", "ln_f")], [tokens])

@@ -177,3 +177,20 @@ def check_chain(stage: nn.Module, example: Sequence[torch.Tensor]) -> torch.Tens
                              f"shape {shape}, not the hidden state {sorted(hidden)}: the forward is not a chain "
                              "of the stages' modules, so a pass-through cannot stand for it")
     return out
+
+
+def check_split(model: nn.Module, stages: Sequence[Sequence[str]], inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Split `model` (built on meta) into `stages` and run them chained on meta copies of the
+    model's `inputs` (`check_chain` per stage): what the pipeline checks run before any process
+    starts. Returns the last stage's output (on meta).
+
+    Raises:
+        SplitError: naming the first stage that cannot be cut or run as a chain.
+    """
+    h: Sequence[torch.Tensor] = inputs
+    for index, modules in enumerate(stages):
+        try:
+            h = [check_chain(split(model, modules), h)]
+        except SplitError as err:
+            raise SplitError(f"stage {index} ({', '.join(modules)}): {err}") from err
+    return h[0]
