@@ -4,6 +4,8 @@ tests/test_pipeline_dist.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pipeline_workers as workers
 import pytest
 import torch
@@ -50,3 +52,24 @@ def test_emit_prints_each_stage_and_the_schedule(meta_llama, name, held):
     assert f"Schedule{name}({'stages[0]' if n == 2 else 'stages'}, n_microbatches=4" in source
     assert "scale_grads=True" in source and "reshard_after_forward=False" in source
     assert "reshard_after_forward=True" not in source
+
+
+@dataclasses.dataclass(frozen=True)
+class NewOp:
+    """An op kind the lowering might add one day."""
+
+    module: str
+
+
+def test_an_op_kind_a_stage_does_not_know_is_refused(meta_llama):
+    compiled = workers.pipeline_compiled(workers.FSDP_PLAN, meta_llama, 4, "Interleaved1F1B", 2, 4)
+    job = compiled.job
+    part = job.parts[2]
+    parts = job.parts[:2] + (dataclasses.replace(part, program=dataclasses.replace(
+        part.program, ops=part.program.ops + (NewOp("layers.1"),))),) + job.parts[3:]
+    compiled.__dict__["job"] = dataclasses.replace(job, parts=parts)
+    for reader in (pipelining.READER, emit_pipeline.READER):
+        with pytest.raises(UnknownKind, match="NewOp"):
+            reader.job(compiled.job)
+    with pytest.raises(UnknownKind, match="NewOp"):
+        emit_python(compiled)
