@@ -491,6 +491,8 @@ def apply(model: nn.Module, plan: st.Plan | CompiledPlan | str | os.PathLike, *,
 
     Returns:
         The `AppliedPlan`: units with their FSDP handles, `summary()`, `local_param_bytes()`.
+        For a job with several parts (pipeline stages) a `PipelinedPlan`
+        (planc/backends/pipelining.py): this rank's stages, `step`, `holds_loss`.
 
     Raises:
         PlanError: with every diagnostic if the plan has any error for this model and world
