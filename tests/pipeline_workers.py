@@ -108,11 +108,12 @@ def _logits(out):
 
 def reference(dp: int, microbatches: int, build=llama_tiny):
     """One process, the whole global batch: per step the mean over data-parallel slices and
-    microbatches of `loss_fn`; returns (per step: per dp slice loss, grads), final params."""
+    microbatches of `loss_fn`; returns (per step: per dp slice loss, grads), final params, and
+    per step the total gradient norm."""
     torch.manual_seed(0)
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], []
+    losses, grads, norms = [], [], []
     for tokens, labels in batches(dp):
         per_slice = []
         total = 0.0
@@ -121,11 +122,12 @@ def reference(dp: int, microbatches: int, build=llama_tiny):
             per_slice.append(torch.stack(mb).mean().item())
             total = total + sum(mb) / (microbatches * dp)
         total.backward()
+        norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
         losses.append(per_slice)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -143,8 +145,9 @@ def train(rank: int, world: int, plan: str, name: str, pp: int, build=llama_tiny
     compiled = pipeline_compiled(plan, model, world, name, pp, MICROBATCHES, cut)
     applied = planc.apply(model, compiled)
     dp_rank, dp = applied.data_parallel_rank()
-    ref_losses, ref_grads, ref_params = reference(dp, MICROBATCHES, build)
+    ref_losses, ref_grads, ref_params, ref_norms = reference(dp, MICROBATCHES, build)
     opt = torch.optim.AdamW(applied.parameters(), lr=LR)
+    norms = []
     losses, grad_err, worst = [], [0.0] * STEPS, [None] * STEPS
     for step, (tokens, labels) in enumerate(batches(dp)):
         x, y = tokens.chunk(dp)[dp_rank], labels.chunk(dp)[dp_rank]
@@ -155,10 +158,11 @@ def train(rank: int, world: int, plan: str, name: str, pp: int, build=llama_tiny
             err = _rel(_full(p.grad), ref_grads[step][n])
             if err > grad_err[step]:
                 grad_err[step], worst[step] = err, n
+        norms.append((applied.clip_grad_norm_(float("inf")).item(), ref_norms[step]))  # the norm only: no clipping
         opt.step()
         opt.zero_grad()
     params = {n: _full(p.detach()) for n, p in applied.named_parameters()}
-    return {"holds_loss": applied.holds_loss, "bytes": applied.local_param_bytes(),
+    return {"holds_loss": applied.holds_loss, "bytes": applied.local_param_bytes(), "norms": norms,
             "loss_rank": applied.loss_pipeline_rank, "losses": losses,
             "grad_err": grad_err, "worst": worst, "names": sorted(params), "params": params, "stages": applied.stage_ids,
             "param_err": max(_rel(p, ref_params[n]) for n, p in params.items())}
@@ -291,7 +295,7 @@ def without_pipeline(rank: int, world: int) -> dict:
     model = llama_tiny()
     applied = planc.apply(model, planc.loads(FSDP_PLAN + f"step {{ accumulate {MICROBATCHES} }}\n", filename="a.plan"))
     dp_rank, dp = applied.data_parallel_rank()
-    ref_losses, ref_grads, _ = reference(dp, MICROBATCHES)
+    ref_losses, ref_grads, _, _ = reference(dp, MICROBATCHES)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, grad_err = [], 0.0
     for step, (tokens, labels) in enumerate(batches(dp)):

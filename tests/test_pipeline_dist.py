@@ -44,6 +44,11 @@ def _equal_to_one_process(results, *, later_steps: float = TOL):
         assert r["grad_err"][0] < TOL, (rank, r["grad_err"], r["worst"])
         assert max(r["grad_err"]) < later_steps, (rank, r["grad_err"], r["worst"])
         assert r["param_err"] < later_steps, (rank, r["param_err"])
+        # `clip_grad_norm_`'s total norm (over the pipeline, data-parallel and tensor axes) is the
+        # one process's: the whole model's gradients; with dp > 1 the oracle's is the mean gradient's
+        (norm, want), *later = r["norms"]
+        assert norm == pytest.approx(want, rel=TOL), (rank, r["norms"])
+        assert all(n == pytest.approx(w, rel=later_steps) for n, w in later), (rank, r["norms"])
     assert sum(len(r["losses"]) for r in results) == len(results) // 2 * workers.STEPS  # one loss rank per dp rank
 
 

@@ -181,6 +181,25 @@ class PipelinedPlan(runtime.AppliedPlan):
                                             lambda output, target: self._loss_fn(output, target))
         return self._schedule
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients of this rank's stages by the total norm over the whole model, and
+        return that norm (on every rank): each rank's squared norm of its stages' gradients
+        (full tensors, so over the data-parallel and tensor axes too), summed over the pipeline
+        axis (torchtitan's `clip_grad_norm_` with a pipeline). Each gradient is gathered whole in
+        turn (simple, one full gradient in memory at a time; torchtitan reduces DTensor norms instead)."""
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in self.parameters() if p.grad is not None]
+        squares = torch.zeros((), dtype=torch.float32, device=_device(self.mesh))
+        for p in params:
+            grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            squares = squares + grad.detach().float().pow(2).sum()
+        dist.all_reduce(squares, group=self.mesh[self.job.mesh.axis_name(Role.PIPELINE)].get_group())
+        total = squares.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
     def summary(self) -> str:
         """The pipeline (this rank's stages, the schedule, where the loss is), then the units."""
         sched = self.job.schedule
