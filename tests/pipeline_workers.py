@@ -252,7 +252,7 @@ def meta_and_checkpoint(rank: int, world: int, directory: str) -> dict:
     with torch.device("meta"):
         model = llama_tiny()
     applied = planc.apply(model, pipeline_compiled(FSDP_PLAN, model, world, "1F1B", 2, MICROBATCHES))
-    applied.materialize("cpu")
+    assert planc.materialize(applied, "cpu") is applied
     out = {"stage_meta": any(p.is_meta for p in applied.parameters()),
            "finite": all(torch.isfinite(_full(p)).all().item() for p in applied.parameters()),
            "others_meta": [n for n, p in model.named_parameters() if n not in dict(applied.named_parameters())

@@ -99,7 +99,7 @@ def test_pp_x_tp_trains_like_one_process(four):
 
 @pytest.mark.dist
 def test_meta_build_materializes_each_stage_and_checkpoints_across_plans(two):
-    """Built on meta and applied, `applied.materialize` allocates and initialises this rank's
+    """Built on meta and applied, `planc.materialize(applied, device)` allocates and initialises this rank's
     stages only; a DCP checkpoint saved under the pipeline loads under a 1-D FSDP plan, and one
     saved under the 1-D plan loads back under the pipeline: every parameter equal bit for bit."""
     results = [r["meta_and_checkpoint"] for r in two]

@@ -73,3 +73,11 @@ def test_an_op_kind_a_stage_does_not_know_is_refused(meta_llama):
             reader.job(compiled.job)
     with pytest.raises(UnknownKind, match="NewOp"):
         emit_python(compiled)
+
+
+def test_reproducible_materialize_is_refused_under_a_pipeline():
+    import planc
+
+    applied = pipelining.PipelinedPlan(compiled=None, mesh=None, model=None)
+    with pytest.raises(ValueError, match="whole model's order"):
+        planc.materialize(applied, "cpu", reproducible=True)

@@ -59,8 +59,12 @@ def materialize(model: nn.Module, device: torch.device | str,
     costs one module's full parameters in temporary memory (a whole subtree for a module
     whose own init also sets its children's, as the zoo GPT's root does).
 
+    Under a pipeline plan pass the applied plan (`planc.materialize(applied, device)`): each
+    of this rank's stages is materialized; the modules of the stages other ranks hold stay on
+    meta, nothing of them is allocated.
+
     Args:
-        model: the model, parameters on meta.
+        model: the model, parameters on meta (or a pipeline plan's `PipelinedPlan`).
         device: where to allocate (e.g. `"cpu"`, `torch.device("cuda", local_rank)`).
         init: your own initialiser, called with the whole model.
         reproducible: initialise at full size and keep the local shards (see above).
@@ -73,6 +77,13 @@ def materialize(model: nn.Module, device: torch.device | str,
         ValueError: `reproducible=True` with `init` or a model whose own initialiser is not
             `reset_parameters()` per module.
     """
+    if not isinstance(model, nn.Module) and hasattr(model, "stages"):  # a `PipelinedPlan`: this rank's stages
+        if reproducible:
+            raise ValueError("`reproducible=True` initialises modules in the whole model's order, which a pipeline "
+                             "rank does not see: load a checkpoint saved under another plan instead (DCP)")
+        for stage in model.stages:
+            materialize(stage, device, init)
+        return model
     if reproducible and (init is not None or initialiser_of(model, torch.device(device))[1] is not _reset_parameters):
         raise ValueError("`reproducible=True` needs the `reset_parameters()` initialiser, and this model initialises "
                          f"itself as a whole ({initialiser_of(model, torch.device(device))[0]}) or `init` was given: "

@@ -69,7 +69,8 @@ class PipelinedPlan(runtime.AppliedPlan):
 
     `model` is the model passed in: the modules of this rank's stages are sharded in place
     and shared with `stages`, the rest is left as it was (on meta, if built there): do not
-    call it. Train `parameters()` (this rank's stages' parameters), with `step` per batch::
+    call it (built on meta, `planc.materialize(applied, device)` allocates this rank's stages).
+    Train `parameters()` (this rank's stages' parameters), with `step` per batch::
 
         optimizer = torch.optim.AdamW(applied.parameters())
         loss = applied.step(tokens, labels, loss_fn)   # None unless applied.holds_loss
@@ -148,14 +149,6 @@ class PipelinedPlan(runtime.AppliedPlan):
     def accumulate(self, *batch: torch.Tensor):
         """Not under a pipeline: the schedule runs the microbatches (`step`)."""
         raise TypeError("a pipeline plan runs its microbatches in `applied.step(inputs, targets, loss_fn)`")
-
-    def materialize(self, device: torch.device | str, init: Callable[[nn.Module], None] | None = None) -> None:
-        """`planc.materialize` each of this rank's stages (built on meta): the modules of stages
-        other ranks hold stay on meta, nothing of them is allocated here."""
-        from planc.backends.materialize import materialize
-
-        for module in self.stages:
-            materialize(module, device, init)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's stages' state, under the paths of the whole model (DTensors where sharded):
