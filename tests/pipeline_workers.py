@@ -1,8 +1,7 @@
-"""Rank bodies for tests/test_pipeline_dist.py: pipeline jobs trained through `planc.apply`.
+"""Rank bodies for tests/test_pipeline_dist.py: pipeline plans trained through `planc.apply`.
 
-Until the plan language has a pipeline axis, a job is built as the lowering will build it: the
-plan compiled without a pipeline, cut by `pipeline_job` into stages run by a schedule, its
-mesh given the pipeline axis outermost (`pipeline_compiled`). The oracle is one unsharded
+Each plan is written without a pipeline and given one (`pipeline_plan`: a pipeline axis
+outermost, the schedule, `stage` lines), compiled and lowered as any plan. The oracle is one unsharded
 process (the same seed, the same global batch, the same microbatches and loss reduction),
 computed on every rank; a second oracle is hand-written torchtitan-style code: the same
 split, `PipelineStage`s and schedule without planc.
@@ -10,16 +9,12 @@ split, `PipelineStage`s and schedule without planc.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 import planc
-from planc.lower.pipeline import pipeline_job
-from planc.lower.schedules import SINGLE_STAGE, schedule
-from planc.resolve.mesh import Mesh, Role
+from planc.lower.schedules import SINGLE_STAGE
 from planc.zoo import llama_tiny
 
 FSDP_PLAN = """model planc.zoo:llama_tiny
@@ -73,17 +68,22 @@ HF_PLAN = "mesh (shard = *)\nunit model.layers.*\n"
 HF_STAGES = [("model.embed_tokens", "model.layers.0"), ("model.layers.1", "model.norm", "lm_head")]
 
 
-def pipeline_compiled(plan: str, model: nn.Module, world: int, name: str, pp: int, microbatches: int, cut=None):
-    """The plan compiled at `world`, its job cut into stages for schedule `name` on `pp` pipeline
-    ranks and its mesh given a pipeline axis of `pp`, outermost (the data-parallel axis fills the rest)."""
-    compiled = planc.compile(planc.loads(plan, filename="pp.plan"), model, world)
-    compiled.raise_for_errors()
+def pipeline_plan(plan: str, name: str, pp: int, microbatches: int, cut=None) -> str:
+    """`plan` (written without a pipeline) with a pipeline axis of `pp` outermost, torch's schedule
+    `name` and `stage` lines for `cut` (one stage per rank for GPipe and 1F1B, two otherwise)."""
     cut = cut or (ONE_STAGE if name in SINGLE_STAGE else TWO_STAGES)
-    job = pipeline_job(compiled.job, cut, schedule(name, pp, microbatches, 1 if name in SINGLE_STAGE else 2))
-    sizes = {a.role: (None if a.role == Role.SHARD else a.size) for a in compiled.mesh.axes}
-    names = {a.role: a.name for a in compiled.mesh.axes}
-    mesh = Mesh.of({Role.PIPELINE: pp, **sizes}, {Role.PIPELINE: "pipeline", **names})
-    compiled.__dict__["job"] = dataclasses.replace(job, mesh=mesh)  # what the lowering makes of a pipeline plan
+    per_rank = "" if name in SINGLE_STAGE else ", stages_per_rank = 2"
+    lines = [f"pipeline {name} {{ microbatches {microbatches}{per_rank} }}"]
+    lines += [f"stage {i}: " + ", ".join(modules) for i, modules in enumerate(cut)]
+    return plan.replace("mesh (shard = *", f"mesh (pipeline = {pp}, shard = *") + "\n".join(lines) + "\n"
+
+
+def pipeline_compiled(plan: str, model: nn.Module, world: int, name: str, pp: int, microbatches: int, cut=None):
+    """The pipeline plan (`pipeline_plan`) compiled against `model` at `world`: what `planc.apply` runs."""
+    compiled = planc.compile(planc.loads(pipeline_plan(plan, name, pp, microbatches, cut), filename="pp.plan"),
+                             model, world)
+    compiled.raise_for_errors()
+    assert len(compiled.job.parts) == len(cut or (ONE_STAGE if name in SINGLE_STAGE else TWO_STAGES))
     return compiled
 
 

@@ -1,5 +1,5 @@
-"""The pipeline runtime's pieces that need no process group: FSDP's defaults under a pipeline,
-what it refuses, and the code `planc emit` prints for a pipeline job (run for real in
+"""The pipeline runtime's pieces that need no process group: what it refuses, and the code
+`planc emit` prints for a pipeline job (run for real in
 tests/test_pipeline_dist.py)."""
 
 from __future__ import annotations
@@ -20,16 +20,6 @@ from planc.zoo import llama_tiny
 def meta_llama():
     with torch.device("meta"):
         return llama_tiny()
-
-
-def test_units_do_not_reshard_after_forward_unless_the_plan_says(meta_llama):
-    plan = workers.FSDP_PLAN.replace("unit [norm, output]", "unit [norm, output] { reshard after_forward = true }")
-    job = workers.pipeline_compiled(plan, meta_llama, 4, "1F1B", 2, 4).job
-    policies = {op.name: op.policy for part in job.parts
-                for op in pipelining.pipeline_defaults(part.program).units}
-    assert policies["layers.0"].reshard_argument is False and policies["<root>"].reshard_argument is False
-    assert policies["[norm, output]"].reshard_argument is True  # written in the plan: kept (the checks judge it)
-    assert {op.policy.reshard_argument for op in job.parts[0].program.units} == {None}  # the job itself unchanged
 
 
 def test_loss_parallel_under_a_pipeline_is_refused(meta_llama):

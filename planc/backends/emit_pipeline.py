@@ -2,18 +2,15 @@
 
 `planc emit` on a job with several parts prints what `planc.apply` does with it
 (`planc/backends/pipelining.py`): each stage's program as `apply_stage_N(model, mesh)`
-(printed by emit's own printers, `emit._body`, with the pipeline's FSDP defaults,
-`pipelining.pipeline_defaults`), then `build_pipeline(model, mesh, loss_fn)`: this pipeline
+(printed by emit's own printers, `emit._body`), then `build_pipeline(model, mesh, loss_fn)`: this pipeline
 rank's stages split from the model (`planc.backends.stages.split`), each stage's function,
 torch's `PipelineStage` on the pipeline axis and the schedule class, `scale_grads` stated.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from planc.backends import emit
-from planc.backends.pipelining import SCALE_GRADS, pipeline_defaults
+from planc.backends.pipelining import SCALE_GRADS
 from planc.compiler import CompiledPlan
 from planc.lower.job import ACTION_KINDS, Reader
 from planc.lower.program import Program
@@ -29,7 +26,7 @@ def emit_pipeline(compiled: CompiledPlan, plan_path: str, model_ref: str) -> str
     """The Python source for a pipeline job (see the module docstring)."""
     job = READER.job(compiled.job)
     model = compiled.graph.model
-    programs = [dataclasses.replace(pipeline_defaults(p.program), mesh=job.mesh) for p in job.parts]
+    programs = [p.program for p in job.parts]
     bodies = [emit._body(compiled, program, model) for program in programs]
     union = Program(job.mesh, tuple(op for program in programs for op in program.ops))
     text = emit._module_text(union, [line for body in bodies for line in body], plan_path, model_ref)

@@ -12,10 +12,9 @@ order (`pipeline_llm`: split, then the same parallelize function per stage, then
     -> torch's schedule class of the job's name, built on the first `step` (it needs the loss
        function), its action list checked against the job's for this rank.
 
-FSDP under a pipeline: a unit whose plan leaves `reshard after_forward` unset does not
-reshard after forward (torchtitan's `reshard_after_forward = not pp_enabled`: every
-microbatch's forward would gather again); a stage turns off gradient sync itself for all but
-the last microbatch (`pipelining/stage.py`).
+FSDP under a pipeline: the lowering leaves units unsharded from forward to backward unless the
+plan says otherwise (torchtitan's `reshard_after_forward = not pp_enabled`); a stage turns off
+gradient sync itself for all but the last microbatch and reduces once (`pipelining/stage.py`).
 
 Gradient scaling, stated: the schedule is built with `scale_grads=True`, so the gradients are
 those of the mean over the step's microbatches of `loss_fn(output, target)` per microbatch,
@@ -25,7 +24,6 @@ the gradients of one unsharded process over the whole global batch.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -37,7 +35,6 @@ from planc.backends import runtime, stages
 from planc.compiler import CompiledPlan
 from planc.diagnostics import Diagnostic, PlanError, sort_diagnostics
 from planc.lower.job import ACTION_KINDS, Job, Reader
-from planc.lower.program import FullyShard, Program
 from planc.lower.schedules import SINGLE_STAGE
 from planc.resolve.mesh import Role
 from planc.resolve.step import check_splits
@@ -49,18 +46,6 @@ from planc.resolve.step import check_splits
 READER = Reader("the pipeline runtime (planc.apply)", runtime.READER.ops, ACTION_KINDS, ())
 
 SCALE_GRADS = True  # the schedule divides each microbatch's gradients by their count (see the docstring)
-
-
-def pipeline_defaults(program: Program) -> Program:
-    """`program` with FSDP's defaults under a pipeline: a unit whose reshard after forward the
-    plan leaves unset does not reshard after forward (torchtitan's)."""
-    ops = []
-    for op in program.ops:
-        if isinstance(op, FullyShard) and op.policy.reshard_argument is None:
-            policy = dataclasses.replace(op.policy, reshard_after_forward=False, reshard_argument=False)
-            op = dataclasses.replace(op, policy=policy)
-        ops.append(op)
-    return dataclasses.replace(program, ops=tuple(ops))
 
 
 @dataclass
@@ -209,7 +194,7 @@ class PipelinedPlan(runtime.AppliedPlan):
 
 def build_schedule(job: Job, pipeline_stages: list, pipeline_rank: int, loss_fn: Callable):
     """torch's schedule class of the job's name over this rank's stages, with `scale_grads`
-    stated; its action list for this rank must be the job's (multi-stage schedules)."""
+    stated; its compute actions for this rank must be the job's (multi-stage schedules)."""
     from torch.distributed.pipelining.schedules import get_schedule_class
 
     name = job.schedule.name
@@ -218,8 +203,9 @@ def build_schedule(job: Job, pipeline_stages: list, pipeline_rank: int, loss_fn:
     schedule = cls(held, n_microbatches=job.schedule.microbatches, loss_fn=loss_fn, scale_grads=SCALE_GRADS)
     order = getattr(schedule, "pipeline_order", None)
     if name not in SINGLE_STAGE and order is not None:
+        # the compute actions (torch's runtime adds the REDUCE_GRADs the job lists, `_add_reduce_grad`)
         runs = [str(a) for a in order[pipeline_rank] if a is not None]
-        planned = [str(a) for a in job.schedule.actions[pipeline_rank]]
+        planned = [str(a) for a in job.schedule.actions[pipeline_rank] if a.is_compute]
         if runs != planned:
             raise RuntimeError(f"torch's {name} runs {runs[:6]}... on pipeline rank {pipeline_rank}, the job "
                                f"planned {planned[:6]}...: the lowering and torch disagree")
@@ -262,7 +248,7 @@ def apply(model: nn.Module, compiled: CompiledPlan, extra: list[Diagnostic],
     modules = [stages.split(model, job.parts[s].modules) for s in held]
     applied = PipelinedPlan(compiled=compiled, mesh=mesh, model=model, stage_ids=tuple(held), pipeline_rank=rank)
     for s, module in zip(held, modules):
-        one = runtime.run(pipeline_defaults(job.parts[s].program), module, mesh, compiled)
+        one = runtime.run(job.parts[s].program, module, mesh, compiled)
         applied.units += one.units
         applied.unit_of_module.update(one.unit_of_module)
         applied.stages.append(module)
