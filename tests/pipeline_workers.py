@@ -330,4 +330,5 @@ def launch_four(rank: int, world: int) -> dict:
     for name in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble"):
         out[("fsdp", name)] = train(rank, world, FSDP_PLAN, name, 2)
     out[("tp", "1F1B")] = train(rank, world, TP_PLAN, "1F1B", 2)
+    out[("tp", "loss_parallel")] = train(rank, world, TP_PLAN.replace("output replicate", "loss_parallel"), "1F1B", 2)
     return out

@@ -22,13 +22,12 @@ def meta_llama():
         return llama_tiny()
 
 
-def test_loss_parallel_under_a_pipeline_is_refused(meta_llama):
+def test_loss_parallel_under_a_pipeline_is_read_and_printed(meta_llama):
     plan = workers.TP_PLAN.replace("output replicate", "loss_parallel")
-    job = workers.pipeline_compiled(plan, meta_llama, 4, "1F1B", 2, 4).job
-    with pytest.raises(UnknownKind, match="LossParallel"):
-        pipelining.READER.job(job)
-    with pytest.raises(UnknownKind, match="LossParallel"):
-        emit_pipeline.READER.job(job)
+    compiled = workers.pipeline_compiled(plan, meta_llama, 4, "1F1B", 2, 4)
+    pipelining.READER.job(compiled.job)
+    emit_pipeline.READER.job(compiled.job)
+    assert "inside `torch.distributed.tensor.parallel.loss_parallel()`" in emit_python(compiled)
 
 
 @pytest.mark.parametrize("name, held", [("Interleaved1F1B", "((0, 2), (1, 3))"), ("DualPipeV", "((0, 3), (1, 2))"),

@@ -12,14 +12,15 @@ from __future__ import annotations
 from planc.backends import emit
 from planc.backends.pipelining import SCALE_GRADS
 from planc.compiler import CompiledPlan
-from planc.lower.job import ACTION_KINDS, Reader
+from planc.lower.job import ACTION_KINDS, LossParallel, Reader
 from planc.lower.program import Program
 from planc.lower.schedules import SINGLE_STAGE
 from planc.resolve.mesh import Role
 
 # What this printer prints: emit's ops per stage; every action kind (torch's schedule class of
-# the job's name runs them, as in the runtime); no step op under a pipeline yet.
-READER = Reader("emit (pipeline)", emit._PRINTABLE, ACTION_KINDS, ())
+# the job's name runs them, as in the runtime); `LossParallel` as the note to run the schedule's
+# step inside `loss_parallel()`.
+READER = Reader("emit (pipeline)", emit._PRINTABLE, ACTION_KINDS, (LossParallel,))
 
 
 def emit_pipeline(compiled: CompiledPlan, plan_path: str, model_ref: str) -> str:
@@ -49,10 +50,15 @@ def emit_pipeline(compiled: CompiledPlan, plan_path: str, model_ref: str) -> str
         out += f"\n\ndef apply_stage_{part.stage}(model, mesh):\n"
         out += f'    """Stage {part.stage} ({", ".join(part.modules)}): shard it in place on `mesh`, return it."""\n'
         out += "\n".join(body) + "\n"
-    return out + _build_source(job, cls)
+    return out + _build_source(job, cls, bool(job.step_op(LossParallel)))
 
 
-def _build_source(job, cls: str) -> str:
+LOSS_PARALLEL = """
+    The logits stay sharded on the vocabulary (the plan's `loss_parallel`): call `schedule.step`
+    inside `torch.distributed.tensor.parallel.loss_parallel()`."""
+
+
+def _build_source(job, cls: str, loss_parallel: bool) -> str:
     schedule = job.schedule
     axis = job.mesh.axis_name(Role.PIPELINE)
     stages = ",\n    ".join(repr(tuple(p.modules)) for p in job.parts)
@@ -74,7 +80,7 @@ def build_pipeline(model, mesh, loss_fn):
     Returns (stage modules, schedule). Per batch: `schedule.step(tokens)` on the rank holding
     stage 0, `schedule.step(target=labels, losses=losses)` on the rank holding the last stage
     (both on a rank holding both), `schedule.step()` elsewhere. scale_grads={SCALE_GRADS}: the
-    gradients are those of the mean of the {schedule.microbatches} microbatches' losses.
+    gradients are those of the mean of the {schedule.microbatches} microbatches' losses.{LOSS_PARALLEL if loss_parallel else ""}
     """
     pp_mesh = mesh[{axis!r}]
     device = torch.device(mesh.device_type) if mesh.device_type == "cpu" else \\

@@ -34,16 +34,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from planc.backends import runtime, stages
 from planc.compiler import CompiledPlan
 from planc.diagnostics import Diagnostic, PlanError, sort_diagnostics
-from planc.lower.job import ACTION_KINDS, Job, Reader
+from planc.lower.job import ACTION_KINDS, Job, LossParallel, Reader
 from planc.lower.schedules import SINGLE_STAGE
 from planc.resolve.mesh import Role
 from planc.resolve.step import check_splits
 
 # What the pipeline runtime runs: every op the one-part runtime runs, on each stage; every
 # action kind, because torch's schedule class of the job's name runs them (the job's actions
-# are that class's `pipeline_order`, checked against it when the schedule is built); no step
-# op yet: loss parallelism and context parallelism under a pipeline are refused.
-READER = Reader("the pipeline runtime (planc.apply)", runtime.READER.ops, ACTION_KINDS, ())
+# are that class's `pipeline_order`, checked against it when the schedule is built); the loss
+# on vocabulary-sharded logits (`LossParallel`: `step` runs the schedule inside
+# `loss_parallel()`, as torchtitan's train context does); context parallelism is refused.
+READER = Reader("the pipeline runtime (planc.apply)", runtime.READER.ops, ACTION_KINDS, (LossParallel,))
 
 SCALE_GRADS = True  # the schedule divides each microbatch's gradients by their count (see the docstring)
 
@@ -128,7 +129,8 @@ class PipelinedPlan(runtime.AppliedPlan):
         last = len(self.job.parts) - 1 in self.stage_ids
         args = (inputs,) if self.holds_inputs else ()
         kwargs = {"target": targets, "losses": losses} if last else {}
-        schedule.step(*args, **kwargs)
+        with self.loss_parallel():  # the plan's `loss_parallel`: the last stage's logits stay sharded
+            schedule.step(*args, **kwargs)
         return torch.stack([v.detach() for v in losses]).mean() if last else None
 
     def accumulate(self, *batch: torch.Tensor):
