@@ -7,6 +7,7 @@ The same script runs on CPUs (gloo) and GPUs (nccl), under torchrun:
     torchrun --nproc_per_node=4 examples/train.py --plan plans/zoo-llama-tp.plan --model planc.zoo:llama_tiny
     torchrun --nproc_per_node=2 examples/train.py --plan plans/llama.plan --model hf:llama-tiny   # Hugging Face
     torchrun --nproc_per_node=4 examples/train.py --plan plans/zoo-llama-context.plan --model planc.zoo:llama_tiny
+    torchrun --nproc_per_node=4 examples/train.py --plan plans/zoo-llama-pp.plan --model planc.zoo:llama_tiny
 
 A plan with a tensor axis (FSDP x tensor parallelism) works the same: the ranks of one
 tensor-parallel group take the same slice of the batch, and the loss and its backward run in
@@ -14,7 +15,9 @@ tensor-parallel group take the same slice of the batch, and the loss and its bac
 on the vocabulary, else nothing). With a context axis the ranks of one context group take
 the same slice too, and `applied.shard_batch` cuts it along the sequence (head-tail) and
 gives the global positions the model's forward takes; the loss is the plain mean over the
-rank's tokens.
+rank's tokens. With a pipeline axis each rank trains its stages: `applied.step(inputs,
+targets, loss_fn)` runs torch's schedule and returns the loss on the ranks holding the last
+stage; `applied.clip_grad_norm_` clips by the whole model's gradient norm.
 
 The data is synthetic and learnable (counting sequences `t, t+1, ...` mod the vocabulary
 from random starts), so a falling loss shows the sharded model really trains. Each rank
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import planc
+from planc.backends.pipelining import PipelinedPlan
 from planc.model.build import ModelLoadError, build_model
 
 
@@ -129,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         # NOTE: build on meta so no rank ever holds the whole model; shard, then allocate.
         model = build_model(ref, device="meta")
         applied = planc.apply(model, plan)
+        pipelined = isinstance(applied, PipelinedPlan)  # this rank trains its stages only
         torch.manual_seed(args.seed)
-        planc.materialize(model, device)
+        planc.materialize(applied if pipelined else model, device)
         log(applied.summary())
 
         vocab = model.config.vocab_size
@@ -146,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"error: --batch {args.batch} is not divisible by {dp_world} data-parallel ranks", file=sys.stderr)
             return 2
         context = applied.compiled.mesh.axis_name("context") is not None
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        opt = torch.optim.AdamW(applied.parameters() if pipelined else model.parameters(), lr=args.lr)
+        # ranks whose losses are summed below: every rank, or those holding the last stage
+        holders = world // (len(applied.job.schedule.stages) if pipelined else 1)
         start = time.perf_counter()
         for step in range(args.steps):
             if context:  # --seq inputs and their next tokens, each cut along the sequence
@@ -155,19 +162,26 @@ def main(argv: list[str] | None = None) -> int:
                 logits = logits_of(model(part.tokens, positions=part.positions))
                 loss = F.cross_entropy(logits.reshape(-1, vocab).float(), part.labels.reshape(-1))
                 loss.backward()
+            elif pipelined:  # the schedule runs forward and backward; the loss only where the last stage is
+                tokens = batch(step, args.batch, args.seq + 1, vocab, dp_rank, dp_world, args.seed).to(device)
+
+                def loss_fn(output, labels):
+                    return F.cross_entropy(logits_of(output).reshape(-1, vocab).float(), labels.reshape(-1))
+                loss = applied.step(tokens[:, :-1], tokens[:, 1:], loss_fn)
+                loss = torch.zeros((), device=device) if loss is None else loss
             else:
                 tokens = batch(step, args.batch, args.seq, vocab, dp_rank, dp_world, args.seed).to(device)
                 logits = logits_of(model(tokens))
                 with applied.loss_parallel():  # logits sharded on the vocabulary: loss and backward inside
                     loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
                     loss.backward()
-            norm = sync_and_clip(model, args.max_norm, world)
+            norm = applied.clip_grad_norm_(args.max_norm) if pipelined else sync_and_clip(model, args.max_norm, world)
             opt.step()
             opt.zero_grad(set_to_none=True)
             total = loss.detach()
             total = (total.full_tensor() if isinstance(total, DTensor) else total).clone()
             dist.all_reduce(total)  # SUM: gloo has no AVG; TP ranks hold equal losses
-            log(f"step {step + 1:>4}/{args.steps}  loss {total.item() / world:.4f}  grad norm {norm.item():.3f}")
+            log(f"step {step + 1:>4}/{args.steps}  loss {total.item() / holders:.4f}  grad norm {norm.item():.3f}")
         elapsed = time.perf_counter() - start
 
         what, mine = memory_bytes(applied, device)
