@@ -57,7 +57,7 @@ def test_a_forward_that_is_not_a_chain_is_refused():
     with torch.device("meta"):
         model = zoo.gpt_tiny()
     hidden = torch.empty(2, 8, model.wte.weight.shape[1], device="meta")
-    with pytest.raises(SplitError, match="`wpe` got \\(8,\\)"):
+    with pytest.raises(SplitError, match="`wpe` is outside this pipeline stage and the forward passes it a torch.int64"):
         check_chain(split(model, ("blocks.1", "ln_f")), [hidden])
 
 
@@ -95,5 +95,13 @@ def test_check_split_runs_every_stage_chained_on_meta():
         llama, gpt = zoo.llama_tiny(), zoo.gpt_tiny()
     assert check_split(llama, STAGES, [_tokens(llama)]).shape == (2, 8, llama.config.vocab_size)
     tokens = torch.randint(0, 64, (2, 8))
-    with pytest.raises(SplitError, match=r"^stage 1 \(blocks.1, ln_f\): .*`wpe` got \(8,\)"):
+    with pytest.raises(SplitError, match=r"^stage 1 \(blocks.1, ln_f\): `wpe` is outside .* torch.int64 tensor of shape \(8,\)"):
         check_split(gpt, [("wte", "wpe", "blocks.0"), ("blocks.1", "ln_f")], [tokens])
+
+
+def test_a_pass_through_refuses_token_ids_at_run_time():
+    """On real tensors too: GPT's later stage would add `wpe(positions)`, positions passed through."""
+    model = zoo.gpt_tiny()
+    stage = split(model, ("blocks.1", "ln_f"))
+    with pytest.raises(SplitError, match="`wpe` is outside this pipeline stage and the forward passes it a torch.int64"):
+        stage(torch.randn(2, 8, model.wte.weight.shape[1]))

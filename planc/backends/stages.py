@@ -57,7 +57,14 @@ class PassThrough(nn.Module):
         if not args:
             raise SplitError(f"`{self.path}` is outside this pipeline stage and was called without a positional "
                              "input: a pass-through has nothing to return")
-        return args[0]
+        first = args[0]
+        if isinstance(first, torch.Tensor) and not (first.is_floating_point() or first.is_complex()):
+            # token ids or positions, never a hidden state: the forward feeds this module something
+            # else than the previous module's output (e.g. a position embedding added to the tokens')
+            raise SplitError(f"`{self.path}` is outside this pipeline stage and the forward passes it a "
+                             f"{first.dtype} tensor of shape {tuple(first.shape)}, not a hidden state: the forward "
+                             "is not a chain of the stages' modules, so a pass-through cannot stand for it")
+        return first
 
     def extra_repr(self) -> str:
         return f"outside this stage: {self.path}"
