@@ -1,0 +1,158 @@
+"""Expert parallelism made real: whole experts per expert rank, tokens moved by all-to-all.
+
+A plan reaches it through `parallel SELECTOR expert` (`DispatchExperts` ops, run by
+`planc.apply` and printed by `planc emit`). An experts container of the known layout
+(`planc.zoo.routed.RoutedExperts`: 3-D weights `[experts, ...]`, `forward(rows, offsets)` on
+rows sorted by expert, `offsets` the cumulative ends of each expert's group) keeps the
+`experts / expert` experts of its expert rank, and its forward becomes:
+
+    counts per expert          -> all-to-all of the counts over the expert axis, then one host
+                                  sync for the split sizes (`tolist`)
+    rows                       -> all-to-all with uneven splits (autograd: the backward sends
+                                  the gradients back the same way), regrouped expert-major
+    the local experts          -> the container's own forward on its rows
+    outputs                    -> back to source order, all-to-all back to the sending rank
+
+as torchtitan 0.3.0's `AllToAllTokenDispatcher` does (the probe `ep_tt_probe.py` shows it
+equal to all experts run locally). The router and everything else stay dense.
+
+The experts are FSDP-sharded on the expert view's FSDP axes (`efsdp`, with replicate for
+HSDP) through `shard_placement_fn` returning torch 2.13's `ShardPlacementResult`: one
+`fully_shard` call holds two parameter groups, dense and expert (`expert_placement_fn`).
+An expert's gradient already sums the contributions of every rank of its expert group, so
+every unit with experts divides its gradients by the dense data-parallel degree
+(`set_gradient_divide_factor`), not by the experts' smaller FSDP degree, after a plain SUM
+(`set_force_sum_reduction_for_comms(True)`: a divide factor otherwise makes FSDP reduce with
+`ReduceOp.PREMUL_SUM`, which gloo refuses).
+
+torch 2.13's `clip_grad_norm_` raises on parameters on two meshes ("All operands in
+aten.stack.default must have the same mesh"; tests/test_expert_dist.py): `clip_grad_norm_`
+here is the working recipe (the norm over both meshes, the experts' part summed over the
+expert axis). The foreach AdamW steps parameters on two meshes as they are.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from planc.lower.job import View
+from planc.resolve.experts import EFSDP
+
+__all__ = ["build_expert_mesh", "clip_grad_norm_", "dispatch_experts", "expert_placement_fn"]
+
+
+def build_expert_mesh(view: View, device: str) -> DeviceMesh:
+    """The expert view as a `DeviceMesh` over the default process group (its axes' sizes known)."""
+    return init_device_mesh(device, tuple(a.size for a in view.axes), mesh_dim_names=view.axis_names)
+
+
+def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    y = funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
+    return funcol.wait_tensor(y)
+
+
+def _expert_major(received: torch.Tensor) -> torch.Tensor:
+    """Indices that reorder rows received source-rank-major ([ranks, local experts] counts) to
+    expert-major, each expert's rows from rank 0 first."""
+    flat = received.reshape(-1)
+    starts = flat.cumsum(0) - flat
+    blocks = torch.arange(flat.numel(), device=flat.device).view(received.shape).t().reshape(-1)
+    counts = flat[blocks]
+    base = torch.repeat_interleave(starts[blocks], counts)
+    within = torch.arange(int(counts.sum()), device=flat.device) - torch.repeat_interleave(counts.cumsum(0) - counts,
+                                                                                            counts)
+    return base + within
+
+
+def dispatch_experts(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Keep this expert rank's experts in `module` and route its forward's rows by all-to-all.
+
+    `mesh` is the 1-D expert axis. Each 3-D parameter `[E, ...]` of `module` is replaced by its
+    rank's slice `[E / expert, ...]` (on meta too: nothing is allocated); `module.forward(rows,
+    offsets)` takes every rank's rows sorted by global expert and returns their outputs in the
+    same order, as before.
+    """
+    group, ep, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    params = list(module.named_parameters(recurse=False))
+    total = params[0][1].shape[0]
+    local = total // ep
+    for name, p in params:
+        kept = p.detach()[rank * local:(rank + 1) * local].clone()
+        module.register_parameter(name, nn.Parameter(kept, requires_grad=p.requires_grad))
+    forward = module.forward
+
+    def dispatched(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        send = counts.view(ep, local).contiguous()  # to rank j: the counts of its experts
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)  # received[j]: what rank j sends me, per local expert
+        in_splits, out_splits = send.sum(1).tolist(), received.sum(1).tolist()  # the host sync
+        arrived = _a2a(rows, out_splits, in_splits, group)
+        order = _expert_major(received)
+        out = forward(arrived.index_select(0, order), received.sum(0).cumsum(0))
+        back = out.index_select(0, torch.argsort(order))
+        return _a2a(back, in_splits, out_splits, group)
+
+    module.forward = dispatched
+    return module
+
+
+def expert_placement_fn(model: nn.Module, experts: Iterable[tuple[str, int]], expert_mesh: DeviceMesh,
+                        dense_mesh: DeviceMesh, placed: dict[int, int]):
+    """`shard_placement_fn` for one `fully_shard` call with experts: each expert parameter on the
+    expert view's FSDP mesh (`Shard(dim)`), every other on the dense mesh (`Shard(0)`, or the
+    dim a `place` statement gave it: `placed`, parameter id -> dim)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    from torch.distributed.tensor import Shard
+
+    on_experts = {id(model.get_parameter(name)): dim for name, dim in experts}
+    expert_info, dense_info = _get_mesh_info(expert_mesh), _get_mesh_info(dense_mesh)
+
+    def placement(param: nn.Parameter) -> ShardPlacementResult:
+        dim = on_experts.get(id(param))
+        if dim is None:
+            return ShardPlacementResult(Shard(placed.get(id(param), 0)), dense_info)
+        return ShardPlacementResult(Shard(dim), expert_info)
+
+    return placement
+
+
+def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, expert_axis: DeviceMesh,
+                    norm_type: float = 2.0) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for parameters on the dense and the expert meshes.
+
+    The norm of each mesh's gradients (a DTensor reduction over that mesh), the expert meshes'
+    part summed over `expert_axis` (each expert rank holds other experts), then every gradient
+    scaled by `max_norm / (norm + 1e-6)` when that is below 1. Returns the total norm.
+    """
+    if norm_type != 2.0:
+        raise ValueError("planc's clip_grad_norm_ for expert parallelism computes the 2-norm only")
+    grads = [p.grad for p in parameters if p.grad is not None]
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    dense = torch.zeros((), dtype=torch.float32)
+    spread = torch.zeros((), dtype=torch.float32)
+    for mesh, group in by_mesh.items():
+        square = sum(torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) ** 2 for g in group)
+        square = square.full_tensor() if isinstance(square, DTensor) else square
+        on_experts = mesh is not None and mesh.mesh_dim_names is not None and EFSDP in mesh.mesh_dim_names
+        if on_experts:
+            spread = spread + square.cpu()
+        else:
+            dense = dense + square.cpu()
+    dist.all_reduce(spread, group=expert_axis.get_group())
+    total = torch.sqrt(dense + spread)
+    coef = max_norm / (float(total) + 1e-6)
+    if coef < 1:
+        for g in grads:
+            g.mul_(coef)
+    return total

@@ -1,0 +1,95 @@
+"""Worker bodies of tests/test_expert_dist.py (module level, so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+PLAN = """model planc.zoo:routed_moe_tiny
+mesh (shard = *, expert = 2)
+unit layers.*
+parallel layers.*.moe.experts expert
+"""
+
+
+def _batches(steps: int, world: int, per_rank: int = 2, seq: int = 8):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 128, (world * per_rank, seq + 1), generator=g) for _ in range(steps)]
+
+
+def _loss(model, tokens):
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+
+
+def _reference(model, batches, lr):
+    """One process, the whole batch: losses, the first step's gradients, the final parameters."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, grads = [], None
+    for tokens in batches:
+        opt.zero_grad()
+        loss = _loss(model, tokens)
+        loss.backward()
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _gather_experts(name, local, mesh):
+    """The whole [E, ...] tensor from each expert rank's slice (in expert-rank order)."""
+    parts = [torch.empty_like(local) for _ in range(mesh.size())]
+    dist.all_gather(parts, local.contiguous(), group=mesh.get_group())
+    return torch.cat(parts)
+
+
+def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e-2) -> dict:
+    """The plan's 3 AdamW steps vs one process: per-step loss, first-step gradients, final
+    parameters (max abs differences), and how many tokens each expert rank received."""
+    import planc
+    from planc.zoo import routed_moe_tiny
+
+    torch.manual_seed(0)
+    model = routed_moe_tiny()
+    ref = copy.deepcopy(model)
+    batches = _batches(steps, world)
+    ref_losses, ref_grads, ref_params = _reference(ref, batches, lr)
+    applied = planc.apply(model, planc.loads(plan))
+    ep_axis = applied.compiled.job.view("expert").axes[-1].name
+    ep_mesh = applied.expert_mesh[ep_axis]
+    r, n = applied.data_parallel_rank()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    loss_diff, grad_diff = [], {}
+    for step, tokens in enumerate(batches):
+        opt.zero_grad()
+        mine = tokens.chunk(n)[r]
+        loss = _loss(model, mine)
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        loss_diff.append(abs(total.item() / world - ref_losses[step]))
+        if step == 0:
+            for name, p in model.named_parameters():
+                g = _full(p.grad)
+                if ".experts." in name:
+                    g = _gather_experts(name, g, ep_mesh)
+                grad_diff[name] = (g - ref_grads[name]).abs().max().item()
+        opt.step()
+    param_diff = {}
+    for name, p in model.named_parameters():
+        t = _full(p.detach())
+        if ".experts." in name:
+            t = _gather_experts(name, t, ep_mesh)
+        param_diff[name] = (t - ref_params[name]).abs().max().item()
+    return {"loss": max(loss_diff), "grad": max(grad_diff.values()), "param": max(param_diff.values()),
+            "grads": len(grad_diff), "placements": {n: str(p.device_mesh.mesh_dim_names) + str(p.placements)
+                                                    for n, p in model.named_parameters()}}
