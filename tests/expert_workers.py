@@ -25,9 +25,13 @@ def _loss(model, tokens):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
 
 
+CLIP = 0.5  # below the tiny model's gradient norms: clipping changes every step
+
+
 def _reference(model, batches, lr):
-    """One process, the whole batch: losses, the first step's gradients, the final parameters."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    """One process, the whole batch: losses, the first step's gradients (before clipping) and
+    norm, the final parameters; foreach AdamW, gradients clipped to `CLIP`."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
     losses, grads = [], None
     for tokens in batches:
         opt.zero_grad()
@@ -35,6 +39,8 @@ def _reference(model, batches, lr):
         loss.backward()
         if grads is None:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        grads.setdefault("norm", norm.item())
         opt.step()
         losses.append(loss.item())
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -67,8 +73,11 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
     ep_axis = applied.compiled.job.view("expert").axes[-1].name
     ep_mesh = applied.expert_mesh[ep_axis]
     r, n = applied.data_parallel_rank()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    loss_diff, grad_diff = [], {}
+    counts = []  # rows per global expert reaching layers.0's experts on this rank, per step
+    model.layers[0].moe.experts.register_forward_pre_hook(
+        lambda m, args: counts.append(torch.diff(args[1], prepend=args[1].new_zeros(1)).tolist()))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+    loss_diff, grad_diff, facts = [], {}, {}
     for step, tokens in enumerate(batches):
         opt.zero_grad()
         mine = tokens.chunk(n)[r]
@@ -83,6 +92,14 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
                 if ".experts." in name:
                     g = _gather_experts(name, g, ep_mesh)
                 grad_diff[name] = (g - ref_grads[name]).abs().max().item()
+            try:  # the fact: torch's clipping refuses parameters on two meshes
+                torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+                facts["torch_clip"] = "ran"
+            except RuntimeError as err:
+                facts["torch_clip"] = str(err).splitlines()[0]
+        norm = applied.clip_grad_norm_(CLIP)
+        if step == 0:
+            facts["norm_diff"] = abs(norm.item() - ref_grads["norm"])
         opt.step()
     param_diff = {}
     for name, p in model.named_parameters():
@@ -90,6 +107,8 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
         if ".experts." in name:
             t = _gather_experts(name, t, ep_mesh)
         param_diff[name] = (t - ref_params[name]).abs().max().item()
+    groups = {len(u.handle._get_fsdp_state()._fsdp_param_groups) for u in applied.units if u.op.experts}
     return {"loss": max(loss_diff), "grad": max(grad_diff.values()), "param": max(param_diff.values()),
+            "counts": counts, "facts": facts, "groups": groups,
             "grads": len(grad_diff), "placements": {n: str(p.device_mesh.mesh_dim_names) + str(p.placements)
                                                     for n, p in model.named_parameters()}}

@@ -19,11 +19,13 @@ equal to all experts run locally). The router and everything else stay dense.
 The experts are FSDP-sharded on the expert view's FSDP axes (`efsdp`, with replicate for
 HSDP) through `shard_placement_fn` returning torch 2.13's `ShardPlacementResult`: one
 `fully_shard` call holds two parameter groups, dense and expert (`expert_placement_fn`).
-An expert's gradient already sums the contributions of every rank of its expert group, so
-every unit with experts divides its gradients by the dense data-parallel degree
-(`set_gradient_divide_factor`), not by the experts' smaller FSDP degree, after a plain SUM
-(`set_force_sum_reduction_for_comms(True)`: a divide factor otherwise makes FSDP reduce with
-`ReduceOp.PREMUL_SUM`, which gloo refuses).
+An expert's gradient already sums the contributions of every rank of its expert group, and
+FSDP averages it over the experts' FSDP ranks only (`replicate x efsdp`, `expert` times fewer
+than the dense ranks): the dispatched forward scales the experts' weight gradients by
+`1 / expert` (`_ScaleGrad`), so the average is the one-process gradient. (FSDP's own divide
+factor is not used: it is per `fully_shard` call, both meshes at once; on a 1-rank mesh torch
+2.13 with `set_force_sum_reduction_for_comms` divides twice, and without it reduces with
+`ReduceOp.PREMUL_SUM`, which gloo refuses.)
 
 torch 2.13's `clip_grad_norm_` raises on parameters on two meshes ("All operands in
 aten.stack.default must have the same mesh"; tests/test_expert_dist.py): `clip_grad_norm_`
@@ -71,6 +73,19 @@ def _expert_major(received: torch.Tensor) -> torch.Tensor:
     return base + within
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """The identity forward; the gradient scaled by `scale` on its way back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 def dispatch_experts(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """Keep this expert rank's experts in `module` and route its forward's rows by all-to-all.
 
@@ -96,7 +111,16 @@ def dispatch_experts(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         in_splits, out_splits = send.sum(1).tolist(), received.sum(1).tolist()  # the host sync
         arrived = _a2a(rows, out_splits, in_splits, group)
         order = _expert_major(received)
-        out = forward(arrived.index_select(0, order), received.sum(0).cumsum(0))
+        # NOTE: the parameters are read here, after FSDP's pre-forward put the unsharded ones in
+        # place; their gradients scaled by 1 / expert (see the module docstring), put back however forward ends
+        own = list(module._parameters.items())
+        for key, p in own:
+            module._parameters[key] = _ScaleGrad.apply(p, 1.0 / ep)
+        try:
+            out = forward(arrived.index_select(0, order), received.sum(0).cumsum(0))
+        finally:
+            for key, p in own:
+                module._parameters[key] = p
         back = out.index_select(0, torch.argsort(order))
         return _a2a(back, in_splits, out_splits, group)
 

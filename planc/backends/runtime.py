@@ -698,9 +698,6 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
         elif isinstance(op, FullyShard):
             modules, kwargs = calls[id(op)]
             fully_shard(modules if op.is_group else modules[0], **kwargs)
-            if op.experts:  # an expert's gradient sums its expert group's tokens already (experts.py)
-                modules[0].set_gradient_divide_factor(float(submesh(op.axes).size()))
-                modules[0].set_force_sum_reduction_for_comms(True)  # SUM, then divide: gloo has no PREMUL_SUM
             applied.units.append(AppliedUnit(compiled.unit(op.name), tuple(modules), op))  # type: ignore[arg-type]
             handles[op.name] = modules[0]  # type: ignore[assignment]
             for path in op.modules:
