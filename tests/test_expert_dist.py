@@ -17,7 +17,6 @@ expert 2 x efsdp 2 on 4 ranks. Two launches, under the gloo lock.
 from __future__ import annotations
 
 import pytest
-
 from distributed import run
 from expert_workers import PLAN, train_equal
 
