@@ -140,6 +140,9 @@ def _unhandled(err: UnknownKind) -> str:
     if type(err.what).__name__ in ("AttendOverContext", "ShardBatch"):
         return (f"{where}context parallelism is not yet estimated{rule}: {err.interpreter} does not model it; "
                 "`planc check`, `planc emit` and `planc.apply` handle it")
+    if type(err.what).__name__ == "DispatchExperts":
+        return (f"{where}expert parallelism is not yet estimated{rule}: {err.interpreter} does not model it; "
+                "`planc check`, `planc emit` and `planc.apply` handle it")
     if isinstance(err.what, Action):  # a pipeline schedule's action (its REDUCE_GRAD, split backward, ...)
         return f"{err}: pipeline plans are not yet handled by {err.interpreter} (`planc check` and `planc explain` are)"
     return f"{where}{err}"
