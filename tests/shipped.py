@@ -15,6 +15,8 @@ def not_estimated(path: pathlib.Path) -> str | None:
     mesh = planc.compile(planc.load(path), None, strict=False).mesh
     if mesh.axis(Role.CONTEXT) is not None:
         return "context parallelism is not yet estimated (the estimators refuse AttendOverContext / ShardBatch)"
+    if mesh.axis(Role.EXPERT) is not None:
+        return "expert parallelism is not yet estimated (the estimators refuse DispatchExperts)"
     return not_run(path) and "pipeline plans are not yet estimated (P476: the estimators refuse a job of several parts)"
 
 
