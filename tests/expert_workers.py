@@ -58,9 +58,27 @@ def _gather_experts(name, local, mesh):
     return torch.cat(parts)
 
 
-def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e-2) -> dict:
+def _emitted(model, plan: str):
+    """The model sharded by the code `planc emit` prints for `plan`; (expert axis mesh, dp rank, dp size, clip)."""
+    import planc
+    from planc.backends import experts
+    from planc.backends.emit import emit_python
+    from planc.backends.runtime import build_mesh
+
+    compiled = planc.compile(planc.loads(plan), model, dist.get_world_size())
+    namespace: dict = {}
+    exec(compile(emit_python(compiled), "<emitted>", "exec"), namespace)
+    mesh = build_mesh(compiled.mesh)
+    namespace["apply_plan"](model, mesh)
+    ep_mesh = experts.expert_mesh_of(mesh, 2, ("efsdp", "expert"))["expert"]
+    return ep_mesh, dist.get_rank(), dist.get_world_size(), lambda: experts.clip_grad_norm_(
+        model.parameters(), CLIP, ep_mesh)
+
+
+def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e-2, emitted: bool = False) -> dict:
     """The plan's 3 AdamW steps vs one process: per-step loss, first-step gradients, final
-    parameters (max abs differences), and how many tokens each expert rank received."""
+    parameters (max abs differences), and how many tokens each expert rank received; through
+    `planc.apply`, or through the code `planc emit` prints (`emitted`)."""
     import planc
     from planc.zoo import routed_moe_tiny
 
@@ -69,10 +87,14 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
     ref = copy.deepcopy(model)
     batches = _batches(steps, world)
     ref_losses, ref_grads, ref_params = _reference(ref, batches, lr)
-    applied = planc.apply(model, planc.loads(plan))
-    ep_axis = applied.compiled.job.view("expert").axes[-1].name
-    ep_mesh = applied.expert_mesh[ep_axis]
-    r, n = applied.data_parallel_rank()
+    if emitted:
+        ep_mesh, r, n, clip = _emitted(model, plan)
+    else:
+        applied = planc.apply(model, planc.loads(plan))
+        ep_axis = applied.compiled.job.view("expert").axes[-1].name
+        ep_mesh = applied.expert_mesh[ep_axis]
+        r, n = applied.data_parallel_rank()
+        clip = lambda: applied.clip_grad_norm_(CLIP)  # noqa: E731
     counts = []  # rows per global expert reaching layers.0's experts on this rank, per step
     model.layers[0].moe.experts.register_forward_pre_hook(
         lambda m, args: counts.append(torch.diff(args[1], prepend=args[1].new_zeros(1)).tolist()))
@@ -97,7 +119,7 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
                 facts["torch_clip"] = "ran"
             except RuntimeError as err:
                 facts["torch_clip"] = str(err).splitlines()[0]
-        norm = applied.clip_grad_norm_(CLIP)
+        norm = clip()
         if step == 0:
             facts["norm_diff"] = abs(norm.item() - ref_grads["norm"])
         opt.step()
@@ -107,8 +129,13 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
         if ".experts." in name:
             t = _gather_experts(name, t, ep_mesh)
         param_diff[name] = (t - ref_params[name]).abs().max().item()
-    groups = {len(u.handle._get_fsdp_state()._fsdp_param_groups) for u in applied.units if u.op.experts}
+    groups = {len(m._get_fsdp_state()._fsdp_param_groups) for m in model.layers}
     return {"loss": max(loss_diff), "grad": max(grad_diff.values()), "param": max(param_diff.values()),
             "counts": counts, "facts": facts, "groups": groups,
             "grads": len(grad_diff), "placements": {n: str(p.device_mesh.mesh_dim_names) + str(p.placements)
                                                     for n, p in model.named_parameters()}}
+
+
+def train_both(rank: int, world: int, plan: str) -> list[dict]:
+    """`train_equal` through `planc.apply`, then through the emitted code (one launch)."""
+    return [train_equal(rank, world, plan), train_equal(rank, world, plan, emitted=True)]

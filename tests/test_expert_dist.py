@@ -8,7 +8,8 @@ foreach AdamW steps parameters on both meshes. The experts' gradients, averaged 
 the experts' smaller FSDP group, come out right because the dispatch scales them by 1 / expert
 (`planc/backends/experts.py`).
 
-Proof: the routed MoE tiny (4 experts, top-2), 3 AdamW steps with clipping, the routing uneven
+Proof (through `planc.apply`, and at 4 ranks also through `planc emit`'s code): the routed
+MoE tiny (4 experts, top-2), 3 AdamW steps with clipping, the routing uneven
 (ranks get different row counts per expert): loss, every gradient and every updated parameter
 equal one unsharded process within 1e-5 (fp32), at expert 2 on 2 ranks (efsdp 1) and at
 expert 2 x efsdp 2 on 4 ranks. Two launches, under the gloo lock.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 from distributed import run
-from expert_workers import PLAN, train_equal
+from expert_workers import PLAN, train_both, train_equal
 
 TOL = 1e-5
 
@@ -31,7 +32,13 @@ def _uneven(results, ep: int) -> bool:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_trains_like_one_process(world):
-    results = run(train_equal, world, PLAN)
+    """2 ranks through `planc.apply`; 4 ranks through `planc.apply` and through the emitted code."""
+    runs = run(train_both, world, PLAN) if world == 4 else [[r] for r in run(train_equal, world, PLAN)]
+    for how in range(len(runs[0])):
+        _check([r[how] for r in runs])
+
+
+def _check(results):
     for r in results:
         assert r["loss"] < TOL and r["grad"] < TOL and r["param"] < TOL, r
         assert r["grads"] == 19  # every parameter compared

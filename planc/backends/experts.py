@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from planc.lower.job import View
 from planc.resolve.experts import EFSDP
 
-__all__ = ["build_expert_mesh", "clip_grad_norm_", "dispatch_experts", "expert_placement_fn"]
+__all__ = ["build_expert_mesh", "clip_grad_norm_", "dispatch_experts", "expert_mesh_of", "expert_placement_fn"]
 
 
 def build_expert_mesh(view: View, device: str) -> DeviceMesh:
@@ -128,25 +128,34 @@ def dispatch_experts(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return module
 
 
-def expert_placement_fn(model: nn.Module, experts: Iterable[tuple[str, int]], expert_mesh: DeviceMesh,
-                        dense_mesh: DeviceMesh, placed: dict[int, int]):
-    """`shard_placement_fn` for one `fully_shard` call with experts: each expert parameter on the
-    expert view's FSDP mesh (`Shard(dim)`), every other on the dense mesh (`Shard(0)`, or the
-    dim a `place` statement gave it: `placed`, parameter id -> dim)."""
+def expert_placement_fn(experts: dict[nn.Parameter, int], expert_mesh: DeviceMesh, dense_mesh: DeviceMesh,
+                        placed: dict[nn.Parameter, int] | None = None):
+    """`shard_placement_fn` for one `fully_shard` call with experts: each expert parameter (`experts`:
+    parameter -> dim) on the expert view's FSDP mesh, every other on the dense mesh (`Shard(0)`, or
+    the dim a `place` statement gave it: `placed`). Parameters are matched by identity."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
     from torch.distributed.tensor import Shard
 
-    on_experts = {id(model.get_parameter(name)): dim for name, dim in experts}
+    on_experts = {id(p): dim for p, dim in experts.items()}
+    dense_dims = {id(p): dim for p, dim in (placed or {}).items()}
     expert_info, dense_info = _get_mesh_info(expert_mesh), _get_mesh_info(dense_mesh)
 
     def placement(param: nn.Parameter) -> ShardPlacementResult:
         dim = on_experts.get(id(param))
         if dim is None:
-            return ShardPlacementResult(Shard(placed.get(id(param), 0)), dense_info)
+            return ShardPlacementResult(Shard(dense_dims.get(id(param), 0)), dense_info)
         return ShardPlacementResult(Shard(dim), expert_info)
 
     return placement
+
+
+def expert_mesh_of(mesh: DeviceMesh, expert: int, names: tuple[str, ...]) -> DeviceMesh:
+    """The expert view of the ranks of the dense `mesh` (what `planc emit`'s code builds): axes
+    `names`, (replicate,) efsdp, expert, the replicate axis as the dense mesh's."""
+    replicate = mesh[names[0]].size() if len(names) == 3 else 1
+    sizes = ((replicate,) if len(names) == 3 else ()) + (mesh.size() // (replicate * expert), expert)
+    return init_device_mesh(mesh.device_type, sizes, mesh_dim_names=names)
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, expert_axis: DeviceMesh,

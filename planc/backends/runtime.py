@@ -182,6 +182,10 @@ def fully_shard_kwargs(op: FullyShard, model: nn.Module, mesh: DeviceMesh,
         offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=policy.offload.pin_memory and mesh.device_type != "cpu")
     else:
         offload = OffloadPolicy()
+    placement_fn = shard_placement_fn if placed else None
+    if op.experts and expert_mesh is not None:
+        placement_fn = experts.expert_placement_fn({model.get_parameter(n): d for n, d in op.experts}, expert_mesh,
+                                                   mesh, {model.get_parameter(n): d for n, d in op.placements})
     p = policy.precision
     return {
         "mesh": mesh,
@@ -189,8 +193,7 @@ def fully_shard_kwargs(op: FullyShard, model: nn.Module, mesh: DeviceMesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype,
                                           output_dtype=p.output_dtype, cast_forward_inputs=p.cast_forward_inputs),
         "offload_policy": offload,
-        "shard_placement_fn": (experts.expert_placement_fn(model, op.experts, expert_mesh, mesh, placed)
-                               if op.experts and expert_mesh is not None else shard_placement_fn if placed else None),
+        "shard_placement_fn": placement_fn,
         "ignored_params": ignored or None,
     }
 
