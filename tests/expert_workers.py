@@ -75,10 +75,12 @@ def _emitted(model, plan: str):
         model.parameters(), CLIP, ep_mesh)
 
 
-def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e-2, emitted: bool = False) -> dict:
+def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e-2, emitted: bool = False,
+                meta: bool = False) -> dict:
     """The plan's 3 AdamW steps vs one process: per-step loss, first-step gradients, final
     parameters (max abs differences), and how many tokens each expert rank received; through
-    `planc.apply`, or through the code `planc emit` prints (`emitted`)."""
+    `planc.apply` (on a model built on meta and materialised: `meta`), or through the code
+    `planc emit` prints (`emitted`)."""
     import planc
     from planc.zoo import routed_moe_tiny
 
@@ -90,7 +92,13 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
     if emitted:
         ep_mesh, r, n, clip = _emitted(model, plan)
     else:
+        if meta:  # built on meta, sharded, then materialised: every expert initialised, each rank keeps its own
+            with torch.device("meta"):
+                model = routed_moe_tiny()
         applied = planc.apply(model, planc.loads(plan))
+        if meta:
+            torch.manual_seed(0)
+            planc.materialize(model, "cpu", reproducible=True)
         ep_axis = applied.compiled.job.view("expert").axes[-1].name
         ep_mesh = applied.expert_mesh[ep_axis]
         r, n = applied.data_parallel_rank()
@@ -137,5 +145,7 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
 
 
 def train_both(rank: int, world: int, plan: str) -> list[dict]:
-    """`train_equal` through `planc.apply`, then through the emitted code (one launch)."""
-    return [train_equal(rank, world, plan), train_equal(rank, world, plan, emitted=True)]
+    """`train_equal` through `planc.apply`, through the emitted code, and on meta then
+    `planc.materialize(reproducible=True)` (one launch)."""
+    return [train_equal(rank, world, plan), train_equal(rank, world, plan, emitted=True),
+            train_equal(rank, world, plan, meta=True)]

@@ -8,7 +8,8 @@ foreach AdamW steps parameters on both meshes. The experts' gradients, averaged 
 the experts' smaller FSDP group, come out right because the dispatch scales them by 1 / expert
 (`planc/backends/experts.py`).
 
-Proof (through `planc.apply`, and at 4 ranks also through `planc emit`'s code): the routed
+Proof (through `planc.apply`, and at 4 ranks also through `planc emit`'s code and on a meta
+model materialised with `reproducible=True`): the routed
 MoE tiny (4 experts, top-2), 3 AdamW steps with clipping, the routing uneven
 (ranks get different row counts per expert): loss, every gradient and every updated parameter
 equal one unsharded process within 1e-5 (fp32), at expert 2 on 2 ranks (efsdp 1) and at
@@ -32,7 +33,8 @@ def _uneven(results, ep: int) -> bool:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_trains_like_one_process(world):
-    """2 ranks through `planc.apply`; 4 ranks through `planc.apply` and through the emitted code."""
+    """2 ranks through `planc.apply`; 4 ranks through `planc.apply`, through the emitted code, and
+    built on meta, applied and materialised (`reproducible=True`)."""
     runs = run(train_both, world, PLAN) if world == 4 else [[r] for r in run(train_equal, world, PLAN)]
     for how in range(len(runs[0])):
         _check([r[how] for r in runs])

@@ -55,6 +55,11 @@ def build_expert_mesh(view: View, device: str) -> DeviceMesh:
     return init_device_mesh(device, tuple(a.size for a in view.axes), mesh_dim_names=view.axis_names)
 
 
+# The attribute a dispatched experts container carries: (its expert rank, the expert degree), so
+# that `planc.materialize(reproducible=True)` initialises all experts and keeps this rank's.
+EXPERT_SLICE = "_planc_expert_slice"
+
+
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     y = funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
     return funcol.wait_tensor(y)
@@ -125,6 +130,7 @@ def dispatch_experts(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         return _a2a(back, in_splits, out_splits, group)
 
     module.forward = dispatched
+    setattr(module, EXPERT_SLICE, (rank, ep))
     return module
 
 
