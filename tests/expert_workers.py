@@ -149,3 +149,54 @@ def train_both(rank: int, world: int, plan: str) -> list[dict]:
     `planc.materialize(reproducible=True)` (one launch)."""
     return [train_equal(rank, world, plan), train_equal(rank, world, plan, emitted=True),
             train_equal(rank, world, plan, meta=True)]
+
+
+DENSE_PLAN = """model planc.zoo:routed_moe_tiny
+unit layers.*
+"""
+
+
+def _model_with(plan: str, seed: int):
+    import planc
+    from planc.zoo import routed_moe_tiny
+
+    torch.manual_seed(seed)
+    model = routed_moe_tiny()
+    applied = planc.apply(model, planc.loads(plan))
+    return model, applied
+
+
+def _whole(model, applied) -> dict:
+    """Every parameter whole (experts gathered over the expert axis when expert-parallel)."""
+    ep_mesh = None
+    if applied.expert_mesh is not None:
+        ep_mesh = applied.expert_mesh[applied.compiled.job.view("expert").axes[-1].name]
+    out = {}
+    for name, p in model.named_parameters():
+        t = _full(p.detach())
+        out[name] = _gather_experts(name, t, ep_mesh) if ep_mesh is not None and ".experts." in name else t
+    return out
+
+
+def dcp_round_trip(rank: int, world: int, folder: str) -> dict:
+    """Save under expert parallelism, load into plain FSDP (other initial values), save that,
+    load into expert parallelism again: max abs difference to the saved values at each end."""
+    import torch.distributed.checkpoint as dcp
+
+    from planc.zoo import routed_moe_tiny
+
+    torch.manual_seed(0)
+    saved = {n: p.detach().clone() for n, p in routed_moe_tiny().named_parameters()}
+    ep_model, _ = _model_with(PLAN, 0)
+    dcp.save(ep_model.state_dict(), checkpoint_id=f"{folder}/ep")
+    dense, dense_applied = _model_with(DENSE_PLAN, 1)
+    state = dense.state_dict()
+    dcp.load(state, checkpoint_id=f"{folder}/ep")  # in place, into the local shards
+    to_dense = max((t - saved[n]).abs().max().item() for n, t in _whole(dense, dense_applied).items())
+    dcp.save(dense.state_dict(), checkpoint_id=f"{folder}/dense")
+    back, back_applied = _model_with(PLAN, 2)
+    state = back.state_dict()
+    dcp.load(state, checkpoint_id=f"{folder}/dense")
+    to_ep = max((t - saved[n]).abs().max().item() for n, t in _whole(back, back_applied).items())
+    moved = max((t - saved[n]).abs().max().item() for n, t in _whole(*_model_with(PLAN, 3)).items())
+    return {"to_dense": to_dense, "to_ep": to_ep, "fresh": moved, "keys": sorted(state)}

@@ -607,7 +607,7 @@ def _experts_section(program, ops, model, ind: str) -> list[str]:
              f"{ind}expert_mesh = expert_mesh_of(mesh, {expert}, {names!r})",
              f"{ind}expert_fsdp_mesh = expert_mesh[{fsdp_index}]"]
     return lines + _emit_calls([_Call((op.module,), lambda e, op=op: f"dispatch_experts({e(op.module)}, "
-                                      f"expert_mesh[{op.axis!r}])", (_where(op.origin.span, op.origin.rule),))
+                                      f"expert_mesh, {op.axis!r})", (_where(op.origin.span, op.origin.rule),))
                                 for op in ops], model, ind)
 
 

@@ -91,14 +91,17 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def dispatch_experts(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str) -> nn.Module:
     """Keep this expert rank's experts in `module` and route its forward's rows by all-to-all.
 
-    `mesh` is the 1-D expert axis. Each 3-D parameter `[E, ...]` of `module` is replaced by its
-    rank's slice `[E / expert, ...]` (on meta too: nothing is allocated); `module.forward(rows,
-    offsets)` takes every rank's rows sorted by global expert and returns their outputs in the
-    same order, as before.
+    `expert_mesh` is the expert view, `axis` its expert axis. Each 3-D parameter `[E, ...]` of
+    `module` is replaced by its rank's slice `[E / expert, ...]` (on meta too: nothing is
+    allocated); `module.forward(rows, offsets)` takes every rank's rows sorted by global expert
+    and returns their outputs in the same order, as before. `module.state_dict()` gives the
+    experts whole-shaped (`_global_experts`), so a DCP checkpoint saved with expert parallelism
+    loads without it and back.
     """
+    mesh = expert_mesh[axis]
     group, ep, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
     params = list(module.named_parameters(recurse=False))
     total = params[0][1].shape[0]
@@ -131,7 +134,34 @@ def dispatch_experts(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
     module.forward = dispatched
     setattr(module, EXPERT_SLICE, (rank, ep))
+    module.register_state_dict_post_hook(_global_experts(expert_mesh, axis, total))
     return module
+
+
+def _global_experts(expert_mesh: DeviceMesh, axis: str, total: int):
+    """A state-dict hook: each expert parameter (FSDP's DTensor of this rank's `[E / expert, ...]`
+    on the experts' FSDP mesh) as a DTensor of all `[E, ...]` experts sharing its local storage,
+    on the expert view with the expert axis moved before efsdp: `Shard(0)` over the experts, then
+    FSDP's own placement. DCP saves and loads (in place) through it as any sharded tensor."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    names = expert_mesh.mesh_dim_names
+    order = [i for i, n in enumerate(names) if n != axis]
+    order.insert(len(order) - 1, names.index(axis))  # (replicate,) expert, efsdp
+    view = DeviceMesh(expert_mesh.device_type, expert_mesh.mesh.permute(order), _init_backend=False,
+                      mesh_dim_names=tuple(names[i] for i in order))
+
+    def hook(module, state_dict, prefix, local_metadata):
+        for key in module._parameters:
+            value = state_dict.get(prefix + key)
+            if not isinstance(value, DTensor):
+                continue
+            placements = (*[Replicate()] * (view.ndim - 2), Shard(0), value.placements[-1])
+            shape = (total, *value.shape[1:])
+            state_dict[prefix + key] = DTensor.from_local(value.to_local(), view, placements, run_check=False,
+                                                          shape=torch.Size(shape),
+                                                          stride=torch.empty(shape, device="meta").stride())
+    return hook
 
 
 def expert_placement_fn(experts: dict[nn.Parameter, int], expert_mesh: DeviceMesh, dense_mesh: DeviceMesh,

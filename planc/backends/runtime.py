@@ -358,7 +358,10 @@ class AppliedPlan:
     def summary(self) -> str:
         """A short human text: mesh, units, parameters and bytes held on this rank."""
         rank = dist.get_rank() if dist.is_initialized() else 0
-        total = sum(p.numel() for p in self.model.parameters())  # tied parameters come once
+        ep = 1 if self.expert_mesh is None else self.expert_mesh[self.compiled.job.view(EXPERT).axes[-1].name].size()
+        experts_ = {n for op in self.compiled.job.program.of_type(DispatchExperts) for n in op.params}
+        # tied parameters come once; an expert-parallel parameter holds 1 / expert of the experts
+        total = sum(p.numel() * (ep if n in experts_ else 1) for n, p in self.model.named_parameters())
         lines = [f"planc: {self.compiled.plan.file}: {len(self.units)} units on mesh "
                  f"{dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape))} ({self.mesh.device_type}); "
                  f"{_count(total)} parameters, rank {rank} holds {_bytes(self.local_param_bytes())}"]
@@ -368,6 +371,10 @@ class AppliedPlan:
             numel = sum(self.model.get_parameter(n).numel() for n in u.params)
             lines.append(f"  {u.name:<{width}}  {_count(numel):>7} params  {_bytes(self.unit_local_bytes(u)):>10}/rank  "
                          f"{_describe(applied.op.policy)}")
+        if self.expert_mesh is not None:
+            lines.append(f"  experts: {len(experts_)} parameters on the expert mesh "
+                         f"{dict(zip(self.expert_mesh.mesh_dim_names or (), self.expert_mesh.shape))}, each rank "
+                         f"holding 1/{ep} of the experts; clip with `applied.clip_grad_norm_(max_norm)`")
         if self.compiled.job.step_op(ShardBatch):
             lines.append("  context axis: cut each batch with `applied.shard_batch(tokens, labels)` and pass "
                          "`positions=` to the model")
@@ -678,7 +685,7 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
     expert_mesh = (experts.build_expert_mesh(compiled.job.view(EXPERT), mesh.device_type)
                    if program.of_type(DispatchExperts) else None)
     for op in program.of_type(DispatchExperts):
-        experts.dispatch_experts(model.get_submodule(op.module), expert_mesh[op.axis])
+        experts.dispatch_experts(model.get_submodule(op.module), expert_mesh, op.axis)
     expert_axes = next((u.expert_axes for u in program.units if u.expert_axes), ())
     expert_fsdp = _submesh(expert_mesh, expert_axes) if expert_mesh is not None and expert_axes else None
     calls = {id(op): (unit_modules(op, model), fully_shard_kwargs(op, model, submesh(op.axes), expert_fsdp))

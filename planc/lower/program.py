@@ -124,7 +124,7 @@ class AttendOverContext:
 
 @dataclass(frozen=True, slots=True)
 class DispatchExperts:
-    """`planc.backends.experts.dispatch_experts(module, expert mesh[axis])`: the experts container
+    """`planc.backends.experts.dispatch_experts(module, expert mesh, axis)`: the experts container
     keeps the `experts / expert` experts of its expert rank, and the rows routed to an expert move
     to its rank and back by all-to-all with uneven splits (before any FSDP).
 
