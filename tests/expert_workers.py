@@ -75,17 +75,24 @@ def _emitted(model, plan: str):
         model.parameters(), CLIP, ep_mesh)
 
 
+def _tiny(experts: int):
+    import dataclasses
+
+    from planc.zoo.routed import ROUTED_MOE_TINY_CONFIG, RoutedMoETransformer
+
+    return RoutedMoETransformer(dataclasses.replace(ROUTED_MOE_TINY_CONFIG, num_experts=experts))
+
+
 def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e-2, emitted: bool = False,
-                meta: bool = False) -> dict:
+                meta: bool = False, experts: int = 4) -> dict:
     """The plan's 3 AdamW steps vs one process: per-step loss, first-step gradients, final
     parameters (max abs differences), and how many tokens each expert rank received; through
     `planc.apply` (on a model built on meta and materialised: `meta`), or through the code
-    `planc emit` prints (`emitted`)."""
+    `planc emit` prints (`emitted`); the tiny routed MoE with `experts` experts."""
     import planc
-    from planc.zoo import routed_moe_tiny
 
     torch.manual_seed(0)
-    model = routed_moe_tiny()
+    model = _tiny(experts)
     ref = copy.deepcopy(model)
     batches = _batches(steps, world)
     ref_losses, ref_grads, ref_params = _reference(ref, batches, lr)
@@ -94,7 +101,7 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
     else:
         if meta:  # built on meta, sharded, then materialised: every expert initialised, each rank keeps its own
             with torch.device("meta"):
-                model = routed_moe_tiny()
+                model = _tiny(experts)
         applied = planc.apply(model, planc.loads(plan))
         if meta:
             torch.manual_seed(0)
@@ -145,10 +152,11 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
 
 
 def train_both(rank: int, world: int, plan: str) -> list[dict]:
-    """`train_equal` through `planc.apply`, through the emitted code, and on meta then
-    `planc.materialize(reproducible=True)` (one launch)."""
+    """`train_equal` through `planc.apply`, through the emitted code, on meta then
+    `planc.materialize(reproducible=True)`, and with 2 experts (efsdp 2 x expert 2 > 2 experts:
+    FSDP shards the experts on dim 1), in one launch."""
     return [train_equal(rank, world, plan), train_equal(rank, world, plan, emitted=True),
-            train_equal(rank, world, plan, meta=True)]
+            train_equal(rank, world, plan, meta=True), train_equal(rank, world, plan, experts=2)]
 
 
 DENSE_PLAN = """model planc.zoo:routed_moe_tiny

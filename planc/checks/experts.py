@@ -1,7 +1,8 @@
 """Expert parallelism, statically (P482-P489): sizes, the experts' layout, the router, estimates.
 
 What would fail late or train wrong is caught here, at the plan line: an expert count that
-does not divide by the expert degree (P482), an expert degree that does not divide the ranks
+does not divide by the expert degree or experts that do not shard evenly on dim 1 (P482),
+an expert degree that does not divide the ranks
 it borrows, shard x context x tensor (P483), the style on a module that is not an experts
 container of a known layout (P484), the experts or the router placed another way by the plan
 (P485: `ignore`, `place` or a tensor style), a router that keeps more experts than there are
@@ -121,6 +122,17 @@ def check_expert_modules(ctx: Context) -> Iterator[Diagnostic]:
                           (f"every expert rank keeps experts / expert whole experts: make the expert size a divisor of "
                            f"{counts[uneven[0]]}",))
                 continue
+            ep, efsdp = degrees
+            if ep * efsdp > min(counts.values()):  # the experts' FSDP shards dim 1: torch needs it even
+                odd = [(c, shape[1]) for p in paths for _, c in ctx.graph.own_params(p)
+                       if (shape := ctx.graph.params[c].shape)[1] % efsdp]
+                if odd:
+                    yield err("P482", f"`{odd[0][0]}` does not shard evenly over the experts' {efsdp} FSDP ranks: "
+                              f"dim 1 is {odd[0][1]}", s.span, f"{len(odd)} parameter(s)",
+                              (f"with efsdp x expert = {efsdp * ep} over {min(counts.values())} experts FSDP shards "
+                               f"the experts on dim 1 (torchtitan's rule), which torch needs even: make efsdp (shard x "
+                               f"context x tensor / expert) divide {odd[0][1]}, or raise the expert size",))
+                    continue
         for p in paths:
             parent = _container(ctx, p)
             top_k = getattr(parent, "top_k", None) or getattr(getattr(parent, "router", None), "top_k", None)

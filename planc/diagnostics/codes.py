@@ -394,8 +394,10 @@ CODES: dict[str, Code] = {
     "P481": Code("the expert style takes no options", "The `expert` style has one behaviour: each expert rank keeps "
                  "experts / expert whole experts and the rows routed to them arrive and leave by all-to-all. Remove "
                  "the block.\n\n    parallel layers.*.moe.experts expert { capacity 1.25 }   # error"),
-    "P482": Code("expert count not divisible by the expert degree", "Every rank of the expert axis keeps the same "
-                 "number of whole experts, so every MoE layer's expert count must divide by the expert size.\n\n"
+    "P482": Code("experts do not split evenly", "Every rank of the expert axis keeps the same "
+                 "number of whole experts, so every MoE layer's expert count must divide by the expert size. When "
+                 "efsdp x expert exceeds the expert count, FSDP shards the experts on dim 1 (torchtitan's rule), "
+                 "which torch 2.13 needs even: dim 1 must divide by efsdp.\n\n"
                  "    mesh (shard = *, expert = 3)   # error with 4 experts"),
     "P483": Code("expert degree does not divide the ranks it borrows", "The expert axis borrows its ranks from "
                  "shard x context x tensor (torchtitan's rule); the experts are FSDP-sharded over the rest, "
