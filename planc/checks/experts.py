@@ -105,6 +105,8 @@ def check_expert_modules(ctx: Context) -> Iterator[Diagnostic]:
     degrees = None if sizes is None else expert_degrees(ctx.res.mesh, sizes)
     for i, s in _statements(ctx):
         paths = _paths(ctx, i)
+        if not paths:
+            continue
         bad = [(p, why) for p in paths if (why := known_layout(model.get_submodule(p))) is not None]
         if bad:
             p, why = bad[0]
