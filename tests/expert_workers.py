@@ -154,9 +154,11 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
 def train_both(rank: int, world: int, plan: str) -> list[dict]:
     """`train_equal` through `planc.apply`, through the emitted code, on meta then
     `planc.materialize(reproducible=True)`, and with 2 experts (efsdp 2 x expert 2 > 2 experts:
-    FSDP shards the experts on dim 1), in one launch."""
+    FSDP shards the experts on dim 1), and under HSDP (replicate 2 x shard 2, expert 2: the experts
+    on the (replicate, efsdp) mesh), in one launch."""
     return [train_equal(rank, world, plan), train_equal(rank, world, plan, emitted=True),
-            train_equal(rank, world, plan, meta=True), train_equal(rank, world, plan, experts=2)]
+            train_equal(rank, world, plan, meta=True), train_equal(rank, world, plan, experts=2),
+            train_equal(rank, world, plan.replace("mesh (shard = *", "mesh (replicate = 2, shard = *"))]
 
 
 DENSE_PLAN = """model planc.zoo:routed_moe_tiny

@@ -34,13 +34,14 @@ def _uneven(results, ep: int) -> bool:
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_trains_like_one_process(world):
     """2 ranks through `planc.apply`; 4 ranks through `planc.apply`, through the emitted code, and
-    built on meta, applied and materialised (`reproducible=True`), and with 2 experts (dim 1)."""
+    built on meta, applied and materialised (`reproducible=True`), with 2 experts (dim 1), and
+    under HSDP (replicate 2 x shard 2, expert 2)."""
     runs = run(train_both, world, PLAN) if world == 4 else [[r] for r in run(train_equal, world, PLAN)]
     for how in range(len(runs[0])):
-        _check([r[how] for r in runs], dim=1 if how == 3 else 0)
+        _check([r[how] for r in runs], dim=1 if how == 3 else 0, hsdp=how == 4)
 
 
-def _check(results, dim: int = 0):
+def _check(results, dim: int = 0, hsdp: bool = False):
     for r in results:
         assert r["loss"] < TOL and r["grad"] < TOL and r["param"] < TOL, r
         assert r["grads"] == 19  # every parameter compared
@@ -49,6 +50,10 @@ def _check(results, dim: int = 0):
         assert r["facts"]["norm_diff"] < TOL
     assert dim == 1 or _uneven(results, 2)  # with 2 experts, top-2 sends every token to both
     placements = results[0]["placements"]
+    if hsdp:
+        assert placements["layers.0.moe.experts.w1"] == "('replicate', 'efsdp')(Replicate(), Shard(dim=0))"
+        assert placements["layers.0.moe.router.gate.weight"] == "('replicate', 'shard')(Replicate(), Shard(dim=0))"
+        return
     assert placements["layers.0.moe.experts.w1"] == f"('efsdp',)(Shard(dim={dim}),)"
     assert placements["layers.0.moe.router.gate.weight"] == "('shard',)(Shard(dim=0),)"
 

@@ -6,7 +6,7 @@ an expert degree that does not divide the ranks
 it borrows, shard x context x tensor (P483), the style on a module that is not an experts
 container of a known layout (P484), the experts or the router placed another way by the plan
 (P485: `ignore`, `place` or a tensor style), a router that keeps more experts than there are
-(P486), expert parallelism over tensor ranks (P487, not built), an expert axis nothing uses
+(P486), expert parallelism with a tensor or context axis (P487, not built or not tested), an expert axis nothing uses
 (P488, warning). Memory `expect`s and `--simulate` of an expert plan are not estimated (P489,
 warning; the estimators' `Reader`s refuse `DispatchExperts`).
 """
@@ -55,12 +55,17 @@ def check_expert_mesh(ctx: Context) -> Iterator[Diagnostic]:
                    f"{lent} / expert): make the expert size a divisor of {lent}, e.g. `{axis.name} = "
                    f"{max(d for d in range(1, lent + 1) if lent % d == 0 and d <= max(sizes[Role.EXPERT], 1))}`",))
         return
-    tensor = sizes.get(Role.TENSOR, 1)
+    tensor, context = sizes.get(Role.TENSOR, 1), sizes.get(Role.CONTEXT, 1)
     if tensor > 1 and ctx.res.experts:
         yield err("P487", "expert parallelism with a tensor axis is not supported yet", mesh.span,
                   f"expert and tensor = {tensor} axes",
                   ("planc dispatches each rank's own tokens; the ranks of one tensor group hold the same tokens. "
                    "Remove the tensor axis (and the `parallel` tensor styles), or the `expert` style",))
+    elif context > 1 and ctx.res.experts:
+        yield err("P487", "expert parallelism with a context axis is not supported yet", mesh.span,
+                  f"expert and context = {context} axes",
+                  ("not tested yet (no model here has both a context-parallel attention and routed experts): "
+                   "remove the context axis, or the `expert` style",))
 
 
 def check_expert_unused(ctx: Context) -> Iterator[Diagnostic]:
