@@ -22,6 +22,7 @@ def _batches(steps: int, world: int, per_rank: int = 2, seq: int = 8):
 
 def _loss(model, tokens):
     logits = model(tokens[:, :-1])
+    logits = getattr(logits, "logits", logits)  # a Hugging Face output
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
 
 
@@ -210,3 +211,60 @@ def dcp_round_trip(rank: int, world: int, folder: str) -> dict:
     to_ep = max((t - saved[n]).abs().max().item() for n, t in _whole(back, back_applied).items())
     moved = max((t - saved[n]).abs().max().item() for n, t in _whole(*_model_with(PLAN, 3)).items())
     return {"to_dense": to_dense, "to_ep": to_ep, "fresh": moved, "keys": sorted(state)}
+
+
+HF_PLAN = """mesh (shard = *, expert = 2)
+unit model.layers.*
+parallel model.layers.*.mlp.experts expert
+"""
+
+
+def hf_moe_tiny():
+    """A Qwen3-MoE of Hugging Face's (fused 3-D experts, the token-choice layout), tiny: 4 experts, top-2."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                            tie_word_embeddings=False)
+    return Qwen3MoeForCausalLM(config)
+
+
+def hf_train_equal(rank: int, world: int) -> dict:
+    """The Hugging Face MoE tiny at expert 2: 3 clipped AdamW steps vs one process."""
+    import planc
+
+    torch.manual_seed(0)
+    model = hf_moe_tiny()
+    ref = copy.deepcopy(model)
+    batches = _batches(3, world)
+    ref_losses, ref_grads, ref_params = _reference(ref, batches, 1e-2)
+    applied = planc.apply(model, planc.loads(HF_PLAN))
+    ep_mesh = applied.expert_mesh["expert"]
+    r, n = applied.data_parallel_rank()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    diffs = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for step, tokens in enumerate(batches):
+        opt.zero_grad()
+        loss = _loss(model, tokens.chunk(n)[r])
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        diffs["loss"] = max(diffs["loss"], abs(total.item() / world - ref_losses[step]))
+        if step == 0:
+            for name, p in model.named_parameters():
+                g = _full(p.grad)
+                g = _gather_experts(name, g, ep_mesh) if ".experts." in name else g
+                diffs["grad"] = max(diffs["grad"], (g - ref_grads[name]).abs().max().item())
+        applied.clip_grad_norm_(CLIP)
+        opt.step()
+    for name, p in model.named_parameters():
+        t = _full(p.detach())
+        t = _gather_experts(name, t, ep_mesh) if ".experts." in name else t
+        diffs["param"] = max(diffs["param"], (t - ref_params[name]).abs().max().item())
+    return diffs
+
+
+def train_two(rank: int, world: int, plan: str) -> list[dict]:
+    """The 2-rank launch: `train_equal` on the zoo's routed MoE, then `hf_train_equal`."""
+    return [train_equal(rank, world, plan), hf_train_equal(rank, world)]

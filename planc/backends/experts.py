@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from planc.lower.job import View
-from planc.resolve.experts import EFSDP
+from planc.resolve.experts import EFSDP, SORTED, layout
 
 __all__ = ["build_expert_mesh", "clip_grad_norm_", "dispatch_experts", "expert_mesh_of", "expert_placement_fn"]
 
@@ -110,9 +110,13 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str) -> n
         kept = p.detach()[rank * local:(rank + 1) * local].clone()
         module.register_parameter(name, nn.Parameter(kept, requires_grad=p.requires_grad))
     forward = module.forward
+    kind = layout(module)
+    if hasattr(module, "num_experts"):  # Hugging Face's experts count their own (local) experts
+        module.num_experts = local
 
-    def dispatched(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    def exchange(rows: torch.Tensor, counts: torch.Tensor, run) -> torch.Tensor:
+        """Rows sorted by global expert (`counts` per expert) to their experts' ranks, `run(rows,
+        local counts)` there on the rows regrouped expert-major, the outputs back in the same order."""
         send = counts.view(ep, local).contiguous()  # to rank j: the counts of its experts
         received = torch.empty_like(send)
         dist.all_to_all_single(received, send, group=group)  # received[j]: what rank j sends me, per local expert
@@ -125,14 +129,34 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str) -> n
         for key, p in own:
             module._parameters[key] = _ScaleGrad.apply(p, 1.0 / ep)
         try:
-            out = forward(arrived.index_select(0, order), received.sum(0).cumsum(0))
+            out = run(arrived.index_select(0, order), received.sum(0))
         finally:
             for key, p in own:
                 module._parameters[key] = p
         back = out.index_select(0, torch.argsort(order))
         return _a2a(back, in_splits, out_splits, group)
 
-    module.forward = dispatched
+    def dispatched(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        return exchange(rows, counts, lambda x, c: forward(x, c.cumsum(0)))
+
+    def token_choice(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Each (token, expert) pair sorted by expert, exchanged, run with weight 1 on its local
+        expert, and combined here with the router's weights."""
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=total)
+
+        def run(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            ids = torch.repeat_interleave(torch.arange(local, device=x.device), c).unsqueeze(1)
+            return forward(x, ids, torch.ones(ids.shape, dtype=top_k_weights.dtype, device=x.device))
+
+        pairs = exchange(hidden.index_select(0, order // k), counts, run)
+        pairs = torch.empty_like(pairs).index_copy(0, order, pairs)
+        return (pairs.view(-1, k, pairs.shape[-1]) * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(1)
+
+    module.forward = dispatched if kind == SORTED else token_choice
     setattr(module, EXPERT_SLICE, (rank, ep))
     module.register_state_dict_post_hook(_global_experts(expert_mesh, axis, total))
     return module

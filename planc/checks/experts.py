@@ -13,18 +13,17 @@ warning; the estimators' `Reader`s refuse `DispatchExperts`).
 
 from __future__ import annotations
 
-import inspect
 from typing import Iterator
 
 from planc.checks.context import Context, err, listed
 from planc.diagnostics import Diagnostic
 from planc.lang import syntax as st
-from planc.resolve.experts import expert_degrees, is_expert
+from planc.resolve.experts import expert_degrees, is_expert, layout
 from planc.resolve.mesh import Mesh, Role
 
 # The experts containers the `expert` style is known to fit (P484's help names them): 3-D
 # weights [experts, ...], `forward(rows, offsets)` on rows sorted by expert.
-KNOWN = ("planc.zoo.routed.RoutedExperts",)
+KNOWN = ("planc.zoo.routed.RoutedExperts", "transformers' fused 3-D experts (Qwen3-MoE, Mixtral)")
 
 
 def _statements(ctx: Context) -> list[tuple[int, st.ParallelStmt]]:
@@ -80,20 +79,11 @@ def check_expert_unused(ctx: Context) -> Iterator[Diagnostic]:
 
 
 def known_layout(module) -> str | None:
-    """None when `module` is an experts container the dispatch fits, else what is wrong."""
-    own = list(module.named_parameters(recurse=False))
-    if not own:
-        return "it has no parameters of its own"
-    if any(p.dim() != 3 for _, p in own) or len({p.shape[0] for _, p in own}) != 1:
-        return "its parameters are not 3-D weights [experts, ...] with one expert count"
-    if any(True for _ in module.children()):
-        return "it has submodules (one module per expert?)"
+    """None when `module` is an experts container the dispatch fits (`resolve.experts.layout`), else what is wrong."""
     try:
-        names = [n for n, p in inspect.signature(module.forward).parameters.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
-    except (TypeError, ValueError):
-        names = []
-    if len(names) != 2:
-        return "its forward does not take (rows sorted by expert, offsets)"
+        layout(module)
+    except ValueError as err:
+        return str(err)
     return None
 
 
@@ -118,7 +108,8 @@ def check_expert_modules(ctx: Context) -> Iterator[Diagnostic]:
             yield err("P484", f"`{p}` ({type(model.get_submodule(p)).__name__}) is not an experts container the "
                       f"`expert` style fits: {why}", s.span, f"{len(bad)} module(s) of another layout",
                       ("select the module holding the experts as 3-D weights whose forward takes the rows sorted by "
-                       "expert and each expert's cumulative end; known layouts: " + listed(list(KNOWN)),))
+                       "expert and each expert's cumulative end, or the hidden states with each token's top-k expert "
+                       "ids and weights; known layouts: " + listed(list(KNOWN)),))
             continue
         counts = {p: ctx.graph.params[ctx.graph.own_params(p)[0][1]].shape[0] for p in paths}
         if degrees is not None:

@@ -16,6 +16,7 @@ the sizes are checked against the model (`planc/checks/experts.py`).
 
 from __future__ import annotations
 
+import inspect
 from typing import Mapping
 
 from planc.diagnostics import Diagnostic
@@ -58,3 +59,30 @@ def expert_style(stmt: st.ParallelStmt, mesh: Mesh, mesh_ok: bool, diags: list[D
                                       "shard x context x tensor)",)))
         ok = False
     return ok
+
+
+SORTED, TOKEN_CHOICE = "sorted", "token choice"  # the experts layouts the style fits (`layout`)
+
+
+def layout(module) -> str:
+    """The experts layout of `module`: SORTED (`forward(rows, offsets)`: rows sorted by expert and
+    each expert's cumulative end, `planc.zoo.routed.RoutedExperts`) or TOKEN_CHOICE
+    (`forward(hidden, top_k_index, top_k_weights)`: Hugging Face's fused 3-D experts, Qwen3-MoE,
+    Mixtral), its own parameters 3-D `[experts, ...]`; raises ValueError saying what else it is."""
+    own = list(module.named_parameters(recurse=False))
+    if not own:
+        raise ValueError("it has no parameters of its own")
+    if any(p.dim() != 3 for _, p in own) or len({p.shape[0] for _, p in own}) != 1:
+        raise ValueError("its parameters are not 3-D weights [experts, ...] with one expert count")
+    if any(True for c in module.children() for _ in c.parameters()):
+        raise ValueError("it has submodules with parameters (one module per expert?)")
+    try:
+        names = [n for n, p in inspect.signature(module.forward).parameters.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    except (TypeError, ValueError):
+        names = []
+    if len(names) == 2:
+        return SORTED
+    if len(names) == 3:
+        return TOKEN_CHOICE
+    raise ValueError("its forward takes neither (rows sorted by expert, offsets) nor (hidden, top_k_index, "
+                     "top_k_weights)")
