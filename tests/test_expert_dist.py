@@ -35,8 +35,8 @@ def _uneven(results, ep: int) -> bool:
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_trains_like_one_process(world):
     """2 ranks through `planc.apply`, also Hugging Face's Qwen3-MoE tiny; 4 ranks through
-    `planc.apply`, through the emitted code, built on meta, applied and materialised (`reproducible=True`), with 2 experts (dim 1), and
-    under HSDP (replicate 2 x shard 2, expert 2)."""
+    `planc.apply`, through the emitted code, built on meta, applied and materialised
+    (`reproducible=True`), with 2 experts (dim 1), and under HSDP (replicate 2 x shard 2, expert 2)."""
     if world == 2:
         runs = run(train_two, world, PLAN)
         _check([r[0] for r in runs])
