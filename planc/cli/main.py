@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--hf-tp-plan", action="store_true",
                    help="add the tensor-parallel plan transformers ships with --model (base_model_tp_plan)")
     i.add_argument("--tensor", type=int, default=2, metavar="N", help="ranks on the tensor axis (default 2)")
+    i.add_argument("--hf-ep-plan", action="store_true",
+                   help="add the expert-parallel plan transformers ships with --model (base_model_ep_plan)")
+    i.add_argument("--expert", type=int, default=2, metavar="N", help="ranks on the expert axis (default 2)")
     i.add_argument("-o", "--output", help="write the plan here (default: stdout)")
     i.set_defaults(func=importer.main)
 
