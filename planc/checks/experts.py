@@ -6,7 +6,7 @@ an expert degree that does not divide the ranks
 it borrows, shard x context x tensor (P483), the style on a module that is not an experts
 container of a known layout (P484), the experts or the router placed another way by the plan
 (P485: `ignore`, `place` or a tensor style), a router that keeps more experts than there are
-(P486), expert parallelism with a tensor or context axis (P487, not built or not tested), an expert axis nothing uses
+(P486), expert parallelism with a tensor, pipeline or context axis (P487, not built or not tested), an expert axis nothing uses
 (P488, warning). Memory `expect`s and `--simulate` of an expert plan are not estimated (P489,
 warning; the estimators' `Reader`s refuse `DispatchExperts`).
 """
@@ -60,6 +60,11 @@ def check_expert_mesh(ctx: Context) -> Iterator[Diagnostic]:
                   f"expert and tensor = {tensor} axes",
                   ("planc dispatches each rank's own tokens; the ranks of one tensor group hold the same tokens. "
                    "Remove the tensor axis (and the `parallel` tensor styles), or the `expert` style",))
+    elif sizes.get(Role.PIPELINE, 1) > 1 and ctx.res.experts:
+        yield err("P487", "expert parallelism with a pipeline axis is not supported yet", mesh.span,
+                  "expert and pipeline axes",
+                  ("not built or tested together yet: remove the pipeline axis (and the `pipeline` line), or the "
+                   "`expert` style",))
     elif context > 1 and ctx.res.experts:
         yield err("P487", "expert parallelism with a context axis is not supported yet", mesh.span,
                   f"expert and context = {context} axes",

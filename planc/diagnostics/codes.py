@@ -414,11 +414,12 @@ CODES: dict[str, Code] = {
                  "or a tensor-parallel style on the experts or their router, contradicts that; remove it."),
     "P486": Code("top-k larger than the expert count", "The router keeps top_k experts per token; a model whose "
                  "top_k exceeds its expert count cannot route (torch.topk raises at the first step)."),
-    "P487": Code("expert parallelism with a tensor or context axis", "The expert axis may borrow tensor ranks in torchtitan, "
+    "P487": Code("expert parallelism with a tensor, pipeline or context axis", "The expert axis may borrow "
+                 "tensor ranks in torchtitan, "
                  "which first splits the tokens of a tensor group; planc dispatches each rank's own tokens, and the "
                  "ranks of one tensor group hold the same ones. Not built yet: remove the tensor axis or the `expert` "
                  "style. With a context axis it is not tested yet (no model here has a context-parallel attention "
-                 "and routed experts) and refused the same way."),
+                 "and routed experts) and refused the same way; with a pipeline axis too."),
     "P488": Code("expert axis without an expert style", "The mesh has an expert axis but no module is "
                  "expert-parallel: the axis does nothing. Mark the experts containers, or remove the axis.", "warning"),
     "P489": Code("expert parallelism is not yet estimated", "planc's memory and step-time models do not model "
