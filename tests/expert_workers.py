@@ -266,5 +266,7 @@ def hf_train_equal(rank: int, world: int) -> dict:
 
 
 def train_two(rank: int, world: int, plan: str) -> list[dict]:
-    """The 2-rank launch: `train_equal` on the zoo's routed MoE, then `hf_train_equal`."""
-    return [train_equal(rank, world, plan), hf_train_equal(rank, world)]
+    """The 2-rank launch: `train_equal` on the zoo's routed MoE, then `hf_train_equal`, then the
+    routed MoE with `checkpoint layers.*` (the dispatch's all-to-alls run again in the recompute)."""
+    return [train_equal(rank, world, plan), hf_train_equal(rank, world),
+            train_equal(rank, world, plan + "checkpoint layers.*\n")]

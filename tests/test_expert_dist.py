@@ -35,7 +35,8 @@ def _uneven(results, ep: int) -> bool:
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_trains_like_one_process(world):
-    """2 ranks through `planc.apply`, also Hugging Face's Qwen3-MoE tiny; 4 ranks through
+    """2 ranks through `planc.apply`, also Hugging Face's Qwen3-MoE tiny and with `checkpoint
+    layers.*`; 4 ranks through
     `planc.apply`, through the emitted code, built on meta, applied and materialised
     (`reproducible=True`), with 2 experts (dim 1), and under HSDP (replicate 2 x shard 2, expert 2)."""
     if world == 2:
@@ -43,6 +44,7 @@ def test_expert_parallel_trains_like_one_process(world):
         _check([r[0] for r in runs])
         for r in runs:  # Hugging Face's Qwen3-MoE tiny (fused 3-D experts, token-choice layout)
             assert r[1]["loss"] < TOL and r[1]["grad"] < TOL and r[1]["param"] < TOL, r[1]
+        _check([r[2] for r in runs])  # with activation checkpointing
         return
     runs = run(train_both, world, PLAN)
     for how in range(len(runs[0])):
