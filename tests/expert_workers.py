@@ -270,3 +270,47 @@ def train_two(rank: int, world: int, plan: str) -> list[dict]:
     routed MoE with `checkpoint layers.*` (the dispatch's all-to-alls run again in the recompute)."""
     return [train_equal(rank, world, plan), hf_train_equal(rank, world),
             train_equal(rank, world, plan + "checkpoint layers.*\n")]
+
+
+def dcp_optimizer(rank: int, world: int, folder: str) -> dict:
+    """One AdamW step at expert 2, model and optimizer saved by DCP (the experts' moments viewed
+    whole: `whole_optimizer_state`), loaded into plain FSDP (`set_state_dict`): the moments and
+    parameters equal one process's after the same step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from planc.backends.experts import whole_optimizer_state
+    from planc.zoo import routed_moe_tiny
+
+    tokens = _batches(1, world)[0]
+    torch.manual_seed(0)
+    ref = routed_moe_tiny()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _loss(ref, tokens).backward()
+    ref_opt.step()
+    want = {n: ref_opt.state[p]["exp_avg"] for n, p in ref.named_parameters()}
+
+    def step(model, applied):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        r, n = applied.data_parallel_rank()
+        _loss(model, tokens.chunk(n)[r]).backward()
+        opt.step()
+        return opt
+
+    ep_model, ep_applied = _model_with(PLAN, 0)
+    ep_opt = step(ep_model, ep_applied)
+    model_state, optim_state = get_state_dict(ep_model, ep_opt)
+    dcp.save({"model": model_state, "optim": whole_optimizer_state(ep_model, optim_state)},
+             checkpoint_id=f"{folder}/ep")
+    dense, dense_applied = _model_with(DENSE_PLAN, 1)
+    dense_opt = step(dense, dense_applied)  # its own state, overwritten by the load
+    before = {n: _full(dense_opt.state[p]["exp_avg"]) for n, p in dense.named_parameters()}
+    model_state, optim_state = get_state_dict(dense, dense_opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=f"{folder}/ep")
+    set_state_dict(dense, dense_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    got = {n: _full(dense_opt.state[p]["exp_avg"]) for n, p in dense.named_parameters()}
+    return {"moments": max((got[n] - want[n]).abs().max().item() for n in want),
+            "before": max((before[n] - want[n]).abs().max().item() for n in want),
+            "params": max((t - ref.state_dict()[n]).abs().max().item() for n, t in _whole(dense, dense_applied).items()),
+            "scale": max(v.abs().max().item() for v in want.values())}

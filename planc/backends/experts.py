@@ -47,7 +47,8 @@ from torch.distributed.tensor import DTensor
 from planc.lower.job import View
 from planc.resolve.experts import EFSDP, SORTED, layout
 
-__all__ = ["build_expert_mesh", "clip_grad_norm_", "dispatch_experts", "expert_mesh_of", "expert_placement_fn"]
+__all__ = ["build_expert_mesh", "clip_grad_norm_", "dispatch_experts", "expert_mesh_of", "expert_placement_fn",
+           "whole_optimizer_state"]
 
 
 def build_expert_mesh(view: View, device: str) -> DeviceMesh:
@@ -58,6 +59,7 @@ def build_expert_mesh(view: View, device: str) -> DeviceMesh:
 # The attribute a dispatched experts container carries: (its expert rank, the expert degree), so
 # that `planc.materialize(reproducible=True)` initialises all experts and keeps this rank's.
 EXPERT_SLICE = "_planc_expert_slice"
+WHOLE = "_planc_whole_experts"  # ... and the function that views its experts whole (`_whole`)
 
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -98,8 +100,8 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str) -> n
     `module` is replaced by its rank's slice `[E / expert, ...]` (on meta too: nothing is
     allocated); `module.forward(rows, offsets)` takes every rank's rows sorted by global expert
     and returns their outputs in the same order, as before. `module.state_dict()` gives the
-    experts whole-shaped (`_global_experts`), so a DCP checkpoint saved with expert parallelism
-    loads without it and back.
+    experts whole-shaped (`_whole`), so a DCP checkpoint saved with expert parallelism loads
+    without it and back (`whole_optimizer_state` does the same for the optimizer's moments).
     """
     mesh = expert_mesh[axis]
     group, ep, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
@@ -158,15 +160,23 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str) -> n
 
     module.forward = dispatched if kind == SORTED else token_choice
     setattr(module, EXPERT_SLICE, (rank, ep))
-    module.register_state_dict_post_hook(_global_experts(expert_mesh, axis, total))
+    whole = _whole(expert_mesh, axis, total)
+    setattr(module, WHOLE, whole)
+
+    def hook(module, state_dict, prefix, local_metadata):
+        for key in module._parameters:
+            if isinstance(state_dict.get(prefix + key), DTensor):
+                state_dict[prefix + key] = whole(state_dict[prefix + key])
+    module.register_state_dict_post_hook(hook)
     return module
 
 
-def _global_experts(expert_mesh: DeviceMesh, axis: str, total: int):
-    """A state-dict hook: each expert parameter (FSDP's DTensor of this rank's `[E / expert, ...]`
-    on the experts' FSDP mesh) as a DTensor of all `[E, ...]` experts sharing its local storage,
-    on the expert view with the expert axis moved before efsdp: `Shard(0)` over the experts, then
-    FSDP's own placement. DCP saves and loads (in place) through it as any sharded tensor."""
+def _whole(expert_mesh: DeviceMesh, axis: str, total: int):
+    """`whole(t)`: FSDP's DTensor of this rank's `[E / expert, ...]` experts (a parameter, or an
+    optimizer state shaped like it) as a DTensor of all `[E, ...]` experts sharing its local
+    storage, on the expert view with the expert axis moved before efsdp: `Shard(0)` over the
+    experts, then FSDP's own placement. DCP saves and loads (in place) through it as any
+    sharded tensor (`dispatch_experts`' state-dict hook, `whole_optimizer_state`)."""
     from torch.distributed.tensor import Replicate, Shard
 
     names = expert_mesh.mesh_dim_names
@@ -175,17 +185,29 @@ def _global_experts(expert_mesh: DeviceMesh, axis: str, total: int):
     view = DeviceMesh(expert_mesh.device_type, expert_mesh.mesh.permute(order), _init_backend=False,
                       mesh_dim_names=tuple(names[i] for i in order))
 
-    def hook(module, state_dict, prefix, local_metadata):
-        for key in module._parameters:
-            value = state_dict.get(prefix + key)
-            if not isinstance(value, DTensor):
-                continue
-            placements = (*[Replicate()] * (view.ndim - 2), Shard(0), value.placements[-1])
-            shape = (total, *value.shape[1:])
-            state_dict[prefix + key] = DTensor.from_local(value.to_local(), view, placements, run_check=False,
-                                                          shape=torch.Size(shape),
-                                                          stride=torch.empty(shape, device="meta").stride())
-    return hook
+    def whole(value: DTensor) -> DTensor:
+        placements = (*[Replicate()] * (view.ndim - 2), Shard(0), value.placements[-1])
+        shape = (total, *value.shape[1:])
+        return DTensor.from_local(value.to_local(), view, placements, run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
+    return whole
+
+
+def whole_optimizer_state(model: nn.Module, state: dict) -> dict:
+    """An optimizer state dict keyed by parameter names (`torch.distributed.checkpoint.state_dict.
+    get_state_dict`'s) with the moments of expert-parallel parameters whole-shaped (`_whole`), in
+    place, for `dcp.save` and an in-place `dcp.load` (then not `set_state_dict`: the optimizer's
+    own tensors were written through the views)."""
+    for path, module in model.named_modules():
+        whole = getattr(module, WHOLE, None)
+        if whole is None:
+            continue
+        for key, p in module._parameters.items():
+            moments = state.get("state", {}).get(f"{path}.{key}" if path else key, {})
+            for name, value in list(moments.items()):
+                if isinstance(value, DTensor) and value.shape == p.shape:
+                    moments[name] = whole(value)
+    return state
 
 
 def expert_placement_fn(experts: dict[nn.Parameter, int], expert_mesh: DeviceMesh, dense_mesh: DeviceMesh,
