@@ -14,7 +14,10 @@ rows sorted by expert, `offsets` the cumulative ends of each expert's group) kee
     outputs                    -> back to source order, all-to-all back to the sending rank
 
 as torchtitan 0.3.0's `AllToAllTokenDispatcher` does (the probe `ep_tt_probe.py` shows it
-equal to all experts run locally). The router and everything else stay dense.
+equal to all experts run locally). Hugging Face's fused 3-D experts (`forward(hidden,
+top_k_index, top_k_weights)`, Qwen3-MoE, Mixtral: `planc.resolve.experts.layout`) go the same
+way: each (token, expert) pair sorted by expert, run on its rank with weight 1, combined with
+the router's weights on the way back. The router and everything else stay dense.
 
 The experts are FSDP-sharded on the expert view's FSDP axes (`efsdp`, with replicate for
 HSDP) through `shard_placement_fn` returning torch 2.13's `ShardPlacementResult`: one
@@ -98,8 +101,8 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str) -> n
 
     `expert_mesh` is the expert view, `axis` its expert axis. Each 3-D parameter `[E, ...]` of
     `module` is replaced by its rank's slice `[E / expert, ...]` (on meta too: nothing is
-    allocated); `module.forward(rows, offsets)` takes every rank's rows sorted by global expert
-    and returns their outputs in the same order, as before. `module.state_dict()` gives the
+    allocated); its forward (either layout) takes this rank's tokens routed over all experts and
+    returns their outputs in the same order, as before. `module.state_dict()` gives the
     experts whole-shaped (`_whole`), so a DCP checkpoint saved with expert parallelism loads
     without it and back (`whole_optimizer_state` does the same for the optimizer's moments).
     """
