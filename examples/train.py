@@ -8,6 +8,7 @@ The same script runs on CPUs (gloo) and GPUs (nccl), under torchrun:
     torchrun --nproc_per_node=2 examples/train.py --plan plans/llama.plan --model hf:llama-tiny   # Hugging Face
     torchrun --nproc_per_node=4 examples/train.py --plan plans/zoo-llama-context.plan --model planc.zoo:llama_tiny
     torchrun --nproc_per_node=4 examples/train.py --plan plans/zoo-llama-pp.plan --model planc.zoo:llama_tiny
+    torchrun --nproc_per_node=4 examples/train.py --plan plans/routed-moe-ep.plan --model planc.zoo:routed_moe_tiny
 
 A plan with a tensor axis (FSDP x tensor parallelism) works the same: the ranks of one
 tensor-parallel group take the same slice of the batch, and the loss and its backward run in
@@ -175,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
                 with applied.loss_parallel():  # logits sharded on the vocabulary: loss and backward inside
                     loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
                     loss.backward()
-            norm = applied.clip_grad_norm_(args.max_norm) if pipelined else sync_and_clip(model, args.max_norm, world)
+            if pipelined or applied.expert_mesh is not None:  # stages or experts: torch's clipping refuses two meshes
+                norm = applied.clip_grad_norm_(args.max_norm)
+            else:
+                norm = sync_and_clip(model, args.max_norm, world)
             opt.step()
             opt.zero_grad(set_to_none=True)
             total = loss.detach()

@@ -104,7 +104,7 @@ class CompiledPlan:
         """
         if self.graph is None:
             raise ValueError("a plan is lowered against a model: compile it with one")
-        return lower_job(self.resolution, self.graph)
+        return lower_job(self.resolution, self.graph, self.world_size)
 
     @property
     def program(self) -> Program:

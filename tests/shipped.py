@@ -17,6 +17,8 @@ def not_estimated(path: pathlib.Path) -> str | None:
         return "context parallelism is not yet estimated (the estimators refuse AttendOverContext / ShardBatch)"
     if mesh.axis(Role.PIPELINE) is not None:
         return "pipeline plans are not yet estimated (P476: the estimators refuse a job of several parts)"
+    if mesh.axis(Role.EXPERT) is not None:
+        return "expert parallelism is not yet estimated (the estimators refuse DispatchExperts)"
     return None
 
 

@@ -250,6 +250,24 @@ async def test_hover_on_style_words_and_an_unestimated_context_plan(client):
     assert "torch's `ColwiseParallel`" in await hover(client, uri, tp, "colwise")
 
 
+EXPERT = """model planc.zoo:routed_moe_tiny
+mesh (shard = *, expert = 2)
+unit layers.*
+parallel layers.*.moe.experts expert
+expect memory.peak <= 1GiB at world = 2
+"""
+
+
+@ASYNC
+async def test_hover_on_the_expert_style_and_an_unestimated_expert_plan(client):
+    uri, diags = await open_doc(client, EXPERT)
+    assert [d.code for d in diags] == ["P489"]  # the memory bound is not estimated: a warning
+    style = await hover(client, uri, EXPERT, "expert\n")
+    assert style.startswith("**expert**: expert parallelism") and "(`expert = 2`)" in style
+    exp = await hover(client, uri, EXPERT, "memory.peak")
+    assert "not estimated: expert parallelism is not yet estimated" in exp
+
+
 @ASYNC
 async def test_hover_on_the_pipeline_and_stage_lines(client):
     text = ("model planc.zoo:llama_tiny\nmesh (pipeline = 2, shard = *)\npipeline 1F1B { microbatches 4 }\n"

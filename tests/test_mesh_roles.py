@@ -9,9 +9,12 @@ comes from the starred axis's row.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from planc import loads
+from planc.resolve import mesh as mesh_mod
 from planc.resolve.mesh import BUILT, ROLES, RULE, RULES, Mesh, Role, resolve_mesh
 
 
@@ -23,7 +26,7 @@ def _resolve(text: str):
 def test_table_order_and_words():
     assert [r.role for r in RULES] == [Role.PIPELINE, Role.REPLICATE, Role.SHARD, Role.CONTEXT, Role.TENSOR,
                                        Role.EXPERT]
-    assert BUILT == (Role.PIPELINE, Role.REPLICATE, Role.SHARD, Role.CONTEXT, Role.TENSOR)
+    assert BUILT == (Role.PIPELINE, Role.REPLICATE, Role.SHARD, Role.CONTEXT, Role.TENSOR, Role.EXPERT)
     for word, role in {"pp": "pipeline", "dp_replicate": "replicate", "fsdp": "shard", "dp_shard": "shard",
                        "cp": "context", "tp": "tensor", "ep": "expert"}.items():
         assert ROLES[word] == role
@@ -63,7 +66,9 @@ def test_dense_axes_and_borrowing_expert():
 
 
 @pytest.mark.parametrize("word,role", [("ep", "expert"), ("expert", "expert")])
-def test_unbuilt_roles_are_p408_at_the_axis(word, role):
+def test_unbuilt_roles_are_p408_at_the_axis(word, role, monkeypatch):
+    # every role is built now: the rule is shown on the expert row flipped back to unbuilt
+    monkeypatch.setattr(mesh_mod, "RULE", {**RULE, Role.EXPERT: dataclasses.replace(RULE[Role.EXPERT], built=False)})
     mesh, diags = _resolve(f"mesh (shard = *, {word} = 2)")
     (d,) = diags
     assert d.code == "P408" and role in d.label and f"`{word}`" in d.message

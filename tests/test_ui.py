@@ -39,8 +39,10 @@ WORLD = re.compile(r"#\s*world-size:\s*([0-9 ]+)")
 # and every case of them known is caught first by P420 / P418; tests/test_shapecheck.py
 # reaches them with `check_step(..., after_static=True)`. P425 / P426 come from `planc check
 # --verify` (real processes, tens of seconds a plan): tests/test_verify.py reaches both.
+# P408 (a mesh axis planc does not build) has no plan since every role is built (the expert
+# axis last); tests/test_mesh_roles.py reaches it with a row flipped back to unbuilt.
 # Every other code needs a golden here.
-OTHER_COMMANDS = ("P6", "P7", "P457", "P458", "P459", "P442", "P443", "P95", "P425", "P426")
+OTHER_COMMANDS = ("P6", "P7", "P457", "P458", "P459", "P442", "P443", "P95", "P425", "P426", "P408")
 
 
 def reachable_from_check(code: str) -> bool:

@@ -159,3 +159,24 @@ def test_context_kinds_are_run_by_runtime_and_emit_and_refused_by_the_estimators
         return
     with pytest.raises(UnknownKind, match="AttendOverContext|ShardBatch"):
         run()
+
+
+EXPERT_PLAN = ("model planc.zoo:routed_moe_tiny\nmesh (shard = *, expert = 2)\nunit layers.*\n"
+               "parallel layers.*.moe.experts expert\n")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_expert_kind_is_run_by_runtime_and_emit_and_refused_by_the_estimators(name):
+    """`DispatchExperts` (expert parallelism): the runtime and emit run it; every estimator refuses
+    it (the CLI says "expert parallelism is not yet estimated", P489 on `expect`/`--simulate`)."""
+    from planc.zoo import routed_moe_tiny
+
+    with torch.device("meta"):
+        model = routed_moe_tiny()
+    compiled = planc.compile(planc.loads(EXPERT_PLAN), model, WORLD)
+    run = _interpreters(compiled)[name]
+    if name in CONTEXT_READERS:
+        run()
+        return
+    with pytest.raises(UnknownKind, match="DispatchExperts"):
+        run()

@@ -41,9 +41,10 @@ def test_vocabulary_matches_the_grammar_keywords():
 
 def test_style_words_are_the_resolvers():
     from planc.resolve.context import CONTEXT_STYLE
+    from planc.resolve.experts import EXPERT_STYLE
     from planc.resolve.tensor import STYLE_KINDS
 
-    assert vocab.STYLES == (*STYLE_KINDS, CONTEXT_STYLE)
+    assert vocab.STYLES == (*STYLE_KINDS, CONTEXT_STYLE, EXPERT_STYLE)
     tokens = [(t, v) for t, v in lexer.PlanLexer().get_tokens("parallel layers.*.attention context\nunit context.x\n")]
     assert (Keyword.Pseudo, "context") in tokens and tokens.count((Keyword.Pseudo, "context")) == 1
 

@@ -361,3 +361,14 @@ def tp_net_odd_vocab() -> TPNet:
 def no_blocks_net() -> nn.Module:
     """A language model with no repeated block: nothing for `planc suggest` to search over (P951)."""
     return nn.Sequential(nn.Embedding(128, 8), nn.Linear(8, 128))
+
+
+def routed_moe_top6():
+    """The routed MoE tiny whose routers keep 6 experts of 4 (P486's golden; a model without
+    the config's own check, as a hand-built one may be)."""
+    from planc.zoo.routed import routed_moe_tiny
+
+    model = routed_moe_tiny()
+    for layer in model.layers:
+        layer.moe.router.top_k = 6
+    return model

@@ -56,9 +56,22 @@ _HEAD_ATTRS = (("query", ("num_attention_heads", "num_heads", "n_heads", "n_head
 
 
 def simulation_world(mesh) -> int:
-    """The world size to simulate a plan at when none is given: the fixed axes, with 2 for a `*` axis."""
-    fixed = math.prod(a.size for a in mesh.axes if a.size is not None)
-    return fixed * (2 if any(a.size is None for a in mesh.axes) else 1)
+    """The world size to simulate a plan at when none is given: the axes that multiply into the
+    world, fixed, with 2 for a `*` axis; with a fixed expert axis (it borrows its ranks), the `*`
+    axis is the smallest that leaves the experts' FSDP degree at 2."""
+    from planc.resolve.mesh import RULE, Role
+
+    axes = [a for a in mesh.axes if RULE[a.role].multiplies]
+    fixed = math.prod(a.size for a in axes if a.size is not None)
+    if not any(a.size is None for a in axes):
+        return fixed
+    star = 2
+    expert = mesh.axis(Role.EXPERT)
+    if expert is not None and expert.size is not None:
+        lent = math.prod(a.size for a in axes if a.role in RULE[Role.EXPERT].borrows and a.size is not None)
+        while (lent * star) % (2 * expert.size):
+            star += 1
+    return fixed * star
 
 
 def default_input_shape(tp: int) -> tuple[int, int]:

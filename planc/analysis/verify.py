@@ -198,10 +198,11 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def _train(model: nn.Module, data: list[torch.Tensor], steps_of, loss_context, microbatches: float,
-           reduce_loss, forward=None) -> dict[str, Any]:
+           reduce_loss, forward=None, full=None) -> dict[str, Any]:
     """STEPS AdamW steps; `steps_of(batch)` yields the microbatches (1-tuples) of a step, `forward(model,
-    tokens)` runs one and returns (output, labels)."""
+    tokens)` runs one and returns (output, labels); `full(name, tensor)` a parameter or gradient whole."""
     forward = forward or (lambda model, tokens: (_forward(model, tokens), tokens))
+    full = full or (lambda name, t: _full(t))
     from planc.estimate.trace import Example, default_loss
 
     loss_fn = default_loss(model)
@@ -219,11 +220,11 @@ def _train(model: nn.Module, data: list[torch.Tensor], steps_of, loss_context, m
                 value = loss_fn(output, Example((labels,))) / microbatches
                 value.backward()
             total += _full(value)
-        out["grads"].append({n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+        out["grads"].append({n: full(n, p.grad) for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad()
         out["losses"].append(reduce_loss(total))
-    out["params"] = {n: _full(p) for n, p in model.named_parameters()}
+    out["params"] = {n: full(n, p) for n, p in model.named_parameters()}
     return out
 
 
@@ -314,8 +315,31 @@ def _rank(rank: int, world: int, spec: dict) -> dict | None:
         return model(batch.tokens, positions=batch.positions), batch.labels
 
     out = _train(model, data, applied.accumulate, applied.loss_parallel, applied.microbatches / scale,
-                 lambda total: reduce_loss(total / scale), forward)
+                 lambda total: reduce_loss(total / scale), forward, _whole_experts(applied))
     return out if rank == 0 else None
+
+
+def _whole_experts(applied):
+    """`full(name, tensor)` for `_train`: an expert-parallel parameter (each expert rank holds its
+    experts' slice) gathered over the expert axis into all experts; every other one `_full`."""
+    import torch.distributed as dist
+
+    from planc.lower.program import DispatchExperts
+
+    ops = applied.compiled.job.program.of_type(DispatchExperts)
+    if not ops:
+        return None
+    names = {p for op in ops for p in op.params}
+    group = applied.expert_mesh[ops[0].axis].get_group()
+
+    def full(name: str, t: torch.Tensor) -> torch.Tensor:
+        mine = _full(t)
+        if name not in names:
+            return mine
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, mine.contiguous(), group=group)
+        return torch.cat(parts)
+    return full
 
 
 def _loss_scale(compiled, dp: int) -> float:

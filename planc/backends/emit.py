@@ -30,6 +30,7 @@ from planc.lower.program import (
     AttendOverContext,
     Checkpoint,
     Compile,
+    DispatchExperts,
     FullyShard,
     Layout,
     Offload,
@@ -39,6 +40,7 @@ from planc.lower.program import (
     TensorStyle,
     UnitMethod,
 )
+from planc.resolve.experts import EFSDP
 from planc.resolve.ir import Setting
 from planc.resolve.mesh import Role
 from planc.resolve.styles import ROWS, STYLES
@@ -121,7 +123,7 @@ class _Unit:
     def __init__(self, op: FullyShard, mesh: str = "mesh"):
         self.op = op
         policy = op.policy
-        self.param_paths = [n for n, _ in op.placements] + list(op.ignored)
+        self.param_paths = [n for n, _ in op.placements] + [n for n, _ in op.experts] + list(op.ignored)
         self.mp_policy = _precision(policy.precision) if policy.precision.changed() else None
         # (kwarg, source or a param-list marker); None values are FSDP2's defaults
         self.args: list[tuple[str, Any]] = [
@@ -130,7 +132,8 @@ class _Unit:
              else repr(policy.reshard_argument)),
             ("mp_policy", self.mp_policy),
             ("offload_policy", _offload(policy.offload)),
-            ("shard_placement_fn", ("placements", op.placements) if op.placements else None),
+            ("shard_placement_fn", ("experts", op) if op.experts else
+             ("placements", op.placements) if op.placements else None),
             ("ignored_params", ("ignored", op.ignored) if op.ignored else None),
         ]
 
@@ -143,6 +146,11 @@ class _Unit:
                 kind, items = value
                 if kind == "placements":
                     value = "placement_fn({" + ", ".join(f"{expr(n)}: {d}" for n, d in items) + "})"
+                elif kind == "experts":  # a per-parameter mesh: the experts on the expert view's FSDP axes
+                    value = ("expert_placement_fn({" + ", ".join(f"{expr(n)}: {d}" for n, d in items.experts)
+                             + f"}}, expert_fsdp_mesh, {self.args[0][1]}"
+                             + (", {" + ", ".join(f"{expr(n)}: {d}" for n, d in items.placements) + "})"
+                                if items.placements else ")"))
                 else:
                     value = "{" + ", ".join(expr(n) for n in items) + "}"
             out.append(f"{key}={hoisted.get(value, value)}")
@@ -562,6 +570,8 @@ def _body(compiled: CompiledPlan, program, model) -> list[str]:
             body += _emit_calls([_Call((op.module,), lambda e, op=op: f"attend_over_context({e(op.module)}, "
                                        f"{meshes.name((op.axis,))}.get_group())",
                                        (_where(op.origin.span, op.origin.rule),)) for op in ops], model, ind)
+        elif kind is DispatchExperts:
+            body += _experts_section(program, ops, model, ind)
         elif kind is Checkpoint:
             body += _emit_calls([_Call((op.module,), lambda e, op=op: f"checkpoint({e(op.module)}"
                                        + (", context_fn=selective_checkpoint_context)" if op.mode == "selective" else ")"),
@@ -586,6 +596,22 @@ def _body(compiled: CompiledPlan, program, model) -> list[str]:
                                        + ", ".join(_literal(a) for a in op.args) + ")",
                                        (_where(op.origin.span, op.origin.rule),)) for op in ops], model, ind)
     return body + [f"{ind}return model"]
+
+
+def _experts_section(program, ops, model, ind: str) -> list[str]:
+    """The expert view as a mesh of the same ranks, and each experts container dispatched on it."""
+    view = tuple(a.name for a in program.mesh.device_axes if a.role is Role.REPLICATE)
+    names = view + (EFSDP, ops[0].axis)
+    expert = program.mesh.axis(Role.EXPERT).size
+    fsdp = next((u.expert_axes for u in program.units if u.expert_axes), (EFSDP,))
+    fsdp_index = repr(fsdp[0]) if len(fsdp) == 1 else repr(fsdp)
+    lines = ["", f"{ind}# expert parallelism: the expert view of the same ranks, {' x '.join(names)}; each expert rank",
+             f"{ind}# keeps experts / {expert} whole experts, their rows arrive and leave by all-to-all",
+             f"{ind}expert_mesh = expert_mesh_of(mesh, {expert}, {names!r})",
+             f"{ind}expert_fsdp_mesh = expert_mesh[{fsdp_index}]"]
+    return lines + _emit_calls([_Call((op.module,), lambda e, op=op: f"dispatch_experts({e(op.module)}, "
+                                      f"expert_mesh, {op.axis!r})", (_where(op.origin.span, op.origin.rule),))
+                                for op in ops], model, ind)
 
 
 def _fully_shard_section(ops, units: list["_Unit"], model, ind: str, after_code: bool) -> list[str]:
@@ -640,6 +666,8 @@ def _module_text(program, body: list[str], plan_path: str, model_ref: str, shard
         imports.append("from planc.backends.context import " + ", ".join(
             (["attend_over_context"] if program.of_type(AttendOverContext) else [])
             + (["shard", "shard_positions"] if shard_batch else [])))
+    if program.of_type(DispatchExperts):
+        imports.append("from planc.backends.experts import dispatch_experts, expert_mesh_of, expert_placement_fn")
     selective = "context_fn=selective_checkpoint_context" in uses
     if selective:
         imports.append("from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts")
@@ -691,7 +719,7 @@ def shard_batch(tokens, labels, mesh):
 '''
 
 
-_PRINTABLE = (Parallelize, AttendOverContext, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod)
+_PRINTABLE = (Parallelize, AttendOverContext, DispatchExperts, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod)
 # What emit prints: every op as `apply_plan`'s calls; the step (forward, backward, the loss in
 # `loss_parallel()`) is the user's training loop, as with `planc.apply`; several microbatches
 # per step add `accumulate(model, *batch)`, as `AppliedPlan.accumulate`; `ShardBatch` a

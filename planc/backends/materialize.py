@@ -172,6 +172,10 @@ def _at_full_size(module: nn.Module, reset: Callable[[], None], done: set[int]) 
     parent's init that sets only some of its children's sees the others as they are."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    from planc.backends.experts import EXPERT_SLICE
+
+    # an expert-parallel experts container holds its rank's experts: initialise all, keep those
+    rank, ep = getattr(module, EXPERT_SLICE, (0, 1))
     fulls: dict[int, nn.Parameter] = {}
     swapped: list[tuple[nn.Module, str, DTensor]] = []
     for m in module.modules():  # a leaf: itself only
@@ -179,7 +183,8 @@ def _at_full_size(module: nn.Module, reset: Callable[[], None], done: set[int]) 
             if not isinstance(p, DTensor):
                 continue
             if id(p) not in fulls:
-                value = p.full_tensor() if id(p) in done else torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+                shape = (p.shape[0] * ep, *p.shape[1:]) if m is module else p.shape
+                value = p.full_tensor() if id(p) in done else torch.empty(shape, dtype=p.dtype, device=p.to_local().device)
                 fulls[id(p)] = nn.Parameter(value.detach().clone(), requires_grad=p.requires_grad)
             m._parameters[key] = fulls[id(p)]
             swapped.append((m, key, p))
@@ -191,6 +196,8 @@ def _at_full_size(module: nn.Module, reset: Callable[[], None], done: set[int]) 
     for _, _, p in swapped:
         full = fulls.pop(id(p), None)
         if full is not None:  # tied: the first registration copies
+            if full.shape != p.shape:  # all the experts: this expert rank's
+                full = full[rank * p.shape[0]:(rank + 1) * p.shape[0]]
             local = distribute_tensor(full.detach(), p.device_mesh, p.placements, src_data_rank=None).to_local()
             p.to_local().copy_(local)
 

@@ -37,18 +37,19 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from planc.backends import context
+from planc.backends import context, experts
 from planc.compiler import CompiledPlan, as_plan
 from planc.compiler import compile as compile_plan
 from planc.diagnostics import Diagnostic, PlanError, Span, sort_diagnostics
 from planc.lang import syntax as st
 from planc.lower.checkpointing import context_fn
-from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, ShardBatch, UnknownKind
+from planc.lower.job import EXPERT, FORWARD, FULL_BACKWARD, LossParallel, Reader, ShardBatch, UnknownKind
 from planc.lower.lowering import tensor_reties
 from planc.lower.program import (
     AttendOverContext,
     Checkpoint,
     Compile,
+    DispatchExperts,
     FullyShard,
     Layout,
     Parallelize,
@@ -147,7 +148,8 @@ def unit_modules(op: FullyShard | Unit, model: nn.Module) -> list[nn.Module]:
     return [model.get_submodule(path) for path in op.modules]
 
 
-def fully_shard_kwargs(op: FullyShard, model: nn.Module, mesh: DeviceMesh) -> dict[str, Any]:
+def fully_shard_kwargs(op: FullyShard, model: nn.Module, mesh: DeviceMesh,
+                       expert_mesh: DeviceMesh | None = None) -> dict[str, Any]:
     """The exact keyword arguments of `fully_shard` for one `FullyShard` op of the program.
 
     Call `fully_shard(unit_modules(op, model) or its single module, **kwargs)`, before
@@ -163,6 +165,10 @@ def fully_shard_kwargs(op: FullyShard, model: nn.Module, mesh: DeviceMesh) -> di
     * `shard_placement_fn`: `Shard(dim)` for the placed parameters, None for the rest; None
       when none is placed.
     * `ignored_params`: the `ignore`d parameters in the unit's subtrees, or None.
+
+    A unit with expert-parallel experts (`op.experts`) gets a `shard_placement_fn` returning a
+    `ShardPlacementResult` for every parameter: the experts on `expert_mesh` (the expert view's
+    FSDP axes), the rest on `mesh` (`planc.backends.experts.expert_placement_fn`).
     """
     policy = op.policy
     placed = {id(model.get_parameter(name)): dim for name, dim in op.placements}
@@ -176,6 +182,10 @@ def fully_shard_kwargs(op: FullyShard, model: nn.Module, mesh: DeviceMesh) -> di
         offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=policy.offload.pin_memory and mesh.device_type != "cpu")
     else:
         offload = OffloadPolicy()
+    placement_fn = shard_placement_fn if placed else None
+    if op.experts and expert_mesh is not None:
+        placement_fn = experts.expert_placement_fn({model.get_parameter(n): d for n, d in op.experts}, expert_mesh,
+                                                   mesh, {model.get_parameter(n): d for n, d in op.placements})
     p = policy.precision
     return {
         "mesh": mesh,
@@ -183,7 +193,7 @@ def fully_shard_kwargs(op: FullyShard, model: nn.Module, mesh: DeviceMesh) -> di
         "mp_policy": MixedPrecisionPolicy(param_dtype=p.param_dtype, reduce_dtype=p.reduce_dtype,
                                           output_dtype=p.output_dtype, cast_forward_inputs=p.cast_forward_inputs),
         "offload_policy": offload,
-        "shard_placement_fn": shard_placement_fn if placed else None,
+        "shard_placement_fn": placement_fn,
         "ignored_params": ignored or None,
     }
 
@@ -227,6 +237,15 @@ class AppliedPlan:
     model: nn.Module
     units: list[AppliedUnit] = field(default_factory=list)
     unit_of_module: dict[str, Unit] = field(default_factory=dict)
+    expert_mesh: DeviceMesh | None = None  # the expert view (`efsdp`, `expert`), with expert parallelism
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`, which torch 2.13 refuses
+        when experts live on their own mesh: then planc's recipe (`planc.backends.experts`)."""
+        if self.expert_mesh is None:
+            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        axis = self.compiled.job.view(EXPERT).axes[-1].name
+        return experts.clip_grad_norm_(self.model.parameters(), max_norm, self.expert_mesh[axis])
 
     def loss_parallel(self):
         """The context the loss and its backward run in: torch's `loss_parallel()` when the plan
@@ -357,7 +376,10 @@ class AppliedPlan:
     def summary(self) -> str:
         """A short human text: mesh, units, parameters and bytes held on this rank."""
         rank = dist.get_rank() if dist.is_initialized() else 0
-        total = sum(p.numel() for p in self.model.parameters())  # tied parameters come once
+        ep = 1 if self.expert_mesh is None else self.expert_mesh[self.compiled.job.view(EXPERT).axes[-1].name].size()
+        experts_ = {n for op in self.compiled.job.program.of_type(DispatchExperts) for n in op.params}
+        # tied parameters come once; an expert-parallel parameter holds 1 / expert of the experts
+        total = sum(p.numel() * (ep if n in experts_ else 1) for n, p in self.model.named_parameters())
         lines = [f"planc: {self.compiled.plan.file}: {len(self.units)} units on mesh "
                  f"{dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape))} ({self.mesh.device_type}); "
                  f"{_count(total)} parameters, rank {rank} holds {_bytes(self.local_param_bytes())}"]
@@ -367,6 +389,10 @@ class AppliedPlan:
             numel = sum(self.model.get_parameter(n).numel() for n in u.params)
             lines.append(f"  {u.name:<{width}}  {_count(numel):>7} params  {_bytes(self.unit_local_bytes(u)):>10}/rank  "
                          f"{_describe(applied.op.policy)}")
+        if self.expert_mesh is not None:
+            lines.append(f"  experts: {len(experts_)} parameters on the expert mesh "
+                         f"{dict(zip(self.expert_mesh.mesh_dim_names or (), self.expert_mesh.shape))}, each rank "
+                         f"holding 1/{ep} of the experts; clip with `applied.clip_grad_norm_(max_norm)`")
         if self.compiled.job.step_op(ShardBatch):
             lines.append("  context axis: cut each batch with `applied.shard_batch(tokens, labels)` and pass "
                          "`positions=` to the model")
@@ -634,7 +660,8 @@ def _retie(model: nn.Module, reties: list[tuple[str, str]]) -> None:
 # `AppliedPlan.loss_parallel()` for the `LossParallel` step op).
 # `ShardBatch`: the loop's `AppliedPlan.shard_batch`.
 READER = Reader("the runtime (planc.apply)",
-                (Parallelize, AttendOverContext, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod),
+                (Parallelize, AttendOverContext, DispatchExperts, Checkpoint, Compile, FullyShard, SetPrefetch,
+                 UnitMethod),
                 (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 
@@ -678,16 +705,23 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
         parallelize_module(model.get_submodule(op.module), submesh((op.axis,)), styles[op.style])
     if tp:
         _retie(model, tensor_reties(program, compiled.graph))
-    calls = {id(op): (unit_modules(op, model), fully_shard_kwargs(op, model, submesh(op.axes)))
+    # expert parallelism next: it replaces the experts' parameters with their rank's slices
+    expert_mesh = (experts.build_expert_mesh(compiled.job.view(EXPERT), mesh.device_type)
+                   if program.of_type(DispatchExperts) else None)
+    for op in program.of_type(DispatchExperts):
+        experts.dispatch_experts(model.get_submodule(op.module), expert_mesh, op.axis)
+    expert_axes = next((u.expert_axes for u in program.units if u.expert_axes), ())
+    expert_fsdp = _submesh(expert_mesh, expert_axes) if expert_mesh is not None and expert_axes else None
+    calls = {id(op): (unit_modules(op, model), fully_shard_kwargs(op, model, submesh(op.axes), expert_fsdp))
              for op in program.units}
-    applied = AppliedPlan(compiled=compiled, mesh=mesh, model=model)
+    applied = AppliedPlan(compiled=compiled, mesh=mesh, model=model, expert_mesh=expert_mesh)
     handles: dict[str, FSDPModule] = {}
     for op in program.ops:
         # NOTE: the program's order is the order that works (torchtitan's): checkpointing
         # and compile wrap the plain modules first, `fully_shard` then hooks around them,
         # bottom-up (a call owns the parameters of its subtree not claimed by an earlier
         # call on a descendant); prefetch lists and unit methods need every unit sharded.
-        if isinstance(op, Parallelize):
+        if isinstance(op, (Parallelize, DispatchExperts)):
             continue  # done above
         if isinstance(op, AttendOverContext):
             context.attend_over_context(model.get_submodule(op.module), submesh((op.axis,)).get_group())

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from planc.checks.context import Context, err
+from planc.checks.experts import not_estimated as experts_not_estimated
 from planc.checks.mesh import too_many_ranks
 from planc.diagnostics import Diagnostic, suggestion
 from planc.lang import syntax as st
@@ -137,6 +138,9 @@ def _expect_memory(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
         yield err("P497", f"`expect {s.metric}` was not checked: context parallelism is not yet estimated", s.span,
                   "not estimated", (f"the memory model does not model the context axis (`{context}`) yet; check this "
                                     "bound on a real run",), severity="warning")
+        return
+    if ctx.res.experts:  # the estimators refuse `DispatchExperts` (planc/lower/job.py: Reader)
+        yield experts_not_estimated(ctx.res, f"`expect {s.metric}` was not checked", s.span)
         return
     world = s.world or ctx.world_size
     if world is None:

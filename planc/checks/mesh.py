@@ -11,6 +11,7 @@ from planc.checks.context import Context, by_key, err, listed
 from planc.diagnostics import Diagnostic
 from planc.lang import syntax as st
 from planc.limits import MAX_RANKS
+from planc.resolve.mesh import RULE
 
 
 def too_many_ranks(n: int, span, what: str) -> Diagnostic:
@@ -51,7 +52,7 @@ def check_mesh(ctx: Context) -> Iterator[Diagnostic]:
     mesh, world = ctx.res.mesh, ctx.world_size
     if world is None or mesh.span is None:
         return
-    sizes = [a.size for a in mesh.axes]
+    sizes = [a.size for a in mesh.axes if RULE[a.role].multiplies]  # the expert axis borrows its ranks
     fixed = math.prod(n for n in sizes if n is not None)
     if None not in sizes and fixed != world:
         yield err("P401", f"mesh {mesh} has {fixed} ranks, but the world size is {world}", mesh.span,

@@ -5,7 +5,7 @@ pattern); each entry declares the inputs it needs (`planc/checks/context.py`), a
 `validate` runs exactly those the compile can feed: without a model only the mesh and the
 `expect` lines read alone are checked. Each check reads a `Context` and never mutates it, so
 each can be tested alone. The checks live by family: `structure`, `precision`, `mesh`,
-`rules`, `tensor` (tensor parallelism), `context_parallel`, `pipeline`, `expect`.
+`rules`, `tensor` (tensor parallelism), `context_parallel`, `pipeline`, `experts`, `expect`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,12 @@ from planc.checks.context_parallel import (
     check_context_unused,
 )
 from planc.checks.expect import METRICS, check_expects, check_memory_expects, check_metric_lines, metric_problems
+from planc.checks.experts import (
+    check_expert_mesh,
+    check_expert_modules,
+    check_expert_placements,
+    check_expert_unused,
+)
 from planc.checks.mesh import check_mesh, check_placements, check_rank_limits, check_reshard_size
 from planc.checks.pipeline import (
     check_pipeline_batch,
@@ -96,6 +102,10 @@ CHECKS: tuple[Check, ...] = (
     Check(check_pipeline_reshard),
     Check(check_pipeline_microbatches),
     Check(check_pipeline_batch),
+    Check(check_expert_mesh),
+    Check(check_expert_unused, _MODEL),
+    Check(check_expert_modules, _MODEL),
+    Check(check_expert_placements, _MODEL),
     Check(check_root_reshard, _MODEL),
     Check(check_shadowed, _MODEL),
     Check(check_metric_lines, about_expectations=True),

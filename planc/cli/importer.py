@@ -1,4 +1,4 @@
-"""`planc import`: an accelerate FSDP config and/or a Hugging Face tensor-parallel plan translated into a plan."""
+"""`planc import`: an accelerate FSDP config and/or Hugging Face tensor- and expert-parallel plans translated into a plan."""
 
 from __future__ import annotations
 
@@ -15,9 +15,14 @@ from planc.model.graph import ModelGraph
 
 
 def main(args) -> int:
-    """`planc import [CONFIG] [--model M] [--hf-tp-plan [--tensor N]] [-o OUT]`: print or write the plan; exit 1 on errors."""
-    if not args.config and not args.hf_tp_plan:
-        print("planc: error: give an accelerate config, `--hf-tp-plan`, or both", file=sys.stderr)
+    """`planc import [CONFIG] [--model M] [--hf-tp-plan [--tensor N]] [--hf-ep-plan [--expert N]] [-o OUT]`: print or
+    write the plan; exit 1 on errors."""
+    hf_ep = getattr(args, "hf_ep_plan", False)
+    if not args.config and not args.hf_tp_plan and not hf_ep:
+        print("planc: error: give an accelerate config, `--hf-tp-plan`, `--hf-ep-plan`, or some of them", file=sys.stderr)
+        return EXIT_USAGE
+    if hf_ep and not args.model:
+        print("planc: error: `--hf-ep-plan` reads the plan of the model `--model` names", file=sys.stderr)
         return EXIT_USAGE
     if args.hf_tp_plan and not args.model:
         print("planc: error: `--hf-tp-plan` reads the plan of the model `--model` names (e.g. --model hf:llama-tiny)",
@@ -58,6 +63,12 @@ def main(args) -> int:
     if args.hf_tp_plan and (text is not None or source is None):
         text, more = with_tensor_plan(text, graph, args.model, args.tensor, name)
         diags = diags + more
+    if hf_ep and not any(d.is_error for d in diags):
+        text = with_expert_plan(text, graph, args.model, getattr(args, "expert", 2), name)
+        if text is None:
+            print(f"planc: error: `{args.model}` has no Hugging Face expert-parallel plan (config.base_model_ep_plan)",
+                  file=sys.stderr)
+            return EXIT_ERRORS
     if graph is not None and text is not None and not any(d.is_error for d in diags):
         # Check the written plan against the model now: an FSDP1 wrapping can be invalid
         # under FSDP2 (a tied weight split across units, P301), and the user should hear it
@@ -134,3 +145,28 @@ def with_tensor_plan(text: str | None, graph: ModelGraph, model_ref: str, tensor
                                 help=("planc ties them again after `parallelize_module` when the owners place them "
                                       "alike; `planc check` reports owners placed differently (P421)",)))
     return text, diags
+
+
+def with_expert_plan(text: str | None, graph: ModelGraph, model_ref: str, expert: int, name: str) -> str | None:
+    """`text` (an imported plan, or None for a new one) with the model's Hugging Face expert-parallel
+    plan (`planc/importers/hf_ep.py`) and an expert axis; None when the model has no such plan."""
+    from planc.importers.hf_ep import expert_statements
+    from planc.lang.fmt import format_plan
+
+    found = expert_statements(graph.model)
+    if found is None:
+        return None
+    lines, skipped = found
+    header = ["# Expert parallelism: the Hugging Face plan of `" + model_ref + "` (`base_model_ep_plan`), imported by",
+              "# `planc import --hf-ep-plan`."]
+    if text is None:
+        no_split = sorted(getattr(graph.model, "_no_split_modules", None) or [])
+        text = "\n".join([f"# Imported by `planc import --hf-ep-plan --model {model_ref}`.", f"model {model_ref}", "",
+                          f"mesh (shard = *, expert = {expert})", ""]
+                         + (["unit ** : " + " | ".join(no_split), ""] if no_split else [])) + "\n"
+    else:
+        text, count = re.subn(r"(?m)^(mesh \(.*)\)$", rf"\1, expert = {expert})", text, count=1)
+        if not count:
+            text = text + f"\nmesh (shard = *, expert = {expert})\n"
+    text = text.rstrip("\n") + "\n\n" + "\n".join(header + skipped + lines) + "\n"
+    return format_plan(text, name)

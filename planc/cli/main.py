@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--hf-tp-plan", action="store_true",
                    help="add the tensor-parallel plan transformers ships with --model (base_model_tp_plan)")
     i.add_argument("--tensor", type=int, default=2, metavar="N", help="ranks on the tensor axis (default 2)")
+    i.add_argument("--hf-ep-plan", action="store_true",
+                   help="add the expert-parallel plan transformers ships with --model (base_model_ep_plan)")
+    i.add_argument("--expert", type=int, default=2, metavar="N", help="ranks on the expert axis (default 2)")
     i.add_argument("-o", "--output", help="write the plan here (default: stdout)")
     i.set_defaults(func=importer.main)
 
@@ -139,6 +142,9 @@ def _unhandled(err: UnknownKind) -> str:
     rule = f" (`{origin.rule}`)" if origin is not None and origin.rule != "default" else ""
     if type(err.what).__name__ in ("AttendOverContext", "ShardBatch"):
         return (f"{where}context parallelism is not yet estimated{rule}: {err.interpreter} does not model it; "
+                "`planc check`, `planc emit` and `planc.apply` handle it")
+    if type(err.what).__name__ == "DispatchExperts":
+        return (f"{where}expert parallelism is not yet estimated{rule}: {err.interpreter} does not model it; "
                 "`planc check`, `planc emit` and `planc.apply` handle it")
     if isinstance(err.what, Action):  # a pipeline schedule's action (its REDUCE_GRAD, split backward, ...)
         return f"{err}: pipeline plans are not yet handled by {err.interpreter} (`planc check` and `planc explain` are)"

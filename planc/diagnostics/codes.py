@@ -387,6 +387,44 @@ CODES: dict[str, Code] = {
                  "model.layers.* full`"),
     "P478": Code("split has no effect", "`split` says what the automatic split balances; with `stage` lines "
                  "there is no automatic split. Remove one or the other.", "warning"),
+    # --- expert parallelism (P48x; planc/resolve/experts.py, planc/checks/experts.py)
+    "P480": Code("expert style without an expert axis", "`parallel SELECTOR expert` keeps whole experts on the "
+                 "ranks of the mesh's expert axis, and the mesh has none. Add one (it borrows its ranks from shard x "
+                 "context x tensor).\n\n    mesh (shard = *, expert = 2)\n    parallel layers.*.moe.experts expert"),
+    "P481": Code("the expert style takes no options", "The `expert` style has one behaviour: each expert rank keeps "
+                 "experts / expert whole experts and the rows routed to them arrive and leave by all-to-all. Remove "
+                 "the block.\n\n    parallel layers.*.moe.experts expert { capacity 1.25 }   # error"),
+    "P482": Code("experts do not split evenly", "Every rank of the expert axis keeps the same "
+                 "number of whole experts, so every MoE layer's expert count must divide by the expert size. When "
+                 "efsdp x expert exceeds the expert count, FSDP shards the experts on dim 1 (torchtitan's rule), "
+                 "which torch 2.13 needs even: dim 1 must divide by efsdp.\n\n"
+                 "    mesh (shard = *, expert = 3)   # error with 4 experts"),
+    "P483": Code("expert degree does not divide the ranks it borrows", "The expert axis borrows its ranks from "
+                 "shard x context x tensor (torchtitan's rule); the experts are FSDP-sharded over the rest, "
+                 "shard x context x tensor / expert ranks. The expert size must divide shard x context x tensor.\n\n"
+                 "    mesh (shard = 4, expert = 3)   # error: 3 does not divide 4"),
+    "P484": Code("expert style on a module that is not an experts container", "The `expert` style slices a module's "
+                 "3-D weights [experts, ...] by expert and wraps its forward, which takes the rows sorted by expert and "
+                 "each expert's cumulative end (`planc.zoo.routed.RoutedExperts`). A module of another layout (one "
+                 "module per expert, a router, a whole MoE layer) is refused; the message names the known layouts."
+                 "\n\n    parallel layers.*.moe expert   # error: select layers.*.moe.experts"),
+    "P485": Code("experts or router placed another way", "Expert parallelism places the experts' parameters (whole "
+                 "experts per expert rank, FSDP on the expert mesh) and leaves the router replicated, so every rank "
+                 "routes its own tokens with the same weights. An `ignore` or `place` line on the experts' parameters, "
+                 "or a tensor-parallel style on the experts or their router, contradicts that; remove it."),
+    "P486": Code("top-k larger than the expert count", "The router keeps top_k experts per token; a model whose "
+                 "top_k exceeds its expert count cannot route (torch.topk raises at the first step)."),
+    "P487": Code("expert parallelism with a tensor, pipeline or context axis", "The expert axis may borrow "
+                 "tensor ranks in torchtitan, "
+                 "which first splits the tokens of a tensor group; planc dispatches each rank's own tokens, and the "
+                 "ranks of one tensor group hold the same ones. Not built yet: remove the tensor axis or the `expert` "
+                 "style. With a context axis it is not tested yet (no model here has a context-parallel attention "
+                 "and routed experts) and refused the same way; with a pipeline axis too."),
+    "P488": Code("expert axis without an expert style", "The mesh has an expert axis but no module is "
+                 "expert-parallel: the axis does nothing. Mark the experts containers, or remove the axis.", "warning"),
+    "P489": Code("expert parallelism is not yet estimated", "planc's memory and step-time models do not model "
+                 "expert parallelism yet (the dispatch buffers, the all-to-all, the experts' own mesh); an `expect "
+                 "memory...` line or `--simulate` of a plan with expert-parallel experts is not checked.", "warning"),
     # --- context parallelism (P49x; planc/resolve/context.py, planc/checks/context_parallel.py)
     "P490": Code("context style without a context axis", "`parallel SELECTOR context` makes attention gather keys "
                  "and values over the mesh's context axis, and the mesh has none. Add one.\n\n"

@@ -39,9 +39,11 @@ BOOLS = ("true", "false", "yes", "no", "on", "off")
 FSDP1_WORDS = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
 # The style words of a `parallel` statement: torch's tensor-parallel styles
-# (`planc.resolve.tensor.STYLE_KINDS`) and `context` (`planc.resolve.context.CONTEXT_STYLE`:
-# attention gathers keys and values over the context axis).
-STYLES = ("colwise", "rowwise", "sequence", "replicate", "prepare_input", "prepare_output", "prepare", "context")
+# (`planc.resolve.tensor.STYLE_KINDS`), `context` (`planc.resolve.context.CONTEXT_STYLE`:
+# attention gathers keys and values over the context axis) and `expert`
+# (`planc.resolve.experts.EXPERT_STYLE`: whole experts per rank, tokens moved by all-to-all).
+STYLES = ("colwise", "rowwise", "sequence", "replicate", "prepare_input", "prepare_output", "prepare", "context",
+          "expert")
 # What a style word ends at: a block, another statement, a comment or the end of the line.
 STYLE_END = r"(?=[ \t]*(\{|;|#|\r?\n|$))"
 

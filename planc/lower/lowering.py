@@ -22,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 
 from planc.lower import schedules
-from planc.lower.job import DENSE, Job, LossParallel, Part, ShardBatch, View, step_schedule
+from planc.lower.job import DENSE, EXPERT, Job, LossParallel, Part, ShardBatch, View, step_schedule
 from planc.lower.pipeline import pipeline_job
 from planc.lower.program import (
     AttendOverContext,
     Checkpoint,
     Compile,
+    DispatchExperts,
     FullyShard,
     Offload,
     Op,
@@ -40,8 +41,9 @@ from planc.lower.program import (
 )
 from planc.model.graph import ModelGraph
 from planc.resolve.context import BALANCE, BATCH_TENSORS
+from planc.resolve.experts import EFSDP, expert_degrees
 from planc.resolve.ir import Resolution, Setting, Unit
-from planc.resolve.mesh import Role
+from planc.resolve.mesh import Axis, Role
 from planc.resolve.styles import ROWS, STYLES, SUBTREE
 
 # Unit settings applied by calling an `FSDPModule` method after sharding: setting -> method.
@@ -69,17 +71,21 @@ def policy_of(unit: Unit, pipelined: bool = False) -> Policy:
     )
 
 
-def _fully_shard(unit: Unit, res: Resolution, graph: ModelGraph, axes: tuple[str, ...]) -> FullyShard:
+def _fully_shard(unit: Unit, res: Resolution, graph: ModelGraph, axes: tuple[str, ...],
+                 experts: dict[str, int] | None = None, expert_axes: tuple[str, ...] = ()) -> FullyShard:
     subtree: set[str] = set()
     for path in unit.modules:
         subtree |= graph.subtree_params(path)
     # FSDP2 asks `shard_placement_fn` only about the parameters the call manages
-    placements = tuple((n, res.placements[n][0]) for n in unit.params if n in res.placements)
+    experts = experts or {}
+    placements = tuple((n, res.placements[n][0]) for n in unit.params if n in res.placements and n not in experts)
     ignored = tuple(sorted(n for n in res.ignored if n in subtree))
     return FullyShard(
         name=unit.name, modules=unit.modules, is_root=unit.is_root, axes=axes,
         policy=policy_of(unit, res.pipeline is not None),
         params=unit.params, placements=placements, ignored=ignored, rule=unit.rule, span=unit.span,
+        experts=tuple((n, experts[n]) for n in unit.params if n in experts),
+        expert_axes=expert_axes if any(n in experts for n in unit.params) else (),
         placement_spans={n: res.placements[n][1] for n, _ in placements},
         ignored_spans={n: res.ignored[n] for n in ignored})
 
@@ -134,7 +140,48 @@ def tensor_reties(program: Program, graph: ModelGraph) -> list[tuple[str, str]]:
     return out
 
 
-def lower(res: Resolution, graph: ModelGraph) -> Program:
+def expert_view(res: Resolution, world: int | None) -> tuple[Axis, ...]:
+    """The expert view's axes (torchtitan's sparse mesh): replicate (when it is over 1), the
+    experts' FSDP axis `efsdp` and the expert axis, innermost: ranks that share experts' shards
+    are `expert` apart, ranks of one expert group are neighbours (they borrow the innermost
+    shard x context x tensor ranks). Sizes are None when the world is not known."""
+    mesh = res.mesh
+    sizes = mesh.sizes(world)
+    degrees = None if sizes is None else expert_degrees(mesh, sizes)
+    ep, efsdp = degrees if degrees is not None else (None, None)
+    replicate = [a for a in mesh.device_axes if a.role is Role.REPLICATE]
+    return (*replicate, Axis(Role.SHARD, efsdp, EFSDP), Axis(Role.EXPERT, ep, mesh.axis_name(Role.EXPERT)))
+
+
+def _experts(res: Resolution, graph: ModelGraph, world: int | None) -> tuple[list[DispatchExperts], dict[str, int]]:
+    """The `DispatchExperts` ops, and each expert parameter -> the dim FSDP shards it on: 0, or 1
+    when efsdp x expert > experts (torchtitan's rule: dim 0 would leave ranks without an expert)."""
+    axis = res.mesh.axis_name(Role.EXPERT)
+    if axis is None or not res.experts:
+        return [], {}
+    sizes = res.mesh.sizes(world)
+    degrees = None if sizes is None else expert_degrees(res.mesh, sizes)
+    ops, dims = [], {}
+    for path in sorted(res.experts, key=graph.pre):
+        params = tuple(canonical for _, canonical in graph.own_params(path))
+        count = graph.params[params[0]].shape[0] if params else 0
+        ops.append(DispatchExperts(path, axis, count, params, res.experts[path]))
+        dim = 1 if degrees is not None and degrees[0] * degrees[1] > count else 0
+        dims.update((p, dim) for p in params)
+    return ops, dims
+
+
+def expert_prefetch(res: Resolution, graph: ModelGraph, direction: str) -> dict[str, tuple[str, ...]]:
+    """With expert parallelism, each inner unit prefetches the next one in `direction` explicitly
+    (torchtitan's choice: the dispatch's host sync for the split sizes stalls the CPU before FSDP's
+    implicit prefetch is issued). The plan's own `prefetch` lists win over these."""
+    inner = sorted((u for u in res.units if not u.is_root), key=lambda u: graph.pre(u.modules[0]))
+    if direction == "backward":
+        inner.reverse()
+    return {a.name: (b.name,) for a, b in zip(inner, inner[1:])}
+
+
+def lower(res: Resolution, graph: ModelGraph, world: int | None = None) -> Program:
     """The program for a resolution without errors (`CompiledPlan.program` checks that)."""
     ops: list[Op] = []
     # tensor parallelism first (torchtitan's order): FSDP then shards the TP-sharded
@@ -148,13 +195,18 @@ def lower(res: Resolution, graph: ModelGraph) -> Program:
     context_axis = res.mesh.axis_name(Role.CONTEXT)
     if context_axis is not None:
         ops += [AttendOverContext(path, context_axis, res.context[path]) for path in sorted(res.context, key=graph.pre)]
+    # expert parallelism next: the experts keep their rank's experts, before FSDP shards them
+    dispatches, expert_dims = _experts(res, graph, world)
+    ops += dispatches
+    expert_axes = tuple(a.name for a in expert_view(res, world)[:-1]) if dispatches else ()
     for path, setting in res.checkpoint.items():
         ops.append(Checkpoint(path, setting.value, setting))
     for path, setting in res.compile.items():
         ops.append(Compile(path, tuple((setting.value or {}).items()), setting))
     dp_axes = res.mesh.fsdp_axis_names  # shard x context flattened into one axis (Mesh.flattened)
-    ops += [_fully_shard(u, res, graph, dp_axes) for u in res.units]
+    ops += [_fully_shard(u, res, graph, dp_axes, expert_dims, expert_axes) for u in res.units]
     for direction, table in (("forward", res.prefetch_forward), ("backward", res.prefetch_backward)):
+        table = table if not dispatches else {**expert_prefetch(res, graph, direction), **table}
         ops += [SetPrefetch(name, direction, targets) for name, targets in table.items()]
     for u in res.units:
         for key, method in UNIT_METHODS.items():
@@ -164,13 +216,14 @@ def lower(res: Resolution, graph: ModelGraph) -> Program:
     return Program(res.mesh, tuple(ops))
 
 
-def lower_job(res: Resolution, graph: ModelGraph) -> Job:
+def lower_job(res: Resolution, graph: ModelGraph, world: int | None = None) -> Job:
     """The job for a resolution without errors: one part (the whole model), the dense view, the
     one-stage schedule over the `step` line's microbatches, `loss_parallel()` as a step op when
     the plan asks for it, and with a context axis the batch sharded along the sequence
-    (`ShardBatch`). With a pipeline: one part per stage (`pipeline_job`), run by torch's
-    schedule over the `pipeline` line's microbatches (`planc.lower.schedules.schedule`)."""
-    program = lower(res, graph)
+    (`ShardBatch`); with expert-parallel experts, the expert view (`expert_view`). With a
+    pipeline: one part per stage (`pipeline_job`), run by torch's schedule over the `pipeline`
+    line's microbatches (`planc.lower.schedules.schedule`)."""
+    program = lower(res, graph, world)
     step_ops: tuple = tuple(LossParallel(op.module, op.origin) for op in program.of_type(Parallelize)
                             if op.style.loss_parallel)
     attends = program.of_type(AttendOverContext)
@@ -178,7 +231,10 @@ def lower_job(res: Resolution, graph: ModelGraph) -> Job:
         step_ops += (ShardBatch(attends[0].axis, BATCH_TENSORS, BALANCE, attends[0].origin),)
     step = res.step
     schedule = step_schedule() if step is None else step_schedule(step.value.microbatches, step.value.sync, step)
-    job = Job(res.mesh, (View(DENSE, res.mesh.device_axes),), (Part(0, ("",), program),), schedule, step_ops)
+    views = (View(DENSE, res.mesh.device_axes),)
+    if program.of_type(DispatchExperts):
+        views += (View(EXPERT, expert_view(res, world)),)
+    job = Job(res.mesh, views, (Part(0, ("",), program),), schedule, step_ops)
     pp = res.pipeline
     if pp is None:
         return job

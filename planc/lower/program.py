@@ -12,6 +12,7 @@ without the live model; only the runtime turns paths into objects.
     Compile      `module.compile(...)` of one module (before sharding)
     Parallelize  one tensor-parallel style on one module, on the tensor axis (first of all)
     AttendOverContext  one attention module's causal SDPA gathers K/V over the context axis
+    DispatchExperts  one experts container keeps its rank's experts; tokens reach them by all-to-all
     FullyShard   one `fully_shard` call: a unit, bottom-up, the root last
     SetPrefetch  an explicit forward/backward prefetch list of one unit
     UnitMethod   an `FSDPModule` method called on one unit after sharding
@@ -122,6 +123,23 @@ class AttendOverContext:
 
 
 @dataclass(frozen=True, slots=True)
+class DispatchExperts:
+    """`planc.backends.experts.dispatch_experts(module, expert mesh, axis)`: the experts container
+    keeps the `experts / expert` experts of its expert rank, and the rows routed to an expert move
+    to its rank and back by all-to-all with uneven splits (before any FSDP).
+
+    `axis` is the expert axis's name on the expert view (`planc/lower/job.py::EXPERT`);
+    `experts` the container's expert count (dim 0 of its 3-D weights); `params` its parameters.
+    """
+
+    module: str
+    axis: str
+    experts: int
+    params: tuple[str, ...]
+    origin: Setting
+
+
+@dataclass(frozen=True, slots=True)
 class Checkpoint:
     """Activation checkpointing of `module` (torch's composable `checkpoint`: paths unchanged)."""
 
@@ -153,6 +171,9 @@ class FullyShard:
             call, not ignored), in registration order.
         placements: (parameter, dim) for parameters sharded on a dim other than 0.
         ignored: parameters in the unit's subtrees that FSDP leaves alone (`ignored_params`).
+        experts: (parameter, dim) for expert-parallel experts' parameters: sharded on the expert
+            view's FSDP axes `expert_axes` instead (`ShardPlacementResult`, a per-parameter mesh),
+            on dim 0, or 1 when efsdp x expert > experts (torchtitan's rule).
         rule: the plan statement that made the unit, and `span` its location.
     """
 
@@ -166,6 +187,8 @@ class FullyShard:
     ignored: tuple[str, ...] = ()
     rule: str = ""
     span: Any = None
+    experts: tuple[tuple[str, int], ...] = ()
+    expert_axes: tuple[str, ...] = ()
     placement_spans: Mapping[str, Any] = field(default_factory=dict)  # parameter -> `place` line
     ignored_spans: Mapping[str, Any] = field(default_factory=dict)    # parameter -> `ignore` line
 
@@ -193,7 +216,7 @@ class UnitMethod:
     origin: Setting
 
 
-Op = Union[Parallelize, AttendOverContext, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod]
+Op = Union[Parallelize, AttendOverContext, DispatchExperts, Checkpoint, Compile, FullyShard, SetPrefetch, UnitMethod]
 
 
 @dataclass(frozen=True)

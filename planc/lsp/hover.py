@@ -20,6 +20,7 @@ from planc.lsp.analysis import Analysis
 from planc.lsp.locate import chain_at
 from planc.lsp.positions import contains
 from planc.resolve.context import CONTEXT_STYLE
+from planc.resolve.experts import EXPERT_STYLE
 from planc.resolve.mesh import Role
 from planc.resolve.options import DTYPES, OPTIONS, Param
 from planc.resolve.pipeline import PIPELINE_OPTIONS
@@ -240,6 +241,14 @@ def _style_hover(analysis: Analysis, word: str) -> str | None:
         return ("**context**: context parallelism. The module's causal `F.scaled_dot_product_attention` gathers "
                 f"keys and values over {where} and masks by global positions; each batch is cut along the "
                 "sequence, head-tail (`applied.shard_batch`). Fits attention whose `forward` takes `positions`.")
+    if word == EXPERT_STYLE:
+        axis = _safe(lambda: analysis.compiled.mesh.axis(Role.EXPERT), None) if analysis.compiled else None
+        where = f"the expert axis (`{axis}`)" if axis is not None else "the expert axis (the mesh has none yet)"
+        return ("**expert**: expert parallelism. Each rank of " + where + " keeps experts / expert whole experts; "
+                "the rows routed to them travel there and back by all-to-all (uneven splits), the router stays "
+                "replicated, and the experts are FSDP-sharded on their own mesh (shard x context x tensor / expert "
+                "ranks). Fits an experts container with 3-D weights (`planc.zoo.routed.RoutedExperts`); its memory "
+                "is not yet estimated.")
     return f"**{word}**: {STYLES[word].summary}" if word in STYLES else None
 
 
@@ -269,8 +278,9 @@ def _expect_hover(analysis: Analysis, s: st.ExpectMetric) -> str:
         est = compiled.memory_at(world, s.input_shape)
     except TraceError as err:
         return text + f"\n\ncannot estimate: {err}"
-    except UnknownKind:  # the estimators refuse what they do not model (context parallelism)
-        return text + "\n\nnot estimated: context parallelism is not yet estimated"
+    except UnknownKind as err:  # the estimators refuse what they do not model (context, expert parallelism)
+        what = "expert" if type(err.what).__name__ == "DispatchExperts" else "context"
+        return text + f"\n\nnot estimated: {what} parallelism is not yet estimated"
     value = est.metric(s.metric)
     if value is None:
         return text + "\n\nnot estimated: " + "; ".join(est.notes or ["give `input = BxS`"])

@@ -74,6 +74,7 @@ class Resolution:
     compile: dict[str, Setting] = field(default_factory=dict)              # module -> torch.compile kwargs
     parallel: dict[str, Setting] = field(default_factory=dict)             # module -> TensorStyle (tensor parallel)
     context: dict[str, Setting] = field(default_factory=dict)              # module -> the `context` style
+    experts: dict[str, Setting] = field(default_factory=dict)              # module -> the `expert` style
     prefetch_forward: dict[str, tuple[str, ...]] = field(default_factory=dict)   # unit name -> unit names
     prefetch_backward: dict[str, tuple[str, ...]] = field(default_factory=dict)
     unit_of_module: dict[str, int] = field(default_factory=dict)           # module -> index in units

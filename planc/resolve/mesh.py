@@ -87,7 +87,7 @@ RULES: tuple[RoleRule, ...] = (
     RoleRule(Role.TENSOR, ("tensor", "tp"), "tensor parallelism", built=True,
              star_help="fix the tensor-parallel size, e.g. `mesh (shard = *, tensor = 8)`"),
     RoleRule(Role.EXPERT, ("expert", "ep"), "expert parallelism", multiplies=False,
-             borrows=(Role.SHARD, Role.CONTEXT, Role.TENSOR),
+             borrows=(Role.SHARD, Role.CONTEXT, Role.TENSOR), built=True,
              star_help="fix the expert size, e.g. `mesh (shard = *, expert = 8)`"),
 )
 RULE: Mapping[Role, RoleRule] = {r.role: r for r in RULES}

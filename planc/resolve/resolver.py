@@ -21,6 +21,7 @@ from planc.lang import printer
 from planc.lang import syntax as st
 from planc.model.graph import ModelGraph
 from planc.resolve.context import context_style, is_context
+from planc.resolve.experts import expert_style, is_expert
 from planc.resolve.ir import DEFAULT_SETTINGS, Resolution, Setting, Unit
 from planc.resolve.mesh import Role, resolve_mesh
 from planc.resolve.options import CHECKPOINT_MODES, MODULE_SETTINGS, Assignment, parse_option
@@ -124,7 +125,8 @@ class Resolver:
         self._parameters(stmts)
         self._module_transforms(stmts)
         self._tensor_parallel(stmts, styles)
-        self._context_parallel(stmts)
+        self._whole_module_style(stmts, is_context, self.out.context)
+        self._whole_module_style(stmts, is_expert, self.out.experts)
         self._prefetch()
         return self.out, self.diags
 
@@ -135,6 +137,9 @@ class Resolver:
         for i, s in enumerate(stmts):
             if isinstance(s, st.ParallelStmt) and is_context(s):
                 if not context_style(s, self.out.mesh, self._mesh_ok, self.diags):
+                    self.out.broken.add(i)
+            elif isinstance(s, st.ParallelStmt) and is_expert(s):
+                if not expert_style(s, self.out.mesh, self._mesh_ok, self.diags):
                     self.out.broken.add(i)
             elif isinstance(s, st.ParallelStmt):
                 style = tensor_style(s, self.diags)
@@ -161,16 +166,17 @@ class Resolver:
             if m.paths:
                 self.out.rule_effects[i] = self.out.rule_effects.get(i, 0) + len(m.paths)
 
-    def _context_parallel(self, stmts) -> None:
-        """module -> the `context` style (`planc/resolve/context.py`), for the well-formed statements."""
+    def _whole_module_style(self, stmts, is_style, table: dict[str, Setting]) -> None:
+        """module -> a style without options (`context`: `planc/resolve/context.py`; `expert`:
+        `planc/resolve/experts.py`), for the well-formed statements."""
         for i, s in enumerate(stmts):
-            if not isinstance(s, st.ParallelStmt) or not is_context(s) or i in self.out.broken:
+            if not isinstance(s, st.ParallelStmt) or not is_style(s) or i in self.out.broken:
                 continue
             m = match_modules(self.graph, s.selector, optional=s.optional)
             self.diags.extend(m.diagnostics)
             text = rule_text(s)
             for path in m.paths:
-                self.out.context[path] = Setting("context", s.span, text, i)
+                table[path] = Setting(s.style.value, s.span, text, i)
             if m.paths:
                 self.out.rule_effects[i] = self.out.rule_effects.get(i, 0) + len(m.paths)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planc.resolve.context import CONTEXT_STYLE
+from planc.resolve.experts import EXPERT_STYLE
 from planc.resolve.mesh import Role
 
 
@@ -118,6 +119,9 @@ ROWS: tuple[StyleRule, ...] = (
               prepares_input=True, prepares_output=True, summary=_torch("PrepareModuleInputOutput")),
     StyleRule(CONTEXT_STYLE, Role.CONTEXT, None, False, (),
               summary="context parallelism: attention gathers keys and values over the context axis"),
+    StyleRule(EXPERT_STYLE, Role.EXPERT, None, False, (),
+              summary="expert parallelism: whole experts per expert rank, their tokens moved there and back by "
+                      "all-to-all; the experts FSDP-sharded on the expert-data-parallel mesh"),
 )
 
 STYLES: dict[str, StyleRule] = {r.word: r for r in ROWS}

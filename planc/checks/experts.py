@@ -1,0 +1,177 @@
+"""Expert parallelism, statically (P482-P489): sizes, the experts' layout, the router, estimates.
+
+What would fail late or train wrong is caught here, at the plan line: an expert count that
+does not divide by the expert degree or experts that do not shard evenly on dim 1 (P482),
+an expert degree that does not divide the ranks
+it borrows, shard x context x tensor (P483), the style on a module that is not an experts
+container of a known layout (P484), the experts or the router placed another way by the plan
+(P485: `ignore`, `place` or a tensor style), a router that keeps more experts than there are
+(P486), expert parallelism with a tensor, pipeline or context axis (P487, not built or not tested), an expert axis nothing uses
+(P488, warning). Memory `expect`s and `--simulate` of an expert plan are not estimated (P489,
+warning; the estimators' `Reader`s refuse `DispatchExperts`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from planc.checks.context import Context, err, listed
+from planc.diagnostics import Diagnostic
+from planc.lang import syntax as st
+from planc.resolve.experts import expert_degrees, is_expert, layout
+from planc.resolve.mesh import Mesh, Role
+
+# The experts containers the `expert` style is known to fit (P484's help names them): 3-D
+# weights [experts, ...], `forward(rows, offsets)` on rows sorted by expert.
+KNOWN = ("planc.zoo.routed.RoutedExperts", "transformers' fused 3-D experts (Qwen3-MoE, Mixtral)")
+
+
+def _statements(ctx: Context) -> list[tuple[int, st.ParallelStmt]]:
+    return [(i, s) for i, s in enumerate(ctx.plan.statements) if isinstance(s, st.ParallelStmt) and is_expert(s)]
+
+
+def _paths(ctx: Context, i: int) -> list[str]:
+    return [p for p, setting in ctx.res.experts.items() if setting.order == i]
+
+
+def _sizes(ctx: Context) -> dict | None:
+    return ctx.res.mesh.sizes(ctx.world_size)
+
+
+def check_expert_mesh(ctx: Context) -> Iterator[Diagnostic]:
+    """P483: the expert degree divides shard x context x tensor (the ranks it borrows); P487: it
+    borrows tensor ranks (not built: the tokens of one tensor group are the same tokens)."""
+    mesh = ctx.res.mesh
+    axis = mesh.axis(Role.EXPERT)
+    sizes = _sizes(ctx)
+    if axis is None or sizes is None:
+        return
+    lent = Mesh.borrowed(Role.EXPERT, sizes)
+    if expert_degrees(mesh, sizes) is None:
+        yield err("P483", f"the expert axis (`{axis}`) does not divide the {lent} ranks it borrows", mesh.span,
+                  f"shard x context x tensor = {lent}",
+                  ("the expert axis borrows its ranks from shard x context x tensor (experts' FSDP degree = "
+                   f"{lent} / expert): make the expert size a divisor of {lent}, e.g. `{axis.name} = "
+                   f"{max(d for d in range(1, lent + 1) if lent % d == 0 and d <= max(sizes[Role.EXPERT], 1))}`",))
+        return
+    tensor, context = sizes.get(Role.TENSOR, 1), sizes.get(Role.CONTEXT, 1)
+    if tensor > 1 and ctx.res.experts:
+        yield err("P487", "expert parallelism with a tensor axis is not supported yet", mesh.span,
+                  f"expert and tensor = {tensor} axes",
+                  ("planc dispatches each rank's own tokens; the ranks of one tensor group hold the same tokens. "
+                   "Remove the tensor axis (and the `parallel` tensor styles), or the `expert` style",))
+    elif sizes.get(Role.PIPELINE, 1) > 1 and ctx.res.experts:
+        yield err("P487", "expert parallelism with a pipeline axis is not supported yet", mesh.span,
+                  "expert and pipeline axes",
+                  ("not built or tested together yet: remove the pipeline axis (and the `pipeline` line), or the "
+                   "`expert` style",))
+    elif context > 1 and ctx.res.experts:
+        yield err("P487", "expert parallelism with a context axis is not supported yet", mesh.span,
+                  f"expert and context = {context} axes",
+                  ("not tested yet (no model here has both a context-parallel attention and routed experts): "
+                   "remove the context axis, or the `expert` style",))
+
+
+def check_expert_unused(ctx: Context) -> Iterator[Diagnostic]:
+    """P488 (warning): an expert axis, but no module gets the `expert` style."""
+    axis = ctx.res.mesh.axis(Role.EXPERT)
+    if axis is None or ctx.res.experts or any(i in ctx.res.broken for i, _ in _statements(ctx)):
+        return
+    yield err("P488", f"the mesh has an expert axis (`{axis}`) but no module is expert-parallel", ctx.res.mesh.span,
+              "the expert axis is unused",
+              ("mark the experts containers: `parallel layers.*.moe.experts expert`, or remove the axis",),
+              severity="warning")
+
+
+def known_layout(module) -> str | None:
+    """None when `module` is an experts container the dispatch fits (`resolve.experts.layout`), else what is wrong."""
+    try:
+        layout(module)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _container(ctx: Context, path: str):
+    parent = path.rpartition(".")[0]
+    return ctx.graph.model.get_submodule(parent) if parent else None
+
+
+def check_expert_modules(ctx: Context) -> Iterator[Diagnostic]:
+    """P484: each `expert` statement's modules have a known layout; P482: their expert count divides
+    by the expert degree; P486: the MoE layer's top-k is at most its expert count (one finding per statement)."""
+    model = ctx.graph.model
+    sizes = _sizes(ctx)
+    degrees = None if sizes is None else expert_degrees(ctx.res.mesh, sizes)
+    for i, s in _statements(ctx):
+        paths = _paths(ctx, i)
+        if not paths:
+            continue
+        bad = [(p, why) for p in paths if (why := known_layout(model.get_submodule(p))) is not None]
+        if bad:
+            p, why = bad[0]
+            yield err("P484", f"`{p}` ({type(model.get_submodule(p)).__name__}) is not an experts container the "
+                      f"`expert` style fits: {why}", s.span, f"{len(bad)} module(s) of another layout",
+                      ("select the module holding the experts as 3-D weights whose forward takes the rows sorted by "
+                       "expert and each expert's cumulative end, or the hidden states with each token's top-k expert "
+                       "ids and weights; known layouts: " + listed(list(KNOWN)),))
+            continue
+        counts = {p: ctx.graph.params[ctx.graph.own_params(p)[0][1]].shape[0] for p in paths}
+        if degrees is not None:
+            uneven = [p for p in paths if counts[p] % degrees[0]]
+            if uneven:
+                yield err("P482", f"`{uneven[0]}` has {counts[uneven[0]]} experts, which do not divide by the expert "
+                          f"degree {degrees[0]}", s.span, f"{len(uneven)} MoE layer(s)",
+                          (f"every expert rank keeps experts / expert whole experts: make the expert size a divisor of "
+                           f"{counts[uneven[0]]}",))
+                continue
+            ep, efsdp = degrees
+            if ep * efsdp > min(counts.values()):  # the experts' FSDP shards dim 1: torch needs it even
+                odd = [(c, shape[1]) for p in paths for _, c in ctx.graph.own_params(p)
+                       if (shape := ctx.graph.params[c].shape)[1] % efsdp]
+                if odd:
+                    yield err("P482", f"`{odd[0][0]}` does not shard evenly over the experts' {efsdp} FSDP ranks: "
+                              f"dim 1 is {odd[0][1]}", s.span, f"{len(odd)} parameter(s)",
+                              (f"with efsdp x expert = {efsdp * ep} over {min(counts.values())} experts FSDP shards "
+                               f"the experts on dim 1 (torchtitan's rule), which torch needs even: make efsdp (shard x "
+                               f"context x tensor / expert) divide {odd[0][1]}, or raise the expert size",))
+                    continue
+        for p in paths:
+            parent = _container(ctx, p)
+            top_k = getattr(parent, "top_k", None) or getattr(getattr(parent, "router", None), "top_k", None)
+            if isinstance(top_k, int) and top_k > counts[p]:
+                yield err("P486", f"the router of `{p}` keeps {top_k} experts per token but there are {counts[p]}",
+                          s.span, f"top-k {top_k} > {counts[p]} experts",
+                          (f"the model's top_k must be at most its expert count ({counts[p]})",))
+                break
+
+
+def check_expert_placements(ctx: Context) -> Iterator[Diagnostic]:
+    """P485: the experts' parameters `ignore`d or `place`d (expert parallelism places them), or a
+    tensor style on the experts or their router (the router stays replicated: every rank routes
+    its own tokens with the same weights)."""
+    res = ctx.res
+    for i, s in _statements(ctx):
+        paths = _paths(ctx, i)
+        params = [c for p in paths for _, c in ctx.graph.own_params(p)]
+        placed = [n for n in params if n in res.ignored or n in res.placements]
+        styled = [m for m in res.parallel for p in paths
+                  if m == p or m.startswith(p + ".") or m.rpartition(".")[0] == p.rpartition(".")[0]]
+        if placed:
+            spans = [res.ignored.get(placed[0]) or res.placements[placed[0]][1]]
+            yield err("P485", f"the plan also places the experts' parameter `{placed[0]}`", s.span,
+                      "expert parallelism places these", related=[(spans[0], "placed here")],
+                      help_=("remove the `ignore`/`place` line for the experts: expert parallelism keeps each rank's "
+                             "experts and FSDP shards them on the expert mesh",))
+        elif styled:
+            yield err("P485", f"`{styled[0]}` gets a tensor-parallel style beside expert-parallel `{paths[0]}`", s.span,
+                      "the router must stay replicated", related=[(res.parallel[styled[0]].span, "styled here")],
+                      help_=("remove the `parallel` tensor style from the experts and their router",))
+
+
+def not_estimated(res, what: str, span) -> Diagnostic:
+    """P489 (warning): `what` was not checked or run, the estimators refuse `DispatchExperts`."""
+    axis = res.mesh.axis(Role.EXPERT)
+    return err("P489", f"{what}: expert parallelism is not yet estimated", span, "not estimated",
+               (f"planc's memory and time models do not model the expert axis (`{axis}`) yet; `planc.apply` "
+                "runs it (tests/test_expert_dist.py)",), severity="warning")
