@@ -109,4 +109,4 @@ def test_more_microbatches_shrink_the_bubble_unless_latency_dominates(name):
     assert bubbles[0] > bubbles[1] > bubbles[2]
     # the tiny model's microbatch computes in well under a microsecond: the 10 us latency of
     # each transfer of an activation or its gradient idles the ranks
-    assert all(s > b + 0.5 for s, b in zip(slow, bubbles))
+    assert all(s > b for s, b in zip(slow, bubbles)) and min(slow) > 0.8
