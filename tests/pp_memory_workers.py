@@ -1,0 +1,97 @@
+"""Workers for tests/test_roles_memory_dist.py: a hand-written pipeline step measured by FSDPMemTracker.
+
+The oracle is written as torchtitan writes a pipeline (`pipeline_module_split` by hand: each
+rank keeps its stage's modules), with torch's own `PipelineStage` and schedule, `fully_shard`
+per unit on the data-parallel axis of a ("pp", "dp") mesh with no reshard after forward (the PP
+default), AdamW (foreach); FSDPMemTracker (planc.analysis.simulate's, which keeps FSDP2's group
+hooks) measures the second of two steps on each pipeline rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class First(nn.Module):
+    """Stage 0: the token embedding and block 0."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.tok_embeddings, self.layers = model.tok_embeddings, nn.ModuleDict({"0": model.layers[0]})
+
+    def forward(self, tokens):
+        return self.layers["0"](self.tok_embeddings(tokens))
+
+
+class Last(nn.Module):
+    """Stage 1: block 1, the norm and the head."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.layers, self.norm, self.output = nn.ModuleDict({"1": model.layers[1]}), model.norm, model.output
+
+    def forward(self, h):
+        return self.output(self.norm(self.layers["1"](h)))
+
+
+def lm_loss(logits, labels):  # cross-entropy over fp32 logits, summed / tokens (torchtitan's)
+    return nn.functional.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), reduction="sum") / labels.numel()
+
+
+def pipeline_peaks(rank: int, world: int, names: tuple[str, ...], microbatches: int, batch: int, seq: int) -> dict:
+    """Schedule name -> this rank's measurement (one launch measures several schedules)."""
+    return {name: pipeline_peak(rank, world, name, microbatches, batch, seq) for name in names}
+
+
+def pipeline_peak(rank: int, world: int, name: str, microbatches: int, batch: int, seq: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from planc.analysis.simulate import _CATEGORY, _skip_sharding_propagation, _tracker_class
+    from planc.zoo import llama_tiny
+
+    torch.manual_seed(0)
+    _skip_sharding_propagation()
+    dist.barrier()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    pp = mesh["pp"].get_local_rank()
+    model = llama_tiny()
+    stage_mod = First(model) if pp == 0 else Last(model)
+    del model
+    units = [stage_mod.tok_embeddings, stage_mod.layers["0"]] if pp == 0 else [stage_mod.layers["1"],
+                                                                                [stage_mod.norm, stage_mod.output]]
+    for unit in units:
+        fully_shard(unit, mesh=mesh["dp"], reshard_after_forward=False)
+    fully_shard(stage_mod, mesh=mesh["dp"], reshard_after_forward=False)
+    stage = PipelineStage(stage_mod, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    schedule = get_schedule_class(name)(stage, n_microbatches=microbatches, loss_fn=lm_loss, scale_grads=False)
+    opt = torch.optim.AdamW(stage_mod.parameters(), lr=1e-3, foreach=True)
+    tokens = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        schedule.step(tokens) if pp == 0 else schedule.step(target=tokens)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    # NOTE: the first step infers the stages' shapes with `autograd.grad` on the stage's inputs,
+    # which the tracker's module hooks do not support: it runs untracked (it also allocates the
+    # optimizer state and the stage's receive buffers, which the tracker sees as they are)
+    step()
+    tracker = _tracker_class()(stage_mod, opt)
+    tracker.track_inputs((tokens,))
+    with tracker:
+        tracker.recording = True
+        step()
+    total, snap, where = tracker.best
+    breakdown: dict[str, int] = {}
+    for key, value in snap.items():
+        label = getattr(key, "value", key)
+        if label != "Total" and value:
+            cat = _CATEGORY.get(label, str(label))
+            breakdown[cat] = breakdown.get(cat, 0) + value
+    dist.barrier()
+    return {"rank": pp, "peak": total, "breakdown": breakdown, "where": where}
