@@ -102,7 +102,7 @@ def stage_traces(trace: Trace, whole: Program, job: Job, boundary: list[int]) ->
         before = fwd_keep[first - 1][0].live if first > 0 and s > 0 else 0
         base = before - boundary[s]
 
-        def moved(ev: Event) -> Event:
+        def moved(ev: Event, index=index, base=base) -> Event:
             unit = index[units[ev.unit].name] if ev.unit >= 0 else -1
             return dataclasses.replace(ev, unit=unit, live=max(ev.live - base, 0))
         held = moved(fwd[-1]).live if fwd else 0
