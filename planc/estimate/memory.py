@@ -204,6 +204,9 @@ class Estimate:
     source: str
     input_shape: tuple[int, ...] | None = None
     notes: list[str] = field(default_factory=list)
+    # a pipeline job: every pipeline rank's estimate (this one is the binding rank's, the largest
+    # peak, so a bound on it holds for every rank); empty without a pipeline
+    roles: list["Estimate"] = field(default_factory=list)
 
     @property
     def sharded_state(self) -> int:
@@ -518,6 +521,9 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
     if world is not None:
         rank_count(world, "world")
     world = world or compiled.world_size or 1
+    if len(compiled.job.parts) > 1:  # a pipeline: one estimate per pipeline rank (planc/estimate/role_memory.py)
+        from planc.estimate.role_memory import estimate_roles
+        return estimate_roles(compiled, world, optimizer=optimizer, inputs=inputs, input_shape=input_shape, loss=loss)
     job = READER.compiled(compiled)
     program = job.program
     replicate, shard = mesh_sizes(program, world)

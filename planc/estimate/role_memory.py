@@ -222,6 +222,15 @@ def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "
     return [e for _, e in sorted(out, key=lambda x: x[0])]
 
 
+def estimate_roles(compiled, world: int, **kwargs) -> Estimate:
+    """The binding pipeline rank's estimate (the largest peak), every rank's in its `roles`: what
+    `memory.estimate` returns for a pipeline job, so an `expect memory.peak` bound holds for every rank."""
+    ests = estimate_pipeline_memory(compiled, world, **kwargs)
+    binding = max(ests, key=lambda e: e.peak.total)
+    return dataclasses.replace(binding, roles=ests, notes=binding.notes + [
+        f"the binding rank of {len(ests)} pipeline ranks (the largest peak)"])
+
+
 def _boundaries(job: Job, graph, example, trace) -> list[int]:
     """Bytes of the activation each stage receives (the output of the previous stage's last module),
     and last, of the model's output (what the last stage's schedule keeps per microbatch)."""

@@ -61,6 +61,7 @@ class StageTime:
     gathers: dict[str, list[tuple[float, bool]]] = field(default_factory=dict)
     reductions: list[float] = field(default_factory=list)
     optimizer_s: float = 0.0
+    collectives: list = field(default_factory=list)  # the stage's FSDP collectives (`Collective`), once each
 
 
 @dataclass
@@ -187,6 +188,7 @@ def _stage(part, graph, profile, world: int, pp: int, hw: Hardware, eff: float, 
     st.optimizer_s = plain.optimizer_s
     for u, t in zip(program.units, plain.per_unit):
         again = u.policy.reshard_after_forward is not False
+        st.collectives += t.collectives
         for c in t.collectives:
             if c.kind == "all_gather":
                 st.gathers.setdefault(c.phase, []).append((collective_s(c, hw), again))
@@ -213,3 +215,26 @@ def _stage(part, graph, profile, world: int, pp: int, hw: Hardware, eff: float, 
     if out is not None and not last:
         st.boundary_bytes = out.numel * out.dtype.itemsize
     return st
+
+
+def step_time_of_pipeline(compiled, *, world: int, hardware="h100", **kwargs):
+    """A pipeline job's step as a `time.StepTime` (what explain, suggest and the checks read): the
+    binding rank's stages as its rows, the step time the slowest rank's, the `PipelineTime` in
+    `pipeline`. FLOPs per rank: the world's model FLOPs / world."""
+    from planc.estimate.time import StepTime, UnitTime, _assumptions
+
+    pt = estimate_pipeline_time(compiled, world=world, hardware=hardware, **kwargs)
+    binding = pt.timeline.ranks[pt.timeline.binding_rank]
+    m = pt.timeline.microbatches
+    rows = []
+    for i, s in enumerate(binding.stages):
+        st = pt.stages[s]
+        rows.append(UnitTime(f"stage {s}", i, list(st.collectives), m * st.forward_flops, m * st.backward_flops, 0,
+                             forward_s=m * st.forward_s, backward_s=m * st.backward_s, comm_s=0.0))
+    eff = kwargs.get("efficiency") or pt.hardware.efficiency
+    exposed = max(0.0, pt.step_s - binding.busy_s - binding.optimizer_s)
+    tp = (compiled.job.parts[0].program.mesh.sizes(stage_world(compiled.job.parts[0].program, world, pt.pp))
+          or {}).get("tensor", 1)
+    return StepTime(world, pt.hardware, rows, binding.busy_s, binding.comm_s, exposed, binding.optimizer_s,
+                    pt.step_s, pt.tokens, pt.model_flops // world, _assumptions(pt.hardware, eff, tp) + pt.assumptions,
+                    efficiency=eff, tp=tp, pipeline=pt)

@@ -144,6 +144,7 @@ class StepTime:
     efficiency: float = 0.6
     tp: int = 1
     order: list[tuple[str, str, str]] = field(default_factory=list)  # the schedule's (kind, unit, phase) events
+    pipeline: object | None = None  # a pipeline job: its `roles.PipelineTime` (per_unit: the binding rank's stages)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -225,6 +226,11 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
         program = READER.program(plan)
         if graph is None:
             raise ValueError("estimating a Program needs its model graph")
+    elif len(plan.job.parts) > 1:  # a pipeline: time per role (planc/estimate/roles.py)
+        from planc.estimate.roles import step_time_of_pipeline
+        return step_time_of_pipeline(plan, world=world, hardware=hardware, profile=profile, graph=graph,
+                                     input_shape=input_shape, inputs=inputs, loss=loss, optimizer=optimizer,
+                                     efficiency=efficiency)
     else:
         job = READER.compiled(plan)
         program, graph, schedule = job.program, graph or plan.graph, job.schedule

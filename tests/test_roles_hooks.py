@@ -1,0 +1,64 @@
+"""A pipeline job flows through the estimators' usual entry points (memory.estimate, `expect memory.peak`,
+estimate_step_time) by the per-role path.
+
+Until the plan language writes a pipeline, the tests cut the compiled plan's job with
+`pipeline_job` and give it to the compiled plan (its `job`). Oracles: the per-rank estimates
+(tests/test_roles_memory_dist.py holds them against FSDPMemTracker) and the timeline.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import planc
+from planc.compiler import CompiledPlan
+from planc.estimate import memory
+from planc.estimate.role_memory import estimate_pipeline_memory
+from planc.estimate.roles import estimate_pipeline_time
+from planc.estimate.time import estimate_step_time
+from planc.lower.pipeline import pipeline_job
+from planc.lower.schedules import schedule
+from planc.zoo import llama_tiny
+
+PLAN = """model planc.zoo:llama_tiny
+mesh (shard = *)
+unit tok_embeddings { reshard after_forward = false }
+unit layers.* { reshard after_forward = false }
+unit [norm, output] { reshard after_forward = false }
+root { reshard after_forward = false }
+"""
+STAGES = [("tok_embeddings", "layers.0"), ("layers.1", "norm", "output")]
+
+
+def _pipelined(extra: str = "") -> CompiledPlan:
+    base = planc.compile(planc.loads(PLAN, filename="pp.plan"), llama_tiny(), 4)
+    compiled = CompiledPlan(planc.loads(PLAN + extra, filename="pp.plan"), base.graph, 4)
+    compiled.__dict__["job"] = pipeline_job(base.job, STAGES, schedule("1F1B", 2, 4))
+    return compiled
+
+
+def test_memory_estimate_of_a_pipeline_is_the_binding_rank():
+    compiled = _pipelined()
+    ranks = estimate_pipeline_memory(compiled, 4, input_shape=(8, 16))
+    est = memory.estimate(compiled, 4, input_shape=(8, 16))
+    assert [r.peak.total for r in est.roles] == [r.peak.total for r in ranks]
+    assert est.peak.total == max(r.peak.total for r in ranks) > min(r.peak.total for r in ranks)
+
+
+def test_expect_memory_peak_holds_for_every_pipeline_rank():
+    peaks = sorted(r.peak.total for r in estimate_pipeline_memory(_pipelined(), 4, input_shape=(8, 16)))
+    between = (peaks[0] + peaks[1]) / 2 / 1024  # above one rank's peak, below the other's
+    failing = _pipelined(f"expect memory.peak <= {between:.1f}KiB at world = 4, input = 8x16\n")
+    assert [d.code for d in failing.diagnostics] == ["P502"]
+    holding = _pipelined(f"expect memory.peak <= {-(-peaks[1] // 1024)}KiB at world = 4, input = 8x16\n")
+    assert holding.diagnostics == []
+
+
+def test_step_time_of_a_pipeline_is_the_slowest_rank():
+    compiled = _pipelined()
+    st = estimate_step_time(compiled, world=4, input_shape=(8, 16))
+    pt = estimate_pipeline_time(compiled, world=4, input_shape=(8, 16))
+    assert st.total_s == pytest.approx(pt.step_s) and st.pipeline.bubble == pytest.approx(pt.bubble)
+    binding = pt.timeline.ranks[pt.timeline.binding_rank]
+    assert [u.name for u in st.per_unit] == [f"stage {s}" for s in binding.stages]
+    assert st.mfu == pytest.approx(pt.mfu) and st.tokens_per_s == pytest.approx(pt.tokens_per_s)
