@@ -62,3 +62,22 @@ def test_step_time_of_a_pipeline_is_the_slowest_rank():
     binding = pt.timeline.ranks[pt.timeline.binding_rank]
     assert [u.name for u in st.per_unit] == [f"stage {s}" for s in binding.stages]
     assert st.mfu == pytest.approx(pt.mfu) and st.tokens_per_s == pytest.approx(pt.tokens_per_s)
+
+
+def test_explain_shows_a_table_per_stage_and_the_binding_rank():
+    from planc.analysis.explain import render_text, report
+
+    compiled = _pipelined()
+    est = memory.estimate(compiled, 4, input_shape=(8, 16))
+    data = report(compiled, est, step_time=estimate_step_time(compiled, world=4, input_shape=(8, 16)))
+    model = llama_tiny()
+    pp = data["pipeline"]
+    for row, modules in zip(pp["stages"], STAGES):  # oracle: the real model's parameters under the stage
+        assert row["modules"] == list(modules)
+        assert row["params"] == sum(p.numel() for n, p in model.named_parameters() if n.startswith(modules))
+        assert row["peak_bytes"] == est.roles[row["rank"]].peak.total
+    assert pp["binding_rank"] == max(range(2), key=lambda r: est.roles[r].peak.total)
+    assert data["world_size"] == 4 and data["memory"]["peak_bytes"] == est.peak.total
+    text = render_text(data, compiled)
+    assert "stage  rank  modules" in text and f"binding rank {pp['binding_rank']}: peak" in text
+    assert "layers.1, norm, output" in text and "bubble" in text

@@ -184,6 +184,9 @@ READER = Reader("explain", (FullyShard, Parallelize, Checkpoint, Compile, SetPre
 
 def report(compiled, est: Estimate, measured=None, model_ref: str | None = None, step_time=None) -> dict[str, Any]:
     """Everything `explain` shows, as JSON-ready data (bytes are per rank)."""
+    if est.roles:  # a pipeline job: a table per stage and the binding rank (planc/analysis/stages.py)
+        from planc.analysis import role_report as stages
+        return stages.report(compiled, est, model_ref, step_time)
     READER.compiled(compiled)
     res = compiled.resolution
     table = parameter_placements(compiled, est.world)
@@ -362,6 +365,9 @@ def _dtype_note(data: dict[str, Any], compiled) -> list[str]:
 
 
 def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
+    if "pipeline" in data:
+        from planc.analysis import role_report as stages
+        return stages.render_text(data, color)
     style = _Style(color)
     mem = data["memory"]
     mesh = data["mesh"]

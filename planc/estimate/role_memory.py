@@ -217,8 +217,9 @@ def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "
         rank = next(r for r, h in enumerate(sched.stages) if part.stage in h)
         last = part.stage == len(job.parts) - 1
         output = boundary[-1] if last else 0
-        out.append((rank, _estimate(part, graph, n, optimizer, stage_trace, (held, output), sched, rank,
-                                    input_bytes if part.stage == 0 or last else 0, step)))
+        est = _estimate(part, graph, n, optimizer, stage_trace, (held, output), sched, rank,
+                        input_bytes if part.stage == 0 or last else 0, step)
+        out.append((rank, dataclasses.replace(est, world=world)))
     return [e for _, e in sorted(out, key=lambda x: x[0])]
 
 
