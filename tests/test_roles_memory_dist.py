@@ -4,7 +4,8 @@ Oracle (tests/pp_memory_workers.py): llama_tiny split by hand as torchtitan spli
 embedding and block 0; stage 1: block 1, norm, head), `fully_shard` per unit with no reshard
 after forward, torch's `PipelineStage` and its GPipe / 1F1B schedule over 4 microbatches of a
 batch of 8 x 16, the LM loss over fp32 logits, AdamW; FSDPMemTracker measures the second step
-on each rank. planc's estimate per pipeline rank is held within 3% of it.
+on each rank; with 4 ranks, each pipeline rank is 2 data-parallel ranks (FSDP shards over them).
+planc's estimate per pipeline rank is held within 3% of it (measured: 0.01-2.5% below).
 """
 
 from __future__ import annotations
@@ -34,18 +35,20 @@ MICRO, BATCH, SEQ = 4, 8, 16
 TOLERANCE = 0.03
 
 
-@pytest.fixture(scope="module")
-def measured():
-    return run(pipeline_peaks, 2, SCHEDULES, MICRO, BATCH, SEQ)
+@pytest.fixture(scope="module", params=[2, 4], ids=["pp2", "pp2xdp2"])
+def measured(request):
+    """(world, each rank's measurements): 2 pipeline ranks, alone or each with 2 data-parallel ranks."""
+    return request.param, run(pipeline_peaks, request.param, SCHEDULES, MICRO, BATCH, SEQ)
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_peak_per_pipeline_rank_equals_fsdp_mem_tracker(measured, name):
-    compiled = planc.compile(planc.loads(PLAN, filename="pp.plan"), llama_tiny(), 2)
+    world, ranks = measured
+    compiled = planc.compile(planc.loads(PLAN, filename="pp.plan"), llama_tiny(), world)
     job = pipeline_job(compiled.job, STAGES, schedule(name, 2, MICRO))
-    estimates = estimate_pipeline_memory(job, 2, graph=compiled.graph, input_shape=(BATCH, SEQ))
+    estimates = estimate_pipeline_memory(job, world, graph=compiled.graph, input_shape=(BATCH, SEQ))
     for rank, est in enumerate(estimates):
-        real = next(r[name] for r in measured if r[name]["rank"] == rank)
+        real = next(r[name] for r in ranks if r[name]["rank"] == rank)
         # the state of the rank's own stage, exactly
         for cat in ("sharded_params", "optimizer_state", "inputs"):
             assert est.peak.bytes[cat] == real["breakdown"].get(cat, 0), (name, rank, cat)
