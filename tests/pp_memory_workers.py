@@ -95,3 +95,107 @@ def pipeline_peak(rank: int, world: int, name: str, microbatches: int, batch: in
             breakdown[cat] = breakdown.get(cat, 0) + value
     dist.barrier()
     return {"rank": pp, "peak": total, "breakdown": breakdown, "where": where}
+
+
+class Embed(nn.Module):
+    """Stage 0 of 4: the token embedding."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.tok_embeddings = model.tok_embeddings
+
+    def forward(self, tokens):
+        return self.tok_embeddings(tokens)
+
+
+class Block(nn.Module):
+    """Stage 1 or 2 of 4: one block."""
+
+    def __init__(self, model, i: int):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): model.layers[i]})
+
+    def forward(self, h):
+        return next(iter(self.layers.values()))(h)
+
+
+class Head(nn.Module):
+    """Stage 3 of 4: the norm and the head."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.norm, self.output = model.norm, model.output
+
+    def forward(self, h):
+        return self.output(self.norm(h))
+
+
+class Held(nn.Module):
+    """A rank's stages, under one module for the tracker (never called itself)."""
+
+    def __init__(self, stages):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+
+def looped_peaks(rank: int, world: int, names: tuple[str, ...], microbatches: int, batch: int, seq: int) -> dict:
+    """Schedule name -> this rank's measurement, 4 stages on 2 ranks (2 each: loop or V placement)."""
+    return {name: looped_peak(rank, world, name, microbatches, batch, seq) for name in names}
+
+
+def looped_peak(rank: int, world: int, name: str, microbatches: int, batch: int, seq: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    from planc.analysis.simulate import _CATEGORY, _skip_sharding_propagation, _tracker_class
+    from planc.zoo import llama_tiny
+
+    torch.manual_seed(0)
+    _skip_sharding_propagation()
+    dist.barrier()
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    pp = mesh["pp"].get_local_rank()
+    model = llama_tiny()
+    held = (pp, 3 - pp) if name in ("ZBVZeroBubble", "DualPipeV") else (pp, pp + 2)
+    mods, stages = [], []
+    for s in held:
+        mod = Embed(model) if s == 0 else Head(model) if s == 3 else Block(model, s - 1)
+        for unit in ([mod.tok_embeddings] if s == 0 else [next(iter(mod.layers.values()))] if s in (1, 2)
+                     else [[mod.norm, mod.output]]):
+            fully_shard(unit, mesh=mesh["dp"], reshard_after_forward=False)
+        fully_shard(mod, mesh=mesh["dp"], reshard_after_forward=False)
+        mods.append(mod)
+        stages.append(PipelineStage(mod, s, 4, torch.device("cpu"), group=mesh["pp"].get_group()))
+    schedule = get_schedule_class(name)(stages, n_microbatches=microbatches, loss_fn=lm_loss, scale_grads=False)
+    root = Held(mods)
+    fully_shard(root, mesh=mesh["dp"], reshard_after_forward=False)
+    opt = torch.optim.AdamW(root.parameters(), lr=1e-3, foreach=True)
+    tokens = torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(1))
+    has_first, has_last = 0 in held, 3 in held
+
+    def step():
+        if has_first:
+            schedule.step(tokens, target=tokens if has_last else None)
+        else:
+            schedule.step(target=tokens if has_last else None)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # untracked: the stages infer their shapes (see pipeline_peak)
+    tracker = _tracker_class()(root, opt)
+    tracker.track_inputs((tokens,))
+    with tracker:
+        tracker.recording = True
+        step()
+    total, snap, where = tracker.best
+    breakdown: dict[str, int] = {}
+    for key, value in snap.items():
+        label = getattr(key, "value", key)
+        if label != "Total" and value:
+            cat = _CATEGORY.get(label, str(label))
+            breakdown[cat] = breakdown.get(cat, 0) + value
+    dist.barrier()
+    return {"rank": pp, "peak": total, "breakdown": breakdown, "where": where}

@@ -68,8 +68,16 @@ def test_each_rank_holds_its_stage_state_only():
     assert units == {p for u in compiled.job.program.units for p in u.params}
 
 
-def test_ranks_holding_several_stages_are_not_estimated_yet():
+@pytest.mark.parametrize("name", ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                                  "DualPipeV"])
+def test_ranks_holding_two_stages_hold_both_states(name):
     compiled = _compiled(2)
-    job = pipeline_job(compiled.job, FOUR, schedule("Interleaved1F1B", 2, 4, 2))
-    with pytest.raises(NotImplementedError, match="several stages"):
-        estimate_pipeline_memory(job, 2, graph=compiled.graph, input_shape=(8, 16))
+    job = pipeline_job(compiled.job, FOUR, schedule(name, 2, 4, 2))
+    ests = estimate_pipeline_memory(job, 2, graph=compiled.graph, input_shape=(8, 16))
+    whole = memory.estimate(compiled, 1, input_shape=(8, 16))  # one rank: every parameter
+    assert sum(e.sharded_state for e in ests) == whole.sharded_state
+    for rank, est in enumerate(ests):
+        stages = job.schedule.stages[rank]
+        assert len(est.notes) == 2 and all(f"stage {s} " in " ".join(est.notes) for s in stages)
+        # the step's batch once per rank that feeds the first stage or the last stage's loss
+        assert est.peak.bytes["inputs"] == (8 * 16 * 8 if {0, 3} & set(stages) else 0)

@@ -20,7 +20,10 @@
   stage, the output and loss the schedule holds) alive until that backward, so a rank holds
   every microbatch in flight at that moment of its list (1F1B at most pp - rank, GPipe all).
 
-Multi-stage ranks (interleaved and V schedules) are not estimated yet (`NotImplementedError`).
+A rank holding several stages (interleaved and V schedules) replays each stage's actions on
+that stage, every moment counting its other stages as they rest (their state, their
+microbatches in flight). A split backward is replayed whole at its input half (`I`); its
+weight half (`W`) frees nothing apart (what a deferred weight gradient keeps is not modelled).
 """
 
 from __future__ import annotations
@@ -40,9 +43,10 @@ from planc.estimate.memory import (
 from planc.estimate.roles import READER, stage_world
 from planc.estimate.trace import Event, Example, Trace, default_input, trace_for
 from planc.lower.fsdp import has_moments
-from planc.lower.job import FORWARD, FULL_BACKWARD, Job, Part, Schedule, step_schedule
+from planc.lower.job import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, Job, Part, Schedule, step_schedule
 from planc.lower.pipeline import inside
 from planc.lower.program import FullyShard, Program
+from planc.lower.schedules import SINGLE_STAGE
 
 
 def whole_program(job: Job) -> Program:
@@ -117,22 +121,20 @@ def stage_traces(trace: Trace, whole: Program, job: Job, boundary: list[int]) ->
 class _StageReplay(_Replay):
     """`memory._Replay` as torch's `PipelineStage` drives FSDP2, with microbatches in flight."""
 
-    def __init__(self, *args, held: int = 0, output: int = 0, **kwargs):
+    def __init__(self, *args, held: int = 0, output: int = 0, sends: tuple[int, int] = (0, 0), **kwargs):
         super().__init__(*args, **kwargs)
         self.held, self.output, self.others = held, output, 0
+        self.sends, self.backwards = sends, 0  # bytes of an output / input gradient sent and kept; backwards done
         self.in_flight: set[int] = set()   # microbatches whose forward ran and backward has not
         self.outputs = 0                    # last stage: microbatches whose output the schedule keeps
         self.most_in_flight = 0
+        self.extra: dict[str, int] = {}    # the rank's other stages, at rest
 
     def _others(self) -> int:
         """What the other microbatches keep: those in flight their saved activations, and on the
         last stage each microbatch's output the schedule keeps for the step's return value."""
-        return self.held * len(self.in_flight) + self.output * (self.outputs - len(self.in_flight))
-
-    def snapshot(self, label: str) -> None:
-        self.live += self.others
-        super().snapshot(label)
-        self.live -= self.others
+        return (self.held * len(self.in_flight) + self.output * (self.outputs - len(self.in_flight))
+                + (self.sends[0] + self.sends[1]) * self.backwards)
 
     def post_backward(self, i: int, grads_before: int, names=None) -> None:
         state = self.state[i]
@@ -146,27 +148,46 @@ class _StageReplay(_Replay):
         if not self.reduces:
             self.state = states
 
-    def run(self) -> list[Moment]:
-        events = self.trace.events
-        split = next(k for k, ev in enumerate(events) if ev.kind == "bwd_start")
-        forward, backward = events[:split], events[split:]
-        (actions,) = self.schedule.actions
-        for action in actions:
-            self.prefix = f"microbatch {action.microbatch}: "
-            if action.kind == FORWARD:
-                self.others = self._others()
-                self.post_forward_order = []
-                self.phase = "forward"
-                self._play(forward)
-                self.in_flight.add(action.microbatch)
-                self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
-                self.outputs += 1 if self.output else 0
-            else:
-                self.in_flight.discard(action.microbatch)
-                self.others = self._others()
-                self.reduces = self.schedule.reduces(action)
-                self.reduced_now = {i: set() for i in range(len(self.mem))}
-                self._play(backward)
+    def play(self, action) -> None:
+        """One action of the rank's list on this stage: a forward, or a (full or input) backward;
+        a weight backward (`W`) is taken as done with the input backward (not modelled apart)."""
+        split = next(k for k, ev in enumerate(self.trace.events) if ev.kind == "bwd_start")
+        self.prefix = f"microbatch {action.microbatch}: "
+        if action.kind == FORWARD:
+            self.others = self._others()
+            self.post_forward_order = []
+            self.phase = "forward"
+            self._play(self.trace.events[:split])
+            self.in_flight.add(action.microbatch)
+            self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
+            self.outputs += 1 if self.output else 0
+        elif action.kind in (FULL_BACKWARD, BACKWARD_INPUT):
+            self.in_flight.discard(action.microbatch)
+            self.others = self._others()
+            self.reduces = action.microbatch == self.schedule.microbatches - 1  # PipelineStage: the last only
+            self.reduced_now = {i: set() for i in range(len(self.mem))}
+            self._play(self.trace.events[split:])
+            self.backwards += 1
+
+    def snapshot(self, label: str) -> None:
+        self.live += self.others
+        super().snapshot(label)
+        self.live -= self.others
+        for k, v in self.extra.items():
+            self.timeline[-1].bytes[k] += v
+
+    def rest(self) -> dict[str, int]:
+        """What this stage holds while the rank runs another of its stages."""
+        live, grads, transient = self.live, self.live_grads, self.transient
+        self.live = self.live_grads = 0
+        self.transient, self.others, extra = {}, self._others(), self.extra
+        self.extra = {}
+        self.snapshot("rest")
+        self.live, self.live_grads, self.transient, self.extra = live, grads, transient, extra
+        return self.timeline.pop().bytes
+
+    def finish(self) -> None:
+        """The end of the step: the last stage's merged outputs, then the optimizer step."""
         self.prefix = ""
         self.live = self.live_grads = 0
         self.others = self._others()
@@ -181,7 +202,44 @@ class _StageReplay(_Replay):
         self.transient = {"optimizer_temp": temp}
         self.snapshot("optimizer step")
         self.transient = {}
-        return self.timeline
+
+
+def _replay_rank(replays: dict[int, _StageReplay], actions) -> list[Moment]:
+    """Play a rank's actions on its stages' replays, each moment with the other stages at rest."""
+    timeline: list[Moment] = []
+    for rp in replays.values():
+        rp.timeline = timeline
+    for action in actions:
+        for a in action.sub or (action,):
+            if a.stage in replays and a.kind in (FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+                _with_others(replays, a.stage, lambda rp, a=a: rp.play(a))
+    rests = {stage: rp.rest() for stage, rp in replays.items()}
+    optimizer = dict.fromkeys(CATEGORIES, 0)
+    for stage, rp in replays.items():
+        n = len(timeline)
+        rp.finish()
+        *merge, last = timeline[n:]
+        del timeline[n + len(merge):]
+        for moment in merge:  # the last stage's merged outputs, the other stages at rest
+            for other, rest in rests.items():
+                for k, v in rest.items():
+                    moment.bytes[k] += v if other != stage else 0
+        for k, v in last.bytes.items():  # the optimizer steps over every stage's parameters at once
+            optimizer[k] += v
+    timeline.append(Moment("optimizer step", "optimizer", "optimizer step", optimizer))
+    return timeline
+
+
+def _with_others(replays: dict[int, _StageReplay], stage: int, fn) -> None:
+    rp = replays[stage]
+    extra = dict.fromkeys(CATEGORIES, 0)
+    for other, o in replays.items():
+        if other != stage:
+            for k, v in o.rest().items():
+                extra[k] += v
+    rp.extra = extra
+    fn(rp)
+    rp.extra = {}
 
 
 def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "adamw", inputs=None,
@@ -194,9 +252,6 @@ def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "
     if graph is None:
         raise ValueError("a memory estimate needs the model")
     sched, pp = job.schedule, len(job.schedule.stages)
-    if any(len(held) != 1 for held in sched.stages):
-        raise NotImplementedError(f"memory per role of {sched.name}: ranks holding several stages are not "
-                                  "estimated yet")
     if inputs is None and input_shape is not None and graph.model is not None:
         inputs = default_input(graph.model, input_shape)
     step = None if inputs is None else Example.of(inputs)
@@ -212,15 +267,18 @@ def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "
         raise NotImplementedError("memory per role needs an input to trace (give an input shape)")
     boundary = _boundaries(job, graph, example, trace)
     input_bytes = 0 if step is None else sum(t.nbytes for t in step.tensors())
+    traces = stage_traces(trace, whole, job, boundary)
+    last = len(job.parts) - 1
     out = []
-    for (stage_trace, held), part in zip(stage_traces(trace, whole, job, boundary), job.parts):
-        rank = next(r for r, h in enumerate(sched.stages) if part.stage in h)
-        last = part.stage == len(job.parts) - 1
-        output = boundary[-1] if last else 0
-        est = _estimate(part, graph, n, optimizer, stage_trace, (held, output), sched, rank,
-                        input_bytes if part.stage == 0 or last else 0, step)
-        out.append((rank, dataclasses.replace(est, world=world)))
-    return [e for _, e in sorted(out, key=lambda x: x[0])]
+    for rank, held in enumerate(sched.stages):
+        parts = [job.parts[s] for s in held]
+        # the step's batch: the first stage's input, the last stage's labels (one tensor if both)
+        given = next((s for s in held if s in (0, last)), None)
+        replays = {s: _replay(job.parts[s], graph, n, optimizer, traces[s][0],
+                              (traces[s][1], boundary[-1] if s == last else 0), sched,
+                              input_bytes if s == given else 0, boundary) for s in held}
+        out.append(_estimate(world, n, rank, parts, replays, sched, step))
+    return out
 
 
 def estimate_roles(compiled, world: int, **kwargs) -> Estimate:
@@ -247,33 +305,54 @@ def _boundaries(job: Job, graph, example, trace) -> list[int]:
     return out + [act.numel * act.dtype.itemsize if act is not None else 0]
 
 
-def _estimate(part: Part, graph, world: int, optimizer: str, trace: Trace, kept: tuple[int, int], sched: Schedule,
-              rank: int, input_bytes: int, step) -> Estimate:
+def _replay(part: Part, graph, world: int, optimizer: str, trace: Trace, kept: tuple[int, int], sched: Schedule,
+            input_bytes: int, boundary: list[int]) -> _StageReplay:
+    """One stage's replay: its units' bytes on its data-parallel ranks, its parameters no unit manages.
+
+    torch's multi-stage runtime waits for its sends only at the end of the step, and a send holds
+    its tensor: each output sent to the next stage and each input gradient sent to the previous
+    one (on another rank) stays alive until then, past its microbatch's backward."""
     program = part.program
-    replicate, shard = mesh_sizes(program, world)
     mem = unit_memory(program, graph, world, optimizer)
     owned = set().union(*(u.params for u in program.units)) if program.units else set()
-    mine = [n for n in graph.params if inside(n.rpartition(".")[0], part.modules)]
-    replicated = sum(graph.params[n].nbytes for n in mine if n not in owned)
-    buffers = _buffers(graph, part.modules)
-    actions = tuple(a for a in sched.actions[rank] if a.kind in (FORWARD, FULL_BACKWARD))
-    role = Schedule(sched.name, sched.microbatches, ((part.stage,),), (actions,), "last", sched.origin)
+    replicated = sum(info.nbytes for n, info in graph.params.items()
+                     if inside(n.rpartition(".")[0], part.modules) and n not in owned)
+    role = Schedule(sched.name, sched.microbatches, ((part.stage,),), ((),), "last", sched.origin)
     held, output = kept
-    replay = _StageReplay(program, mem, optimizer, replicated, trace, shard, buffers, role, input_bytes, held=held,
-                          output=output)
-    timeline = replay.run()
+    sends = (0, 0)
+    if sched.name not in SINGLE_STAGE:
+        s, rank_of = part.stage, {st: r for r, h in enumerate(sched.stages) for st in h}
+        last = len(boundary) - 2
+        sends = (boundary[s + 1] if s < last and rank_of[s + 1] != rank_of[s] else 0,
+                 boundary[s] if s > 0 and rank_of[s - 1] != rank_of[s] else 0)
+    return _StageReplay(program, mem, optimizer, replicated, trace, mesh_sizes(program, world)[1],
+                        _buffers(graph, part.modules), role, input_bytes, held=held, output=output, sends=sends)
+
+
+def _estimate(world: int, stage_world: int, rank: int, parts: list[Part], replays: dict[int, _StageReplay],
+              sched: Schedule, step) -> Estimate:
+    """One pipeline rank's estimate: its stages' replays played over its actions."""
+    timeline = _replay_rank(replays, sched.actions[rank])
     peak = max(timeline, key=lambda m: m.total)
-    activations = max((e.live - e.grads for e in trace.events), default=0)
+    rps = list(replays.values())
+    mem = [m for rp in rps for m in rp.mem]
+    optimizer = rps[0].optimizer
+    replicated = sum(rp.replicated for rp in rps)
+    buffers = sum(rp.buffers for rp in rps)
+    activations = max(max((e.live - e.grads for e in rp.trace.events), default=0) for rp in rps)
     shape = tuple(step.tensors()[0].shape) if step is not None and step.tensors() else None
     state = sum(m.sharded + m.grads + m.optimizer for m in mem if not m.offload) + replicated * (
         2 + (2 if has_moments(optimizer) else 0))
+    replicate, shard = mesh_sizes(parts[0].program, stage_world)
+    held = sum(rp.held for rp in rps)
     est = Estimate(world, replicate, shard, optimizer, mem, replicated,
                    sum(m.sharded + m.grads + m.optimizer for m in mem if m.offload), peak, timeline,
-                   state + buffers, state + buffers + held * sched.microbatches, activations,
-                   trace.source, shape)
-    est.notes.append(f"pipeline rank {rank} (stage {part.stage}: {', '.join(part.modules)}), {sched.name}, "
-                     f"{sched.microbatches} microbatches: at most {replay.most_in_flight} in flight, "
-                     f"{held} bytes kept by each until its backward")
+                   state + buffers, state + buffers + held * sched.microbatches, activations, rps[0].trace.source,
+                   shape)
+    for part, rp in zip(parts, rps):
+        est.notes.append(f"pipeline rank {rank}, stage {part.stage} ({', '.join(part.modules)}), {sched.name}, "
+                         f"{sched.microbatches} microbatches: at most {rp.most_in_flight} in flight, "
+                         f"{rp.held} bytes kept by each until its backward")
     return est
 
 
