@@ -97,6 +97,8 @@ def main(args) -> int:
             plot_step(est, args.plot, measured=measured)
         except PlotError as err:
             raise UsageError(str(err)) from err
+    if args.html and "pipeline" in data:
+        raise UsageError("--html does not show a pipeline job yet: use the text or --format json report")
     if args.html:
         from planc.analysis.plot import PlotError
         from planc.analysis.report_html import write_html
