@@ -54,6 +54,16 @@ def test_expect_memory_peak_holds_for_every_pipeline_rank():
     assert holding.diagnostics == []
 
 
+def test_without_an_input_each_rank_counts_its_state():
+    est = memory.estimate(_pipelined(), 4)  # no input: no activations
+    for role in est.roles:
+        assert role.activations is None and role.peak.bytes["activations"] == 0
+        state = sum(m.sharded + m.optimizer for m in role.units)
+        assert role.peak.bytes["sharded_params"] + role.peak.bytes["optimizer_state"] == state
+    bound = est.peak.total / 1024 - 1  # just under the binding rank's peak
+    assert [d.code for d in _pipelined(f"expect memory.peak <= {bound:.1f}KiB at world = 4\n").diagnostics] == ["P502"]
+
+
 def test_step_time_of_a_pipeline_is_the_slowest_rank():
     compiled = _pipelined()
     st = estimate_step_time(compiled, world=4, input_shape=(8, 16))

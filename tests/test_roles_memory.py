@@ -14,7 +14,7 @@ import pytest
 
 import planc
 from planc.estimate import memory
-from planc.estimate.role_memory import estimate_pipeline_memory, whole_program
+from planc.estimate.role_memory import RoleError, estimate_pipeline_memory, whole_program
 from planc.lower.pipeline import pipeline_job
 from planc.lower.schedules import schedule
 from planc.zoo import llama_tiny
@@ -81,3 +81,12 @@ def test_ranks_holding_two_stages_hold_both_states(name):
         assert len(est.notes) == 2 and all(f"stage {s} " in " ".join(est.notes) for s in stages)
         # the step's batch once per rank that feeds the first stage or the last stage's loss
         assert est.peak.bytes["inputs"] == (8 * 16 * 8 if {0, 3} & set(stages) else 0)
+
+
+def test_a_stage_without_a_unit_of_its_own_is_refused():
+    plan = PLAN.replace("unit [norm, output] { reshard after_forward = false }\n", "")
+    compiled = planc.compile(planc.loads(plan, filename="pp.plan"), llama_tiny(), 2)
+    job = pipeline_job(compiled.job, [("tok_embeddings", "layers.0", "layers.1"), ("norm", "output")],
+                       schedule("1F1B", 2, 4))
+    with pytest.raises(RoleError, match="stage 1 \\(norm, output\\) has no unit of its own"):
+        estimate_pipeline_memory(job, 2, graph=compiled.graph, input_shape=(8, 16))

@@ -41,12 +41,17 @@ from planc.estimate.memory import (
     unit_memory,
 )
 from planc.estimate.roles import READER, stage_world
-from planc.estimate.trace import Event, Example, Trace, default_input, trace_for
+from planc.estimate.trace import Event, Example, Trace, TraceError, default_input, trace_for
 from planc.lower.fsdp import has_moments
 from planc.lower.job import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, Job, Part, Schedule, step_schedule
 from planc.lower.pipeline import inside
 from planc.lower.program import FullyShard, Program
 from planc.lower.schedules import SINGLE_STAGE
+
+
+class RoleError(TraceError):
+    """A pipeline job whose memory per role cannot be estimated (a `TraceError`: `expect` lines report
+    it located as P504, `explain` in words)."""
 
 
 def whole_program(job: Job) -> Program:
@@ -87,7 +92,8 @@ def stage_traces(trace: Trace, whole: Program, job: Job, boundary: list[int]) ->
 
     `boundary[s]`: the bytes of the activation stage s receives (0 for the first stage)."""
     events = trace.events
-    split = next(k for k, ev in enumerate(events) if ev.kind == "bwd_start")
+    # the loss's backward starts it (a traced step); the root's pre-backward (in module order, no input)
+    split = next(k for k, ev in enumerate(events) if ev.kind in ("bwd_start", "bwd_pre"))
     units = whole.units
     keep = [(k, ev) for k, ev in enumerate(events)
             if ev.kind != "end_backward" and not (ev.unit >= 0 and units[ev.unit].is_root)]
@@ -256,6 +262,11 @@ def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "
         inputs = default_input(graph.model, input_shape)
     step = None if inputs is None else Example.of(inputs)
     example = None if step is None else step.microbatch(sched.microbatches)
+    for part in job.parts:  # the trace names the innermost unit of each op: a stage needs one of its own
+        if not any(not u.is_root for u in part.program.units):
+            raise RoleError(f"memory per role: stage {part.stage} ({', '.join(part.modules)}) has no unit "
+                                      "of its own, so its ops cannot be told from the root's in the trace; give "
+                                      "its modules a `unit`")
     whole = whole_program(job)
     n = stage_world(job.parts[0].program, world, pp)
     tp = (whole.mesh.sizes(n) or {}).get("tensor", 1)
@@ -263,8 +274,6 @@ def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "
         job, parts=(Part(0, ("",), whole),), schedule=step_schedule()),
         resolution=getattr(plan, "resolution", types.SimpleNamespace(ignored=frozenset())))
     trace = trace_for(shim, example, loss, tp)
-    if not any(ev.kind == "bwd_start" for ev in trace.events):
-        raise NotImplementedError("memory per role needs an input to trace (give an input shape)")
     boundary = _boundaries(job, graph, example, trace)
     input_bytes = 0 if step is None else sum(t.nbytes for t in step.tensors())
     traces = stage_traces(trace, whole, job, boundary)
@@ -295,6 +304,8 @@ def _boundaries(job: Job, graph, example, trace) -> list[int]:
     and last, of the model's output (what the last stage's schedule keeps per microbatch)."""
     from planc.estimate.flops import step_profile
     profile = step_profile(graph, example)
+    if profile is None:  # no input: no activations counted
+        return [0] * (len(job.parts) + 1)
     order = {p: k for k, p in enumerate(profile.order)}
     out = [0]
     for part in job.parts[:-1]:
@@ -339,7 +350,8 @@ def _estimate(world: int, stage_world: int, rank: int, parts: list[Part], replay
     optimizer = rps[0].optimizer
     replicated = sum(rp.replicated for rp in rps)
     buffers = sum(rp.buffers for rp in rps)
-    activations = max(max((e.live - e.grads for e in rp.trace.events), default=0) for rp in rps)
+    activations = None if step is None else max(max((e.live - e.grads for e in rp.trace.events), default=0)
+                                                for rp in rps)
     shape = tuple(step.tensors()[0].shape) if step is not None and step.tensors() else None
     state = sum(m.sharded + m.grads + m.optimizer for m in mem if not m.offload) + replicated * (
         2 + (2 if has_moments(optimizer) else 0))
@@ -349,6 +361,8 @@ def _estimate(world: int, stage_world: int, rank: int, parts: list[Part], replay
                    sum(m.sharded + m.grads + m.optimizer for m in mem if m.offload), peak, timeline,
                    state + buffers, state + buffers + held * sched.microbatches, activations, rps[0].trace.source,
                    shape)
+    if step is None:
+        est.notes.append("activations not counted: give an input shape (--input-shape BxS)")
     for part, rp in zip(parts, rps):
         est.notes.append(f"pipeline rank {rank}, stage {part.stage} ({', '.join(part.modules)}), {sched.name}, "
                          f"{sched.microbatches} microbatches: at most {rp.most_in_flight} in flight, "
