@@ -91,3 +91,23 @@ def test_explain_shows_a_table_per_stage_and_the_binding_rank():
     text = render_text(data, compiled)
     assert "stage  rank  modules" in text and f"binding rank {pp['binding_rank']}: peak" in text
     assert "layers.1, norm, output" in text and "bubble" in text
+
+
+def test_a_mesh_with_the_pipeline_axis_prices_each_stage_on_its_own_ranks():
+    # what the plan language will lower: the pipeline axis outermost on the mesh, the data axis `*`
+    import dataclasses
+
+    from planc.resolve.mesh import Mesh, Role
+
+    compiled = _pipelined()
+    job = compiled.job
+    mesh = Mesh.of({Role.PIPELINE: 2, Role.SHARD: None})
+    assert mesh.sizes(4)[Role.SHARD] == 2
+    parts = tuple(dataclasses.replace(p, program=dataclasses.replace(p.program, mesh=mesh)) for p in job.parts)
+    with_axis = dataclasses.replace(job, parts=parts, mesh=mesh)
+    for a, b in zip(estimate_pipeline_memory(with_axis, 4, graph=compiled.graph, input_shape=(8, 16)),
+                    estimate_pipeline_memory(job, 4, graph=compiled.graph, input_shape=(8, 16))):
+        assert (a.peak.total, a.shard) == (b.peak.total, b.shard)
+    t_axis = estimate_pipeline_time(with_axis, graph=compiled.graph, world=4, input_shape=(8, 16))
+    t_plain = estimate_pipeline_time(job, graph=compiled.graph, world=4, input_shape=(8, 16))
+    assert t_axis.step_s == pytest.approx(t_plain.step_s) and t_axis.tokens == t_plain.tokens
