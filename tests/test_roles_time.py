@@ -110,3 +110,16 @@ def test_more_microbatches_shrink_the_bubble_unless_latency_dominates(name):
     # the tiny model's microbatch computes in well under a microsecond: the 10 us latency of
     # each transfer of an activation or its gradient idles the ranks
     assert all(s > b for s, b in zip(slow, bubbles)) and min(slow) > 0.8
+
+
+@pytest.mark.parametrize("name", ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                                  "DualPipeV"])
+def test_every_multi_stage_schedule_prices_each_rank_s_stages(name):
+    compiled = planc.compile(planc.loads(PLAN, filename="pp.plan"), llama_tiny(), 4)
+    four = [("tok_embeddings",), ("layers.0",), ("layers.1",), ("norm", "output")]
+    job = pipeline_job(compiled.job, four, schedule(name, 2, MICRO, 2))
+    est = estimate_pipeline_time(job, graph=compiled.graph, world=4, input_shape=(BATCH, SEQ))
+    for rank in est.timeline.ranks:  # every forward and backward (split or not) of its stages, once
+        stages = [est.stages[s] for s in rank.stages]
+        assert rank.busy_s == pytest.approx(MICRO * sum(st.forward_s + st.backward_s for st in stages))
+    assert sum(st.forward_flops for st in est.stages) == sum(s.forward_flops for s in _estimate().stages)
