@@ -5,7 +5,8 @@ embedding and block 0; stage 1: block 1, norm, head), `fully_shard` per unit wit
 after forward, torch's `PipelineStage` and its GPipe / 1F1B schedule over 4 microbatches of a
 batch of 8 x 16, the LM loss over fp32 logits, AdamW; FSDPMemTracker measures the second step
 on each rank; with 4 ranks, each pipeline rank is 2 data-parallel ranks (FSDP shards over them).
-planc's estimate per pipeline rank is held within 3% of it (measured: 0.01-2.5% below).
+planc's estimate per pipeline rank is held within 0.1% of it (measured: +0.01%, 136 bytes over),
+and within 3% on ranks holding 2 of 4 stages (Interleaved1F1B, LoopedBFS).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ root { reshard after_forward = false }
 STAGES = [("tok_embeddings", "layers.0"), ("layers.1", "norm", "output")]
 SCHEDULES = ("GPipe", "1F1B")
 MICRO, BATCH, SEQ = 4, 8, 16
-TOLERANCE = 0.03
+TOLERANCE = 0.03        # multi-stage ranks (measured: -1.1% to +0.6%)
+SINGLE_TOLERANCE = 0.001  # one stage per rank (measured: +0.01%, 136 bytes)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["pp2", "pp2xdp2"])
@@ -53,7 +55,7 @@ def test_peak_per_pipeline_rank_equals_fsdp_mem_tracker(measured, name):
         for cat in ("sharded_params", "optimizer_state", "inputs"):
             assert est.peak.bytes[cat] == real["breakdown"].get(cat, 0), (name, rank, cat)
         error = abs(est.peak.total - real["peak"]) / real["peak"]
-        assert error < TOLERANCE, (name, rank, est.peak.total, real["peak"], est.peak.label, real["where"])
+        assert error < SINGLE_TOLERANCE, (name, rank, est.peak.total, real["peak"], est.peak.label, real["where"])
 
 
 FOUR = [("tok_embeddings",), ("layers.0",), ("layers.1",), ("norm", "output")]

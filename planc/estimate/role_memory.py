@@ -20,17 +20,22 @@
   stage, the output and loss the schedule holds) alive until that backward, so a rank holds
   every microbatch in flight at that moment of its list (1F1B at most pp - rank, GPipe all).
 
+What the schedule keeps to the step's end: the last stage's outputs (returned merged), and
+after each backward the gradient of the output received from the next rank and the gradient
+of the input (accumulated on its receive buffer, cleared at the next step: `PipelineStage.
+clear_runtime_states`); torch's multi-stage runtime also keeps every output it sent (its
+sends are waited at the step's end).
+
 A rank holding several stages (interleaved and V schedules) replays each stage's actions on
 that stage, every moment counting its other stages as they rest (their state, their
-microbatches in flight); torch's multi-stage runtime waits for its sends only at the step's
-end, so every output and input gradient sent to another rank stays alive until then. A split
+microbatches in flight). A split
 backward is replayed whole at its input half (`I`); its weight half (`W`) frees nothing apart
 (what a deferred weight gradient keeps is not modelled; FSDPMemTracker cannot measure those
 schedules, whose `autograd.grad` on the stage inputs its hooks do not support).
 
 Checked against FSDPMemTracker on each rank of real gloo runs (GPipe, 1F1B, Interleaved1F1B,
-LoopedBFS; 2 ranks, and 2 x 2 with FSDP): within 3%, below it by 0.01-2.5%
-(tests/test_roles_memory_dist.py). A stage with no unit of its own is refused (`RoleError`):
+LoopedBFS; 2 ranks, and 2 x 2 with FSDP): one stage per rank +0.01% (136 bytes), two stages
+per rank within 3% (tests/test_roles_memory_dist.py). A stage with no unit of its own is refused (`RoleError`):
 the trace names each op's innermost unit, so its ops could not be told from the root's.
 """
 
@@ -135,10 +140,10 @@ def stage_traces(trace: Trace, whole: Program, job: Job, boundary: list[int]) ->
 class _StageReplay(_Replay):
     """`memory._Replay` as torch's `PipelineStage` drives FSDP2, with microbatches in flight."""
 
-    def __init__(self, *args, held: int = 0, output: int = 0, sends: tuple[int, int] = (0, 0), **kwargs):
+    def __init__(self, *args, held: int = 0, output: int = 0, kept_after: int = 0, **kwargs):
         super().__init__(*args, **kwargs)
         self.held, self.output, self.others = held, output, 0
-        self.sends, self.backwards = sends, 0  # bytes of an output / input gradient sent and kept; backwards done
+        self.kept_after, self.backwards = kept_after, 0  # bytes each backward leaves to the step's end; done
         self.in_flight: set[int] = set()   # microbatches whose forward ran and backward has not
         self.outputs = 0                    # last stage: microbatches whose output the schedule keeps
         self.most_in_flight = 0
@@ -148,7 +153,7 @@ class _StageReplay(_Replay):
         """What the other microbatches keep: those in flight their saved activations, and on the
         last stage each microbatch's output the schedule keeps for the step's return value."""
         return (self.held * len(self.in_flight) + self.output * (self.outputs - len(self.in_flight))
-                + (self.sends[0] + self.sends[1]) * self.backwards)
+                + self.kept_after * self.backwards)
 
     def post_backward(self, i: int, grads_before: int, names=None) -> None:
         state = self.state[i]
@@ -338,14 +343,16 @@ def _replay(part: Part, graph, world: int, optimizer: str, trace: Trace, kept: t
                      if inside(n.rpartition(".")[0], part.modules) and n not in owned)
     role = Schedule(sched.name, sched.microbatches, ((part.stage,),), ((),), "last", sched.origin)
     held, output = kept
-    sends = (0, 0)
-    if sched.name not in SINGLE_STAGE:
-        s, rank_of = part.stage, {st: r for r, h in enumerate(sched.stages) for st in h}
-        last = len(boundary) - 2
-        sends = (boundary[s + 1] if s < last and rank_of[s + 1] != rank_of[s] else 0,
-                 boundary[s] if s > 0 and rank_of[s - 1] != rank_of[s] else 0)
+    s, rank_of = part.stage, {st: r for r, h in enumerate(sched.stages) for st in h}
+    last = len(boundary) - 2
+    to_next = boundary[s + 1] if s < last and rank_of[s + 1] != rank_of[s] else 0
+    from_prev = boundary[s] if s > 0 and rank_of[s - 1] != rank_of[s] else 0
+    # kept after each backward until the step ends: the output's gradient received, the input's
+    # gradient (on the receive buffer); with the multi-stage runtime also the output it sent
+    kept_after = to_next + from_prev + (to_next if sched.name not in SINGLE_STAGE else 0)
     return _StageReplay(program, mem, optimizer, replicated, trace, mesh_sizes(program, world)[1],
-                        _buffers(graph, part.modules), role, input_bytes, held=held, output=output, sends=sends)
+                        _buffers(graph, part.modules), role, input_bytes, held=held, output=output,
+                        kept_after=kept_after)
 
 
 def _estimate(world: int, stage_world: int, rank: int, parts: list[Part], replays: dict[int, _StageReplay],
