@@ -78,7 +78,7 @@ def render_text(data: dict[str, Any], color: bool = False) -> str:
     out += _table(rows, header, style)
     mem = data["memory"]
     out += ["", style.bold(f"binding rank {pp['binding_rank']}: peak {gib(mem['peak_bytes'])}") +
-            f" at {mem['moment']} (`expect memory.peak` is checked against it: it holds for every rank)"]
+            f" at {mem['moment']} (the largest peak of the pipeline ranks)"]
     for key in CATEGORIES:
         v = mem["breakdown"].get(key)
         if v:

@@ -133,14 +133,36 @@ def _explain_pipeline(c, diags, sources, args) -> int:
     if uneven is not None:  # `--input-shape`: each data-parallel rank's batch, cut into the microbatches
         print(render.render_text(shown + [uneven], sources, color=use_color(sys.stderr)), file=sys.stderr)
         return EXIT_ERRORS
-    shown.append(not_estimated(c.resolution.pipeline, c.resolution.pipeline.span,
-                               "`planc explain` did not estimate memory or step time"))
-    print(render.render_text(shown, sources, color=use_color(sys.stderr)), file=sys.stderr)
+    estimated = _pipeline_estimates(c, args, shape)
+    if estimated is None:
+        shown.append(not_estimated(c.resolution.pipeline, c.resolution.pipeline.span,
+                                   "`planc explain` did not estimate memory or step time"))
+    if shown:
+        print(render.render_text(shown, sources, color=use_color(sys.stderr)), file=sys.stderr)
     if args.format == "json":
-        print(json.dumps({"plan": c.plan.file, "world_size": args.world_size, "pipeline": summary}, indent=2))
+        print(json.dumps({"plan": c.plan.file, "world_size": args.world_size, "pipeline": summary,
+                          **({"estimate": estimated} if estimated is not None else {})}, indent=2, default=str))
     else:
         print(render_stages(summary))
+        if estimated is not None:
+            from planc.analysis.role_report import render_text as render_roles
+            print("\n" + render_roles(estimated, color=use_color(sys.stdout)))
     return EXIT_ERRORS if any(d.is_error for d in diags) else EXIT_OK
+
+
+def _pipeline_estimates(c, args, shape):
+    """Memory per pipeline rank and the step on the timeline (planc/analysis/role_report.py), or None
+    when the memory per role cannot cut this pipeline (`RoleError`: P476 says so)."""
+    from planc.analysis.role_report import report as role_report
+    from planc.estimate.role_memory import RoleError
+    try:
+        est = estimate(c, args.world_size, optimizer=args.optimizer, input_shape=shape)
+    except RoleError:
+        return None
+    except TraceError as err:
+        raise UsageError(f"--input-shape: {err}") from err
+    step_time = _step_time(c, args, shape, None, None)
+    return role_report(c, est, args.model or c.plan.model_ref, step_time)
 
 
 def _step_time(compiled, args, shape, example, loss):
