@@ -111,3 +111,19 @@ def test_a_mesh_with_the_pipeline_axis_prices_each_stage_on_its_own_ranks():
     t_axis = estimate_pipeline_time(with_axis, graph=compiled.graph, world=4, input_shape=(8, 16))
     t_plain = estimate_pipeline_time(job, graph=compiled.graph, world=4, input_shape=(8, 16))
     assert t_axis.step_s == pytest.approx(t_plain.step_s) and t_axis.tokens == t_plain.tokens
+
+
+def test_boundaries_are_what_one_tensor_rank_holds():
+    # sequence parallel: each tensor rank holds its seq / tp tokens of a block's output; loss
+    # parallel: its vocab / tp of the logits (oracle: the shapes, by hand)
+    from planc.estimate.roles import boundaries
+
+    text = open("plans/zoo-llama-tp.plan").read().replace("planc.zoo:llama\n", "planc.zoo:llama_tiny\n")
+    compiled = planc.compile(planc.loads(text, filename="tp.plan"), llama_tiny(), 8)
+    job = pipeline_job(compiled.job, STAGES, schedule("1F1B", 2, 4))
+    cfg = llama_tiny().config
+    b, s, tp = 2, 16, 2
+    plain = boundaries(job, compiled.graph, input_shape=(b, s), tp=1)
+    split = boundaries(job, compiled.graph, input_shape=(b, s), tp=tp)
+    assert plain == [0, b * s * cfg.dim * 4, b * s * cfg.vocab_size * 4]
+    assert split == [0, b * s // tp * cfg.dim * 4, b * s * cfg.vocab_size // tp * 4]

@@ -53,31 +53,18 @@ from planc.estimate.memory import (
     mesh_sizes,
     unit_memory,
 )
-from planc.estimate.roles import READER, stage_world
+from planc.estimate.roles import READER, boundaries, stage_world, whole_program
 from planc.estimate.trace import Event, Example, Trace, TraceError, default_input, trace_for
 from planc.lower.fsdp import has_moments
 from planc.lower.job import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, Job, Part, Schedule, step_schedule
 from planc.lower.pipeline import inside
-from planc.lower.program import FullyShard, Program
+from planc.lower.program import Program
 from planc.lower.schedules import SINGLE_STAGE
 
 
 class RoleError(TraceError):
     """A pipeline job whose memory per role cannot be estimated (a `TraceError`: `expect` lines report
     it located as P504, `explain` in words)."""
-
-
-def whole_program(job: Job) -> Program:
-    """The program of the whole model a pipeline job was cut from: every stage's ops, one root
-    unit over every stage root's parameters (what the one-part trace of the model runs)."""
-    ops, root = [], None
-    for part in job.parts:
-        for op in part.program.ops:
-            if isinstance(op, FullyShard) and op.is_root:
-                root = op if root is None else dataclasses.replace(root, params=root.params + op.params)
-            else:
-                ops.append(op)
-    return Program(job.parts[0].program.mesh, tuple(ops) + ((root,) if root is not None else ()))
 
 
 def _stage_of_events(events: list[Event], units, parts: tuple[Part, ...]) -> list[int]:
@@ -287,7 +274,7 @@ def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "
         job, parts=(Part(0, ("",), whole),), schedule=step_schedule()),
         resolution=getattr(plan, "resolution", types.SimpleNamespace(ignored=frozenset())))
     trace = trace_for(shim, example, loss, tp)
-    boundary = _boundaries(job, graph, example, trace)
+    boundary = boundaries(job, graph, example, tp=tp)
     input_bytes = 0 if step is None else sum(t.nbytes for t in step.tensors())
     traces = stage_traces(trace, whole, job, boundary)
     last = len(job.parts) - 1
@@ -310,23 +297,6 @@ def estimate_roles(compiled, world: int, **kwargs) -> Estimate:
     binding = max(ests, key=lambda e: e.peak.total)
     return dataclasses.replace(binding, roles=ests, notes=binding.notes + [
         f"the binding rank of {len(ests)} pipeline ranks (the largest peak)"])
-
-
-def _boundaries(job: Job, graph, example, trace) -> list[int]:
-    """Bytes of the activation each stage receives (the output of the previous stage's last module),
-    and last, of the model's output (what the last stage's schedule keeps per microbatch)."""
-    from planc.estimate.flops import step_profile
-    profile = step_profile(graph, example)
-    if profile is None:  # no input: no activations counted
-        return [0] * (len(job.parts) + 1)
-    order = {p: k for k, p in enumerate(profile.order)}
-    out = [0]
-    for part in job.parts[:-1]:
-        tail = max((m for m in part.modules if m in order), key=order.get, default=None)
-        act = profile.outputs.get(tail) if tail is not None else None
-        out.append(act.numel * act.dtype.itemsize if act is not None else 0)
-    act = profile.outputs.get("")
-    return out + [act.numel * act.dtype.itemsize if act is not None else 0]
 
 
 def _replay(part: Part, graph, world: int, optimizer: str, trace: Trace, kept: tuple[int, int], sched: Schedule,

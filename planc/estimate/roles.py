@@ -130,6 +130,46 @@ def stage_world(program: Program, world: int, pp: int) -> int:
     return world if sizes.get("pipeline", 1) == pp and pp > 1 and "pipeline" in sizes else world // pp
 
 
+def whole_program(job: Job) -> Program:
+    """The program of the whole model a pipeline job was cut from: every stage's ops, one root
+    unit over every stage root's parameters (what the one-part trace of the model runs)."""
+    import dataclasses
+
+    ops, root = [], None
+    for part in job.parts:
+        for op in part.program.ops:
+            if isinstance(op, FullyShard) and op.is_root:
+                root = op if root is None else dataclasses.replace(root, params=root.params + op.params)
+            else:
+                ops.append(op)
+    return Program(job.parts[0].program.mesh, tuple(ops) + ((root,) if root is not None else ()))
+
+
+def boundaries(job: Job, graph, inputs=None, input_shape=None, tp: int = 1) -> list[int]:
+    """Bytes one rank holds of the activation each stage receives per microbatch (the output of the
+    previous stage's last module in forward order: as one tensor rank holds it, sharded on the
+    sequence under sequence parallelism, in the compute dtype), then of the model's output (the
+    logits; a tensor rank's share of the vocabulary under loss parallelism). 0s without an input."""
+    from planc.estimate.flops import step_profile, tensor_rank_profile
+
+    whole = whole_program(job)
+    profile = None
+    if tp > 1 and whole.of_type(Parallelize):
+        profile = tensor_rank_profile(graph, whole, inputs, input_shape=input_shape, tp=tp)
+    if profile is None:
+        profile = step_profile(graph, inputs, input_shape=input_shape, dtype=main_dtype(whole, graph))
+    if profile is None:
+        return [0] * (len(job.parts) + 1)
+    order = {p: k for k, p in enumerate(profile.order)}
+    out = [0]
+    for part in job.parts[:-1]:
+        tail = max((m for m in part.modules if m in order), key=order.get, default=None)
+        act = profile.outputs.get(tail) if tail is not None else None
+        out.append(act.numel * act.dtype.itemsize if act is not None else 0)
+    act = profile.outputs.get("")
+    return out + [act.numel * act.dtype.itemsize if act is not None else 0]
+
+
 def estimate_pipeline_time(plan, *, world: int, hardware: "str | Hardware" = "h100", graph=None, profile=None,
                            input_shape: tuple[int, ...] | None = None, inputs=None, loss=None,
                            optimizer: str = "adamw", efficiency: float | None = None) -> PipelineTime:
@@ -153,6 +193,10 @@ def estimate_pipeline_time(plan, *, world: int, hardware: "str | Hardware" = "h1
         profile = step_profile(graph, inputs, input_shape=input_shape, loss=loss, dtype=dtype)
     last = len(job.parts) - 1
     stages = [_stage(part, graph, profile, world, pp, hw, eff, optimizer, part.stage == last) for part in job.parts]
+    tp = (job.parts[0].program.mesh.sizes(stage_world(job.parts[0].program, world, pp)) or {}).get("tensor", 1)
+    if inputs is not None or input_shape is not None:  # what one tensor rank sends (`boundaries`)
+        for st, nbytes in zip(stages, boundaries(job, graph, inputs, input_shape, tp)[1:-1]):
+            st.boundary_bytes = nbytes
     stride = world // pp
     link = hw.link(2 * stride)  # two adjacent pipeline ranks (the convention `collective_s` uses)
     p2p = {(s, s + 1): (link.alpha_s + stages[s].boundary_bytes / link.busbw) if stages[s].boundary_bytes else 0.0
@@ -209,11 +253,6 @@ def _stage(part, graph, profile, world: int, pp: int, hw: Hardware, eff: float, 
     dtype = main_dtype(program, graph)
     rate = hw.flops(str(dtype).replace("torch.", "") if dtype is not None else "float32") * eff
     st.forward_s, st.backward_s = st.forward_flops / rate, st.backward_flops / rate
-    order = {p: k for k, p in enumerate(profile.order)}
-    tail = max((mod for mod in part.modules if mod in order), key=order.get, default=None)
-    out = profile.outputs.get(tail) if tail is not None else None
-    if out is not None and not last:
-        st.boundary_bytes = out.numel * out.dtype.itemsize
     return st
 
 
