@@ -169,7 +169,8 @@ def _expect_memory(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
     except TraceError as exc:
         cause = exc.__cause__
         why = f"{type(cause).__name__}: {_first_line(cause)}" if cause is not None else str(exc)
-        yield err("P504", f"the model did not run on `input = {show_shape(shape)}`: {why}",
+        ran = f"on `input = {show_shape(shape)}`" if shape is not None else "for this estimate"
+        yield err("P504", f"the model did not run {ran}: {why}",
                   s.input_span or s.span, "cannot count activations for this input", (
                       "`input = BxS` runs one forward and backward of the model on token ids of batch B and "
                       "sequence length S; check that the model takes token ids and that S fits it, or remove "
