@@ -16,8 +16,17 @@ import json
 from typing import Any
 
 from planc.estimate.memory import CATEGORIES, Estimate
-from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
-from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, Policy, SetPrefetch, UnitMethod
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, ShardBatch
+from planc.lower.program import (
+    AttendOverContext,
+    Checkpoint,
+    Compile,
+    FullyShard,
+    Parallelize,
+    Policy,
+    SetPrefetch,
+    UnitMethod,
+)
 from planc.resolve.ir import Unit
 from planc.resolve.mesh import Role
 from planc.resolve.options import show_value
@@ -171,15 +180,18 @@ def _mesh(compiled, est: Estimate) -> dict[str, Any]:
     sizes = compiled.mesh.sizes(est.world) or {}
     if compiled.mesh.axis(Role.TENSOR) is not None:
         out["tensor"] = sizes.get("tensor")
+    if compiled.mesh.axis(Role.CONTEXT) is not None:
+        out["context"] = sizes.get("context")
     out["axes"] = [{"axis": a.name, "role": a.role, "size": sizes.get(a.role)} for a in compiled.mesh.device_axes]
     return out
 
 
 # What explain shows: per unit its FSDP settings, prefetch lists and unit methods (from the
 # resolution the ops were lowered from), each parameter's placement per axis (`Parallelize`,
-# `FullyShard`), checkpointing and compile as settings; the one step's estimates.
-READER = Reader("explain", (FullyShard, Parallelize, Checkpoint, Compile, SetPrefetch, UnitMethod),
-                (FORWARD, FULL_BACKWARD), (LossParallel,))
+# `FullyShard`), checkpointing and compile as settings; the one step's estimates (a context plan's
+# `AttendOverContext` and `ShardBatch` are in them: one context rank's step).
+READER = Reader("explain", (FullyShard, Parallelize, AttendOverContext, Checkpoint, Compile, SetPrefetch, UnitMethod),
+                (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 
 def report(compiled, est: Estimate, measured=None, model_ref: str | None = None, step_time=None) -> dict[str, Any]:
@@ -366,6 +378,8 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
     mem = data["memory"]
     mesh = data["mesh"]
     tensor = f" x tensor {mesh['tensor']}" if mesh.get("tensor") is not None else ""
+    if mesh.get("context") is not None:  # FSDP shards over shard x context, flattened
+        tensor = f" (x context {mesh['context']}, one rank's sequence shard traced)" + tensor
     out = [style.bold(f"plan {data['plan']}") + f"  model {data['model'] or '(given)'}  "
            f"world {data['world_size']} (replicate {mesh['replicate']} x shard {mesh['shard']}{tensor})  "
            f"optimizer {data['optimizer']}", ""]

@@ -5,8 +5,7 @@ an error is caught here: a context axis with no module attending over it (P492),
 on a module that is not an attention planc can route (P493), a Hugging Face model that builds
 its rotary positions and causal mask from the whole sequence inside its forward (P494), a
 sequence length that does not cut into 2 x context chunks (P495). Context with a tensor axis
-is not built yet (P496); memory `expect`s of a context plan are not estimated (P497, warning,
-`planc/checks/expect.py`).
+is not built yet (P496); `check --simulate` does not run a context plan's step (P497, warning).
 """
 
 from __future__ import annotations
@@ -152,7 +151,8 @@ def not_simulated(res, worlds: list[int], shape: tuple[int, ...] | None) -> list
     span = origin.span if origin is not None else mesh.span
     found = [sequence_problem(mesh, w, shape, span) for w in worlds] if shape else []
     out = [d for d in found if d is not None][:1]
-    out.append(err("P497", "`--simulate` did not run a step: context parallelism is not yet estimated", span,
-                   "not simulated", (f"the simulated step does not model the context axis (`{axis}`) yet; "
-                                     "`planc.apply` runs it (tests/test_context_dist.py)",), severity="warning"))
+    out.append(err("P497", "`--simulate` did not run a step: context parallelism is not yet simulated", span,
+                   "not simulated", (f"the simulated step does not run the context axis (`{axis}`) yet; "
+                                     "`planc explain` estimates it and `planc.apply` runs it "
+                                     "(tests/test_context_dist.py)",), severity="warning"))
     return out
