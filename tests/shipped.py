@@ -11,10 +11,9 @@ from planc.resolve.mesh import Role
 
 
 def not_estimated(path: pathlib.Path) -> str | None:
-    """Why the estimators refuse the plan at `path` (their readers refuse its job's kinds), or None."""
+    """Why the estimators refuse the plan at `path` (their readers refuse its job's kinds), or None.
+    Context parallelism is estimated."""
     mesh = planc.compile(planc.load(path), None, strict=False).mesh
-    if mesh.axis(Role.CONTEXT) is not None:
-        return "context parallelism is not yet estimated (the estimators refuse AttendOverContext / ShardBatch)"
     if mesh.axis(Role.PIPELINE) is not None:
         return "pipeline plans are not yet estimated (P476: the estimators refuse a job of several parts)"
     if mesh.axis(Role.EXPERT) is not None:

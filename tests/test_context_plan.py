@@ -92,13 +92,16 @@ def _cli(*argv: str) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-def test_shipped_plan_checks_and_estimating_commands_refuse_it_clearly():
-    """`planc check` passes the shipped context plan; `explain` (the estimators refuse the
-    `AttendOverContext` / `ShardBatch` kinds) says so at the plan line, no internal error."""
+def test_shipped_plan_checks_and_explain_estimates_one_context_rank():
+    """`planc check` passes the shipped context plan; `explain` estimates one context rank's step
+    (memory and time: tests/test_context_memory_dist.py and tests/test_time_context.py hold the figures)."""
     assert _cli("check", "plans/zoo-llama-context.plan", "--world-size", "8")[0] == 0
-    code, err = _cli("explain", "plans/zoo-llama-context.plan", "--world-size", "8")
-    assert code == 1 and "internal error" not in err
-    assert "plans/zoo-llama-context.plan:24: context parallelism is not yet estimated" in err
+    code, out = _cli("explain", "plans/zoo-llama-context.plan", "--model", "planc.zoo:llama_tiny", "--world-size", "8",
+                     "--input-shape", "2x64")
+    assert code == 0, out
+    assert "shard x context 2, flattened; one context rank's step" in out
+    assert "one of 2 context ranks: its sequence shard, K/V gathered" in out
+    assert "all-gather 129.00 KiB (context)" in out and "all-reduce 128.00 KiB (context)" in out
 
 
 def test_fmt_writes_the_context_axis_and_style_canonically():

@@ -22,6 +22,7 @@ from planc import zoo
 from planc.analysis.comms import record_collectives
 from planc.analysis.simulate import simulate, zoo_inputs
 from planc.estimate import memory
+from planc.estimate.collectives import context_collectives
 from planc.estimate.flops import count_step, step_profile
 from planc.estimate.hardware import PROFILES, HardwareError, hardware
 from planc.estimate.time import estimate_step_time, main_dtype, owners, tp_collectives, unit_collectives
@@ -84,6 +85,8 @@ def test_collective_bytes_per_unit_equal_a_fake_process_group_step(path):
     for path, cs in tp.items():  # sequence norms' gradient all-reduces run in their unit's post-backward
         where = compiled.program.units[own[path]].name if _style(compiled.program, path) == "sequence" else "tensor"
         predicted[where] = sorted(predicted[where] + [(c.kind, c.phase, c.bytes, c.ranks) for c in cs])
+    for cs in context_collectives(compiled.program, profile, WORLD).values():  # outside any unit's FSDP calls
+        predicted["other"] = sorted(predicted.get("other", []) + [(c.kind, c.phase, c.bytes, c.ranks) for c in cs])
     recorded = collections.defaultdict(list)
     for r in record_collectives(plan, lambda: build_model(ref), WORLD, inputs=lm_inputs):
         recorded[r.unit].append((r.kind, r.phase, r.bytes, r.ranks))

@@ -379,7 +379,7 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
     mesh = data["mesh"]
     tensor = f" x tensor {mesh['tensor']}" if mesh.get("tensor") is not None else ""
     if mesh.get("context") is not None:  # FSDP shards over shard x context, flattened
-        tensor = f" (x context {mesh['context']}, one rank's sequence shard traced)" + tensor
+        tensor = f" (shard x context {mesh['context']}, flattened; one context rank's step)" + tensor
     out = [style.bold(f"plan {data['plan']}") + f"  model {data['model'] or '(given)'}  "
            f"world {data['world_size']} (replicate {mesh['replicate']} x shard {mesh['shard']}{tensor})  "
            f"optimizer {data['optimizer']}", ""]

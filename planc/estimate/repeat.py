@@ -220,7 +220,8 @@ def restore_profile(prof, runs: list[Run]):
     """The full model's `StepProfile` from the short model's (None: the blocks are not copies)."""
     import dataclasses
     prof = dataclasses.replace(prof)
-    tables = ("forward", "recomputed", "recompute_full", "recompute_selective", "backward", "inputs", "outputs")
+    tables = ("forward", "recomputed", "recompute_full", "recompute_selective", "backward", "inputs", "outputs",
+              "attention")
     for run in runs:
         path = [f"{run.container}.{k}" for k in run.keys]
         c0, c1, c2, c3 = path[0], path[1], path[-2], path[-1]
