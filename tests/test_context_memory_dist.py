@@ -2,8 +2,11 @@
 
 The estimate traces one context rank's step on fake tensors (`planc/estimate/context_local.py`:
 its `seq / cp` tokens and their positions; each styled attention gathers K and V over the
-context axis with the runtime's allocations, the gathered K/V kept for backward) and replays
-FSDP2 over the flattened shard x context axis. The oracle is torch's FSDPMemTracker in a real
+context axis with the runtime's allocations, the gathered K/V kept for backward, each query
+chunk's SDPA as the GPU runs it) and replays FSDP2 over the flattened shard x context axis.
+On CPU the runtime's SDPA also keeps a float mask per chunk (GPU's `causal_lower_right` has
+none): the trace of the CPU path (`context_local.CPU_RANK`) equals the tracker byte for byte,
+the estimate is below it by exactly those masks. The oracle is torch's FSDPMemTracker in a real
 step of the same plan (`planc.apply`, `applied.shard_batch`, 2 AdamW steps, the second
 measured), with FSDP's reduce-scatter done as all-reduce + slice (what NCCL allocates; stock
 gloo clones its input, see tests/test_memory_dist.py). zoo Llama tiny, fp32, batch 2 x 64.
@@ -17,7 +20,7 @@ import torch
 from distributed import run
 
 import planc
-from planc.estimate import memory
+from planc.estimate import context_local, memory
 from planc.zoo import llama3
 
 pytestmark = pytest.mark.dist
@@ -33,11 +36,24 @@ def four():
     return run(workers.measure, 4, ("shard x context",))
 
 
-def estimate(name: str, world: int) -> memory.Estimate:
+def estimate(name: str, world: int, cpu_rank: int | None = None) -> memory.Estimate:
+    """The estimate (the GPU path), or with `cpu_rank` the same trace of that context rank's CPU path."""
     with torch.device("meta"):
-        model = llama3.llama_tiny()
-    return memory.estimate(planc.compile(planc.loads(workers.PLANS[name]), model, world), world,
-                           input_shape=workers.SHAPE)
+        model = llama3.llama_tiny()  # a new model, a new graph: no trace cached across modes
+    saved, context_local.CPU_RANK = context_local.CPU_RANK, cpu_rank
+    try:
+        return memory.estimate(planc.compile(planc.loads(workers.PLANS[name]), model, world), world,
+                               input_shape=workers.SHAPE)
+    finally:
+        context_local.CPU_RANK = saved
+
+
+def _mask_bytes(rank: int, cp: int = 2, layers: int = 2) -> int:
+    """Float masks one context rank's CPU attention keeps for backward: C x end per chunk whose
+    prefix is longer than it (C = seq / 2cp), per layer."""
+    chunk = workers.SHAPE[1] // (2 * cp)
+    ends = ((rank + 1) * chunk, (2 * cp - rank) * chunk)
+    return layers * sum(4 * chunk * end for end in ends if end > chunk)
 
 
 MERGED = ("activations", "unsharded_grads", "reduce_scatter")
@@ -50,9 +66,16 @@ def _merged(breakdown: dict) -> dict:
 
 
 def _equal(results, name, world):
-    est = estimate(name, world)
-    assert "one of 2 context ranks" in est.source
+    """Rank by rank, the CPU path's trace equals the tracker byte for byte; the estimate (GPU path)
+    is below it by exactly the float masks SDPA's CPU kernel keeps (`causal_lower_right` on GPU has none)."""
+    gpu = estimate(name, world)
+    assert "one of 2 context ranks" in gpu.source
     for rank, result in enumerate(results):
+        cp_rank = rank % 2  # the context axis is the innermost here
+        est = estimate(name, world, cpu_rank=cp_rank)
+        masks = est.peak.total - gpu.peak.total
+        # with checkpointing only the block being recomputed holds its masks at the peak
+        assert masks == _mask_bytes(cp_rank) // (2 if "checkpoint" in name else 1), (rank, masks)
         real = result[name]
         assert est.peak.total == real["peak"], (rank, est.peak.label, est.peak.bytes, real)
         # the same moment, by category: the tracker files unsharded gradients (and the all-reduce +

@@ -139,9 +139,9 @@ def context_collectives(program: Program, profile, world: int) -> dict[str, list
     `planc/backends/context.py`), per SDPA call the profile saw under the module.
 
     The profile is the whole sequence's step (one data-parallel batch), so each call's key and
-    value there are the gathered ones. Forward: an all-gather of the keys, one of the values (each
-    B x H x S x D after any repeat of KV heads for grouped-query attention, the local heads under
-    tensor parallelism), one of the int64 positions (S); backward: an all-reduce of each of the
+    value there are the gathered ones. Forward: an all-gather of the keys and one of the values
+    (each B x H x S x D after any repeat of KV heads for grouped-query attention, the local heads
+    under tensor parallelism); backward: an all-reduce of each of the
     gathered keys' and values' gradients (the runtime sums them with an all-reduce and keeps its
     own part: gloo has no reduce-scatter along the sequence dim). A checkpointed ancestor reruns
     the forward gathers in backward.
@@ -162,8 +162,6 @@ def context_collectives(program: Program, profile, world: int) -> dict[str, list
         for key, value in calls:
             forward = [Collective("all_gather", "context", cp, t.numel * _itemsize(t.dtype), "forward", op.module,
                                   stride, side="input") for t in (key, value)]
-            forward.append(Collective("all_gather", "context", cp, key.shape[-2] * 8, "forward", op.module, stride,
-                                      side="input"))
             cs += forward
             cs += [Collective("all_reduce", "context", cp, t.numel * _itemsize(t.dtype), "backward", op.module, stride)
                    for t in (key, value) if t.requires_grad]

@@ -7,10 +7,12 @@ attention the plan styles gathers all ranks' keys and values. `shard_example` cu
 example as `AppliedPlan.shard_batch` does; `emulate_context` hooks each styled attention so
 that its causal SDPA runs the runtime's attention (`planc/backends/context.py`) with the
 collectives replaced by local stand-ins that allocate what the real ones do on one rank:
-the all-gather's `cp` receive buffers and their concatenation (keys, values and positions),
-the backward's full-size gradient (an in-place all-reduce) of which the rank keeps a view.
-The runtime is the reference; tests/test_context_memory_dist.py holds the two to the same
-bytes (FSDPMemTracker on real gloo ranks).
+the all-gather's `cp` receive buffers and the whole sequence put in order (keys, values), the
+backward's full-size gradient (an in-place all-reduce) and the rank's two chunks copied out of
+it; each query chunk's SDPA over its prefix of keys as the GPU runs it (`causal_lower_right`,
+no mask). The runtime is the reference: tests/test_context_memory_dist.py holds the CPU path's
+trace (`CPU_RANK`) to FSDPMemTracker on real gloo ranks byte for byte, and the estimate to it
+less exactly the CPU kernel's masks.
 """
 
 from __future__ import annotations
@@ -53,15 +55,17 @@ def shard_example(example, op: ShardBatch, cp: int):
 
 
 def _gather(t: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
-    """`_gather_plain`'s allocations: `cp` receive buffers, the contiguous input, their concatenation."""
+    """`_GatherSequence.forward`'s allocations: `cp` receive buffers, the contiguous input, the
+    whole sequence put in order (one concatenation of `2 x cp` chunks)."""
     parts = [torch.empty_like(t) for _ in range(cp)]
     t.contiguous()
-    return torch.cat(parts, dim)
+    chunk = t.shape[dim] // 2
+    return torch.cat([p.narrow(dim, i * chunk, chunk) for p in parts for i in range(2)], dim)
 
 
 class _GatherSequence(torch.autograd.Function):
     """The runtime's `_GatherSequence` on one rank: gather in forward; in backward the whole
-    gradient made contiguous (then all-reduced in place) and a view of this rank's part."""
+    gradient made contiguous (then all-reduced in place) and this rank's two chunks copied out."""
 
     @staticmethod
     def forward(ctx, t, dim, cp):
@@ -70,18 +74,41 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.contiguous().narrow(ctx.dim, 0, ctx.length), None, None
+        grad = grad.contiguous()
+        chunk = ctx.length // 2
+        return torch.cat([grad.narrow(ctx.dim, 0, chunk), grad.narrow(ctx.dim, chunk, chunk)], ctx.dim), None, None
 
 
-def attention(q, k, v, positions, cp: int):
-    """The runtime's `attention` (`planc/backends/context.py`) with local stand-ins for its collectives."""
+# None: model the GPU path (what planc estimates). A rank: model that context rank's CPU path
+# instead, for comparisons with gloo runs (tests/test_context_memory_dist.py): SDPA's CPU kernel
+# takes an L x S boolean mask for each chunk that does not end its prefix's diagonal and keeps
+# a float copy of it for backward, which the GPU's `causal_lower_right` never builds.
+CPU_RANK: int | None = None
+
+
+def _causal_prefix(q, k, v):
+    """The runtime's `causal_prefix` as it runs on GPU (`causal_lower_right`: the flash kernel, no
+    mask): SDPA on the same shapes, which allocates and saves what the causal kernel does."""
+    length, total = q.shape[-2], k.shape[-2]
+    if CPU_RANK is None or length == total:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mask = torch.ones(length, total, dtype=torch.bool, device=q.device).tril(total - length)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def attention(q, k, v, cp: int):
+    """The runtime's `attention` (`planc/backends/context.py`) on one rank of `cp` (rank 0, or
+    `CPU_RANK`), with local stand-ins for its collectives (the head chunk attends to `rank + 1`
+    chunks of keys, the tail chunk to `2 cp - rank`)."""
+    rank = CPU_RANK or 0
     seq_dim = q.dim() - 2
     keys = _GatherSequence.apply(k, seq_dim, cp)
     values = _GatherSequence.apply(v, seq_dim, cp)
-    key_positions = _gather(positions, 0, cp)
-    scores = (q @ keys.transpose(-1, -2)) / q.shape[-1] ** 0.5
-    scores = scores.masked_fill(positions[:, None] < key_positions[None, :], float("-inf"))
-    return scores.softmax(-1) @ values
+    chunk = q.shape[seq_dim] // 2
+    ends = ((rank + 1) * chunk, (2 * cp - rank) * chunk)
+    outs = [_causal_prefix(q.narrow(seq_dim, i * chunk, chunk), keys.narrow(seq_dim, 0, end),
+                           values.narrow(seq_dim, 0, end)) for i, end in enumerate(ends)]
+    return torch.cat(outs, seq_dim)
 
 
 class _ContextSDPA(TorchFunctionMode):
@@ -92,7 +119,7 @@ class _ContextSDPA(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            return attention(*args[:3], self.positions, self.cp)
+            return attention(*args[:3], self.cp)
         return func(*args, **kwargs)
 
 
