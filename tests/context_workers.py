@@ -60,6 +60,23 @@ PLANS = {
                              "parallel layers.*.attention context\n"),
     "replicate x context": ("mesh (replicate = 2, shard = 1, cp = 2)\nunit layers.*\n"
                             "parallel layers.*.attention context\n"),
+    # heads split over the tensor axis, the sequence over the context axis, FSDP over shard x context
+    "context x tensor": ("mesh (shard = *, context = 2, tensor = 2)\nunit layers.*\n"
+                         "parallel layers.*.attention.{wq,wk,wv} colwise\nparallel layers.*.attention.wo rowwise\n"
+                         "parallel layers.*.feed_forward.{w1,w3} colwise\nparallel layers.*.feed_forward.w2 rowwise\n"
+                         "parallel tok_embeddings replicate\nparallel layers.*.{attention_norm,ffn_norm} replicate\n"
+                         "parallel norm replicate\nparallel output replicate\nparallel layers.*.attention context\n"),
+    # the same with sequence parallelism: between blocks each rank holds 1 / tensor of its sequence shard
+    "context x sequence parallel": (
+        "mesh (shard = *, context = 2, tensor = 2)\nunit layers.*\n"
+        "parallel tok_embeddings rowwise {\n  input replicate\n  output shard(1)\n}\n"
+        "parallel layers.*.{attention_norm,ffn_norm} sequence\n"
+        "parallel layers.*.attention prepare_input {\n  input shard(1)\n  desired_input replicate\n}\n"
+        "parallel layers.*.attention.{wq,wk,wv} colwise\nparallel layers.*.attention.wo rowwise { output shard(1) }\n"
+        "parallel layers.*.feed_forward prepare_input {\n  input shard(1)\n  desired_input replicate\n}\n"
+        "parallel layers.*.feed_forward.{w1,w3} colwise\nparallel layers.*.feed_forward.w2 rowwise { output shard(1) }\n"
+        "parallel norm sequence\nparallel output colwise {\n  input shard(1)\n  output replicate\n}\n"
+        "parallel layers.*.attention context\n"),
 }
 
 
@@ -146,6 +163,11 @@ def launch_two(rank: int, world: int) -> dict:
     return {"attention": attention_worker(rank, world, 16), "context": plan_case(rank, world, "context", 3),
             "context + checkpoint": plan_case(rank, world, "context + checkpoint", 3),
             "context + accumulate": plan_case(rank, world, "context + accumulate", 3)}
+
+
+def launch_tensor(rank: int, world: int) -> dict:
+    """The 4-rank context x tensor launch (2 x 2): heads over the tensor axis, without and with sequence parallelism."""
+    return {name: plan_case(rank, world, name, 3) for name in ("context x tensor", "context x sequence parallel")}
 
 
 def launch_four(rank: int, world: int) -> dict:

@@ -40,6 +40,11 @@ def four():
     return run(context_workers.launch_four, 4)
 
 
+@pytest.fixture(scope="module")
+def tensor():
+    return run(context_workers.launch_tensor, 4)
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
 def test_attention_and_grads_equal_one_process(world, request):
@@ -112,6 +117,17 @@ def test_llama_tiny_replicate_x_context_plan_trains_like_one_process(four):
     _trains_like_one_process(four, "replicate x context", 2)
     assert all(r["replicate x context"]["placements"] == "(Replicate(), Shard(dim=0))" for r in four)
     assert all(r["replicate x context"]["mesh"] == (("replicate", "shard_cp"), (2, 2)) for r in four)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["context x tensor", "context x sequence parallel"])
+def test_llama_tiny_context_x_tensor_plan_trains_like_one_process(tensor, name):
+    """4 ranks, (shard = 1, context = 2, tensor = 2): attention heads split over the tensor axis
+    (colwise q/k/v, rowwise o: each rank gathers its own heads' K/V over the context axis),
+    the sequence over the context axis, FSDP over the flattened shard x context; also with
+    sequence parallelism (each rank holds 1 / tensor of its sequence shard between blocks)."""
+    _trains_like_one_process(tensor, name, 1)
+    assert all(r[name]["mesh"] == (("shard_context", "tensor"), (2, 2)) for r in tensor)
 
 
 @pytest.mark.dist

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 
+import context_workers
 import pytest
 import torch
 
@@ -31,6 +32,9 @@ CASES = {
     "replicate x context 2 x 2": ("mesh (replicate = 2, shard = 1, cp = 2)\n" + BASE, 4),
     "context + checkpoint": ("mesh (shard = *, context = 2)\ncheckpoint layers.*\n" + BASE, 2),
     "context + accumulate": ("mesh (shard = *, context = 2)\nstep { accumulate 2, sync = last }\n" + BASE, 2),
+    # tensor parallelism's activation collectives move a context rank's 1/context of the sequence
+    "context x tensor": (context_workers.PLANS["context x tensor"], 4),
+    "context x sequence parallel": (context_workers.PLANS["context x sequence parallel"], 4),
 }
 
 
@@ -52,11 +56,41 @@ def test_collectives_equal_a_fake_process_group_step(name):
     st, predicted = _predicted(text, world)
     recorded = collections.Counter((r.unit, r.kind, r.phase, r.bytes, r.ranks) for r in record_collectives(
         planc.loads(text), llama3.llama_tiny, world, inputs=zoo_inputs(SHAPE)))
+    if "tensor" in text:  # DTensor's collectives are not attributed to a unit (a sequence norm's are): no units
+        predicted, recorded = (sum((collections.Counter({k[1:]: n}) for k, n in c.items()), collections.Counter())
+                               for c in (predicted, recorded))
     assert predicted == recorded
     context = [c for u in st.per_unit for c in u.collectives if c.axis == "context"]
     assert {c.kind for c in context} == {"all_gather", "all_reduce"}  # the control: the gathers are there
     cp = 4 if name == "context 4" else 2
     assert all(c.ranks == cp for c in context)
+
+
+@pytest.mark.parametrize("name", ["context x tensor", "context x sequence parallel"])
+def test_memory_of_context_x_tensor_equals_a_fake_process_group_step(name):
+    """The trace of one context x tensor rank (local heads, 1 / context of the sequence; the CPU
+    path, `context_local.CPU_RANK`) against FSDPMemTracker on the applied plan in a fake process
+    group. NOTE: the fake-process-group step allocates 1,024 bytes more than the trace in every
+    context case, with or without a tensor axis, where real gloo ranks equal the trace byte for
+    byte (tests/test_context_memory_dist.py); the GPU path's estimate is below by the CPU masks."""
+    from planc.analysis.simulate import simulate
+    from planc.estimate import context_local, memory
+
+    text, world = CASES[name]
+    sim = simulate(planc.loads(text), llama3.llama_tiny, world, inputs=zoo_inputs(SHAPE))
+    peaks = {}
+    for cpu in (0, None):
+        with torch.device("meta"):
+            model = llama3.llama_tiny()
+        context_local.CPU_RANK = cpu
+        try:
+            est = memory.estimate(planc.compile(planc.loads(text), model, world), world, input_shape=SHAPE)
+        finally:
+            context_local.CPU_RANK = None
+        assert "one of 2 tensor-parallel ranks" in est.source and "one of 2 context ranks" in est.source
+        peaks[cpu] = est.peak.total
+    assert sim.peak - peaks[0] == 1024, (sim.peak, peaks)
+    assert 0 < peaks[0] - peaks[None] <= 8192  # the CPU kernel's float masks, 2 layers of local heads
 
 
 def test_a_context_rank_computes_its_share_and_blocks_on_the_gathers():

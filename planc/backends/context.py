@@ -6,8 +6,9 @@ attention has no CPU kernel): each context rank holds `2` of the `2 * cp` sequen
 rank's K and V in forward into the whole sequence in order, sums their gradients in backward
 (an all-reduce; each rank keeps its chunks), and runs each query chunk's causal SDPA over the
 prefix of keys up to its end (lower-right aligned: `causal_lower_right`'s flash kernels on GPU,
-an explicit mask on CPU), so no score matrix is built where SDPA has a fused kernel. A plan reaches it through `parallel SELECTOR context` (`AttendOverContext` ops, run by
-`planc.apply`) and the `ShardBatch` step op (`AppliedPlan.shard_batch` -> `shard_batch` here).
+an explicit mask on CPU), so no score matrix is built where SDPA has a fused kernel. A plan
+reaches it through `parallel SELECTOR context` (`AttendOverContext` ops, run by `planc.apply`)
+and the `ShardBatch` step op (`AppliedPlan.shard_batch` -> `shard_batch` here).
 """
 
 from __future__ import annotations

@@ -456,9 +456,6 @@ CODES: dict[str, Code] = {
                  "must divide by 2 x context.\n\n"
                  "    mesh (shard = *, context = 4)\n    expect memory.peak <= 1GiB at world = 8, input = 2x100   "
                  "# error: 100 % 8 != 0"),
-    "P496": Code("context parallelism with a tensor axis", "planc builds context parallelism with FSDP (over the "
-                 "flattened shard x context axes); with a tensor axis too it is not built or tested yet. Remove the "
-                 "tensor axis and the `parallel` styles, or the context axis."),
     "P497": Code("`--simulate` does not run a context plan's step", "`planc check --simulate` runs one step of "
                  "the applied plan on a fake process group; it does not run context parallelism's sequence cut and "
                  "K/V gathers yet, so a plan with a context axis is not simulated (a warning). The memory and "

@@ -174,8 +174,11 @@ def context_collectives(program: Program, profile, world: int) -> dict[str, list
 # ===================================================================== tensor parallelism
 
 
-def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, list[Collective]]:
+def tp_collectives(program: Program, graph, profile, world: int, cp: int = 1) -> dict[str, list[Collective]]:
     """Module path -> the activation collectives its tensor-parallel style issues (torch 2.13 DTensor).
+
+    With `cp` > 1 (context parallelism cuts each batch's sequence) a rank's activations are 1/cp
+    of the profile's (the whole sequence's): their collectives' bytes are divided by cp.
 
     Modelled (sizes are the full activation, nccl-tests' convention; shapes from the profile):
 
@@ -220,7 +223,7 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
         size = _itemsize(dtype)
 
         def nbytes(a, size=size) -> int:
-            return a.numel * size if a is not None else 0
+            return a.numel * size // cp if a is not None else 0
         in_layout = (style.input_layouts or (None,))[0]
         out_layout = (style.output_layouts or (None,))[0]
         if row.splits == OUT:  # colwise

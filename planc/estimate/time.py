@@ -284,7 +284,7 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
         own = owners(program, graph, set(profile.forward) | set(profile.backward) | set(profile.order) | {""})
         model_flops, fwd_segments, bwd_segments = _compute(program, graph, per_rank or profile,
                                                            (1 if per_rank else tp) * cp, per_unit, own, hw, eff)
-        tp_cs = tp_collectives(program, graph, profile, world)
+        tp_cs = tp_collectives(program, graph, profile, world, cp)
         for path, cs in recompute_collectives(program, profile, tp_cs).items():
             tp_cs[path] = tp_cs[path] + cs
         for path, cs in context_collectives(program, per_rank or profile, world).items():  # blocking, as TP's
