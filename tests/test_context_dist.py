@@ -141,8 +141,13 @@ def test_llama_tiny_emitted_code_trains_like_one_process(four):
 
 
 @pytest.mark.dist
-def test_example_trains_the_shipped_context_plan_under_torchrun():
-    """examples/train.py with plans/zoo-llama-context.plan on 4 gloo ranks (shard 2 x context 2):
+@pytest.mark.parametrize("plan,model,mesh", [
+    ("plans/zoo-llama-context.plan", ["--model", "planc.zoo:llama_tiny"], "'shard': 2, 'context': 2"),
+    ("plans/llama3-8b-long-context-tiny.plan", [], "'context': 2, 'tensor': 2"),
+])
+def test_example_trains_the_shipped_context_plans_under_torchrun(plan, model, mesh):
+    """examples/train.py with a shipped context plan on 4 gloo ranks: shard 2 x context 2, and the
+    long-context plan's tiny sibling (context 2 x tensor 2, sequence and loss parallel, bf16):
     `applied.shard_batch` in the loop, the loss falls."""
     import pathlib
     import re
@@ -150,11 +155,10 @@ def test_example_trains_the_shipped_context_plan_under_torchrun():
     import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           "examples/train.py", "--plan", "plans/zoo-llama-context.plan", "--model", "planc.zoo:llama_tiny",
-           "--steps", "4"]
+           "examples/train.py", "--plan", plan, *model, "--steps", "4", "--seq", "64"]
     out = subprocess.run(cmd, cwd=pathlib.Path(__file__).resolve().parent.parent, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
     assert len(losses) == 4 and losses[-1] < losses[0], out.stdout
-    assert "'shard': 2, 'context': 2" in out.stdout and "applied.shard_batch" in out.stdout  # the summary
+    assert mesh in out.stdout and "applied.shard_batch" in out.stdout  # the summary

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pathlib
 
+import torch
+
 import planc
+from planc import zoo
 from planc.lower.job import ShardBatch
 from planc.lower.program import AttendOverContext, FullyShard
 from planc.resolve.mesh import Mesh, Role
@@ -177,3 +180,31 @@ def test_a_model_whose_forward_takes_no_positions_is_refused():
     c = planc.compile(planc.loads(text), _NoPositions(), 4, strict=False)
     (d,) = c.errors
     assert d.code == "P493" and "`_NoPositions.forward` takes no `positions`" in d.message and d.span.line == 3
+
+
+def _rules(path: str) -> list[str]:
+    """A plan's statements without comments, `model`, `mesh` and `expect` lines."""
+    text = (pathlib.Path(__file__).resolve().parent.parent / path).read_text()
+    return [line for line in text.splitlines()
+            if line.strip() and not line.startswith(("#", "model ", "mesh ", "expect "))]
+
+
+def test_the_long_context_plan_and_its_tiny_sibling_have_the_same_rules():
+    """The tiny sibling (4 ranks, what examples/train.py trains in CI) differs only in model and mesh."""
+    big, tiny = _rules("plans/llama3-8b-long-context.plan"), _rules("plans/llama3-8b-long-context-tiny.plan")
+    assert big == tiny and "parallel layers.*.attention context" in big
+
+
+def test_the_long_context_plan_checks_and_its_bounds_hold_at_131072_tokens():
+    """`planc check` accepts it (its `expect memory` lines at 64 ranks, one 131072-token sequence
+    per context group, are estimated and hold); explain shows the context and tensor degrees."""
+    code, out = _cli("check", "plans/llama3-8b-long-context.plan")
+    assert code == 0 and "warning" not in out and "ok (35 units)" in out, out
+    plan = planc.load(pathlib.Path(__file__).resolve().parent.parent / "plans/llama3-8b-long-context.plan")
+    with torch.device("meta"):
+        model = zoo.llama3_8b()
+    compiled = planc.compile(plan, model, 64)
+    assert compiled.mesh.sizes(64) == {"replicate": 1, "shard": 1, "context": 8, "tensor": 8}
+    est = compiled.memory_at(64, (1, 131072))
+    assert "one of 8 tensor-parallel ranks" in est.source and "one of 8 context ranks" in est.source
+    assert 30 * 2**30 < est.peak.total <= 40 * 2**30  # the plan's bound, and not a vacuous one

@@ -51,8 +51,8 @@ def zoo_plans() -> list[tuple[str, str, str]]:
 
 
 ALL = zoo_plans()
-CASES = [c for c in ALL if not shipped.not_estimated(ROOT / "plans" / c[0])]  # the launch runs these
-PARAMS = shipped.params(ALL, lambda c: ROOT / "plans" / c[0], ids=[c[0] for c in ALL])  # the rest: skipped, visibly
+CASES = [c for c in ALL if not shipped.not_estimated(ROOT / "plans" / c[0], WORLD)]  # the launch runs these
+PARAMS = shipped.params(ALL, lambda c: ROOT / "plans" / c[0], ids=[c[0] for c in ALL], world=WORLD)  # the rest: skipped, visibly
 
 
 def local_storage_bytes(model, names) -> int:

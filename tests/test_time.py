@@ -22,7 +22,6 @@ from planc import zoo
 from planc.analysis.comms import record_collectives
 from planc.analysis.simulate import simulate, zoo_inputs
 from planc.estimate import memory
-from planc.estimate.collectives import context_collectives
 from planc.estimate.flops import count_step, step_profile
 from planc.estimate.hardware import PROFILES, HardwareError, hardware
 from planc.estimate.time import estimate_step_time, main_dtype, owners, tp_collectives, unit_collectives
@@ -36,7 +35,7 @@ import step_inputs  # noqa: E402
 
 PLANS = sorted((ROOT / "plans").glob("*.plan"))
 TINY = {"hf:bert-base": "hf:bert-tiny", "hf:gpt2": "hf:gpt2-tiny", "hf:llama-3-8b": "hf:llama-tiny",
-        "hf:mixtral-8x7b": "hf:mixtral-tiny", "hf:t5-base": "hf:t5-tiny"}
+        "hf:mixtral-8x7b": "hf:mixtral-tiny", "hf:t5-base": "hf:t5-tiny", "planc.zoo:llama3_8b": "planc.zoo:llama_tiny"}
 WORLD = 8
 
 
@@ -67,7 +66,7 @@ def _needs(ref: str) -> None:
 # ===================================================================== bytes, exact
 
 
-@pytest.mark.parametrize("path", shipped.params(PLANS, ids=[p.name for p in PLANS]))
+@pytest.mark.parametrize("path", shipped.params(PLANS, ids=[p.name for p in PLANS], world=WORLD))
 def test_collective_bytes_per_unit_equal_a_fake_process_group_step(path):
     plan = planc.load(path)
     ref = tiny_ref(plan.model_ref)
@@ -80,13 +79,16 @@ def test_collective_bytes_per_unit_equal_a_fake_process_group_step(path):
         example = Example.of(lm_inputs(build_model(ref, device="meta")))
     profile = step_profile(compiled.graph, example, dtype=main_dtype(compiled.program, compiled.graph))
     predicted["tensor"] = []
-    tp = tp_collectives(compiled.program, compiled.graph, profile, WORLD)
+    cp = (compiled.mesh.sizes(WORLD) or {}).get("context", 1)  # a context rank's activations: 1 / cp of them
+    tp = tp_collectives(compiled.program, compiled.graph, profile, WORLD, cp)
     own = owners(compiled.program, compiled.graph, tp)
     for path, cs in tp.items():  # sequence norms' gradient all-reduces run in their unit's post-backward
         where = compiled.program.units[own[path]].name if _style(compiled.program, path) == "sequence" else "tensor"
         predicted[where] = sorted(predicted[where] + [(c.kind, c.phase, c.bytes, c.ranks) for c in cs])
-    for cs in context_collectives(compiled.program, profile, WORLD).values():  # outside any unit's FSDP calls
-        predicted["other"] = sorted(predicted.get("other", []) + [(c.kind, c.phase, c.bytes, c.ranks) for c in cs])
+    if compiled.mesh.axis_name("context") is not None:  # outside any unit's FSDP calls; local heads under TP
+        st = estimate_step_time(compiled, world=WORLD, inputs=example)
+        predicted["other"] = sorted((c.kind, c.phase, c.bytes, c.ranks) for u in st.per_unit for c in u.collectives
+                                    if c.axis == "context")
     recorded = collections.defaultdict(list)
     for r in record_collectives(plan, lambda: build_model(ref), WORLD, inputs=lm_inputs):
         recorded[r.unit].append((r.kind, r.phase, r.bytes, r.ranks))
