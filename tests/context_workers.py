@@ -176,3 +176,39 @@ def launch_four(rank: int, world: int) -> dict:
             **{name: plan_case(rank, world, name, 3) for name in ("shard x context", "replicate x context")},
             **{f"emitted {name}": plan_case(rank, world, name, 3, via="emit")
                for name in ("shard x context", "replicate x context")}}
+
+
+def dcp_case(rank: int, world: int, path: str) -> dict:
+    """One AdamW step of zoo Llama tiny under the shard x context plan (2 x 2), saved with DCP;
+    loaded into a fresh, differently seeded model and optimizer under a plan without the
+    context axis (FSDP over all 4 ranks); both full state dicts (model and optimizer), rank 0's."""
+    import torch.distributed.checkpoint as dcp
+    import torch.nn.functional as F
+    from proof_workers import full_state, sharded_load
+
+    import planc
+    from planc.zoo import llama3
+
+    torch.manual_seed(0)
+    model = llama3.llama_tiny()
+    applied = planc.apply(model, planc.loads(PLANS["shard x context"]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dp_rank, dp = applied.data_parallel_rank()
+    tokens = torch.randint(0, model.config.vocab_size, (2 * dp, 17), generator=torch.Generator().manual_seed(1))
+    mine = tokens[2 * dp_rank:2 * (dp_rank + 1)]
+    batch = applied.shard_batch(mine[:, :-1], mine[:, 1:])
+    F.cross_entropy(model(batch.tokens, positions=batch.positions).flatten(0, 1), batch.labels.flatten()).backward()
+    opt.step()
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    saved = full_state(model, opt)
+
+    torch.manual_seed(1)
+    other = llama3.llama_tiny()
+    planc.apply(other, planc.loads("mesh (shard = *)\nunit layers.*\n"))
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    before = full_state(other, other_opt)
+    sharded_load(other, other_opt, path)
+    return {"saved": saved, "loaded": full_state(other, other_opt), "before": before,
+            "mesh": next(other.parameters()).device_mesh.mesh_dim_names}
