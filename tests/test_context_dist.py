@@ -128,6 +128,16 @@ def test_llama_tiny_context_x_tensor_plan_trains_like_one_process(tensor, name):
     sequence parallelism (each rank holds 1 / tensor of its sequence shard between blocks)."""
     _trains_like_one_process(tensor, name, 1)
     assert all(r[name]["mesh"] == (("shard_context", "tensor"), (2, 2)) for r in tensor)
+    # `planc explain` predicts the embedding's placements on the flattened axis and the tensor axis
+    import planc
+    from planc.analysis.explain import parameter_placements
+    from planc.zoo import llama3
+    with torch.device("meta"):
+        compiled = planc.compile(planc.loads(context_workers.PLANS[name]), llama3.llama_tiny(), 4)
+    predicted = parameter_placements(compiled, 4)["tok_embeddings.weight"]
+    shown = {"Shard(0)": "Shard(dim=0)", "Replicate()": "Replicate()", "_StridedShard(0, sf=2)": "_StridedShard(dim=0, sf=2)"}
+    assert all(r[name]["placements"] == "(" + ", ".join(shown[predicted[a]] for a in ("shard_context", "tensor")) + ")"
+               for r in tensor), (predicted, tensor[0][name]["placements"])
 
 
 @pytest.mark.dist
