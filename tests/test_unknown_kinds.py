@@ -162,6 +162,7 @@ def test_context_kinds_are_run_by_runtime_and_emit_and_refused_by_the_estimators
         run()
 
 
+EXPERT_READERS = {"runtime", "emit"}  # the interpreters with a rule for `DispatchExperts`
 EXPERT_PLAN = ("model planc.zoo:routed_moe_tiny\nmesh (shard = *, expert = 2)\nunit layers.*\n"
                "parallel layers.*.moe.experts expert\n")
 
@@ -176,7 +177,7 @@ def test_expert_kind_is_run_by_runtime_and_emit_and_refused_by_the_estimators(na
         model = routed_moe_tiny()
     compiled = planc.compile(planc.loads(EXPERT_PLAN), model, WORLD)
     run = _interpreters(compiled)[name]
-    if name in CONTEXT_READERS:
+    if name in EXPERT_READERS:
         run()
         return
     with pytest.raises(UnknownKind, match="DispatchExperts"):
