@@ -86,6 +86,12 @@ BENCHMARKS = [
         ("worst_ratio_error", "worst |analytic / measured - 1| (target <= 0.03)"),
         ("within_3_percent", "every case within 3%"),
     ]),
+    ("context_memory.py", "context parallelism's activation reduction, estimated and measured (zoo Llama tiny)", [
+        ("activation_ratio_estimated", "activations with context 2 / without, estimated (2 x 64 per rank)"),
+        ("activation_ratio_measured", "the same, measured (FSDPMemTracker, real gloo ranks)"),
+        ("cpu_path_trace_equals_measured", "the CPU path's trace equals the measured peak, byte for byte"),
+        ("long_sequence_estimates", "estimates at 2 x 2048, 8 ranks, context 1 / 2 / 4 / 8"),
+    ]),
     ("time_validation.py", "step-time model: collective bytes per unit vs a fake-process-group step, FLOPs vs FlopCounterMode", [
         ("plans", "shipped plans checked (tiny configs, rank 0 of 8)"),
         ("plans_equal", "plans whose collectives equal the model's, per unit, kind, phase, bytes and ranks"),

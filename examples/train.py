@@ -161,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                 tokens = batch(step, args.batch, args.seq + 1, vocab, dp_rank, dp_world, args.seed).to(device)
                 part = applied.shard_batch(tokens[:, :-1], tokens[:, 1:])
                 logits = logits_of(model(part.tokens, positions=part.positions))
-                loss = F.cross_entropy(logits.reshape(-1, vocab).float(), part.labels.reshape(-1))
-                loss.backward()
+                with applied.loss_parallel():  # with a tensor axis too, the logits may be sharded on the vocabulary
+                    loss = F.cross_entropy(logits.reshape(-1, vocab).float(), part.labels.reshape(-1))
+                    loss.backward()
             elif pipelined:  # the schedule runs forward and backward; the loss only where the last stage is
                 tokens = batch(step, args.batch, args.seq + 1, vocab, dp_rank, dp_world, args.seed).to(device)
 

@@ -60,6 +60,23 @@ PLANS = {
                              "parallel layers.*.attention context\n"),
     "replicate x context": ("mesh (replicate = 2, shard = 1, cp = 2)\nunit layers.*\n"
                             "parallel layers.*.attention context\n"),
+    # heads split over the tensor axis, the sequence over the context axis, FSDP over shard x context
+    "context x tensor": ("mesh (shard = *, context = 2, tensor = 2)\nunit layers.*\n"
+                         "parallel layers.*.attention.{wq,wk,wv} colwise\nparallel layers.*.attention.wo rowwise\n"
+                         "parallel layers.*.feed_forward.{w1,w3} colwise\nparallel layers.*.feed_forward.w2 rowwise\n"
+                         "parallel tok_embeddings replicate\nparallel layers.*.{attention_norm,ffn_norm} replicate\n"
+                         "parallel norm replicate\nparallel output replicate\nparallel layers.*.attention context\n"),
+    # the same with sequence parallelism: between blocks each rank holds 1 / tensor of its sequence shard
+    "context x sequence parallel": (
+        "mesh (shard = *, context = 2, tensor = 2)\nunit layers.*\n"
+        "parallel tok_embeddings rowwise {\n  input replicate\n  output shard(1)\n}\n"
+        "parallel layers.*.{attention_norm,ffn_norm} sequence\n"
+        "parallel layers.*.attention prepare_input {\n  input shard(1)\n  desired_input replicate\n}\n"
+        "parallel layers.*.attention.{wq,wk,wv} colwise\nparallel layers.*.attention.wo rowwise { output shard(1) }\n"
+        "parallel layers.*.feed_forward prepare_input {\n  input shard(1)\n  desired_input replicate\n}\n"
+        "parallel layers.*.feed_forward.{w1,w3} colwise\nparallel layers.*.feed_forward.w2 rowwise { output shard(1) }\n"
+        "parallel norm sequence\nparallel output colwise {\n  input shard(1)\n  output replicate\n}\n"
+        "parallel layers.*.attention context\n"),
 }
 
 
@@ -148,9 +165,50 @@ def launch_two(rank: int, world: int) -> dict:
             "context + accumulate": plan_case(rank, world, "context + accumulate", 3)}
 
 
+def launch_tensor(rank: int, world: int) -> dict:
+    """The 4-rank context x tensor launch (2 x 2): heads over the tensor axis, without and with sequence parallelism."""
+    return {name: plan_case(rank, world, name, 3) for name in ("context x tensor", "context x sequence parallel")}
+
+
 def launch_four(rank: int, world: int) -> dict:
     """The 4-rank launch: attention at context 4, the 2-D-mesh fact, shard x context and replicate x context plans."""
     return {"attention": attention_worker(rank, world, 16), "fsdp_mesh": fsdp_mesh_worker(rank, world),
             **{name: plan_case(rank, world, name, 3) for name in ("shard x context", "replicate x context")},
             **{f"emitted {name}": plan_case(rank, world, name, 3, via="emit")
                for name in ("shard x context", "replicate x context")}}
+
+
+def dcp_case(rank: int, world: int, path: str) -> dict:
+    """One AdamW step of zoo Llama tiny under the shard x context plan (2 x 2), saved with DCP;
+    loaded into a fresh, differently seeded model and optimizer under a plan without the
+    context axis (FSDP over all 4 ranks); both full state dicts (model and optimizer), rank 0's."""
+    import torch.distributed.checkpoint as dcp
+    import torch.nn.functional as F
+    from proof_workers import full_state, sharded_load
+
+    import planc
+    from planc.zoo import llama3
+
+    torch.manual_seed(0)
+    model = llama3.llama_tiny()
+    applied = planc.apply(model, planc.loads(PLANS["shard x context"]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dp_rank, dp = applied.data_parallel_rank()
+    tokens = torch.randint(0, model.config.vocab_size, (2 * dp, 17), generator=torch.Generator().manual_seed(1))
+    mine = tokens[2 * dp_rank:2 * (dp_rank + 1)]
+    batch = applied.shard_batch(mine[:, :-1], mine[:, 1:])
+    F.cross_entropy(model(batch.tokens, positions=batch.positions).flatten(0, 1), batch.labels.flatten()).backward()
+    opt.step()
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    saved = full_state(model, opt)
+
+    torch.manual_seed(1)
+    other = llama3.llama_tiny()
+    planc.apply(other, planc.loads("mesh (shard = *)\nunit layers.*\n"))
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    before = full_state(other, other_opt)
+    sharded_load(other, other_opt, path)
+    return {"saved": saved, "loaded": full_state(other, other_opt), "before": before,
+            "mesh": next(other.parameters()).device_mesh.mesh_dim_names}

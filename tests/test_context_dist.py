@@ -40,6 +40,11 @@ def four():
     return run(context_workers.launch_four, 4)
 
 
+@pytest.fixture(scope="module")
+def tensor():
+    return run(context_workers.launch_tensor, 4)
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2, 4])
 def test_attention_and_grads_equal_one_process(world, request):
@@ -115,6 +120,27 @@ def test_llama_tiny_replicate_x_context_plan_trains_like_one_process(four):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("name", ["context x tensor", "context x sequence parallel"])
+def test_llama_tiny_context_x_tensor_plan_trains_like_one_process(tensor, name):
+    """4 ranks, (shard = 1, context = 2, tensor = 2): attention heads split over the tensor axis
+    (colwise q/k/v, rowwise o: each rank gathers its own heads' K/V over the context axis),
+    the sequence over the context axis, FSDP over the flattened shard x context; also with
+    sequence parallelism (each rank holds 1 / tensor of its sequence shard between blocks)."""
+    _trains_like_one_process(tensor, name, 1)
+    assert all(r[name]["mesh"] == (("shard_context", "tensor"), (2, 2)) for r in tensor)
+    # `planc explain` predicts the embedding's placements on the flattened axis and the tensor axis
+    import planc
+    from planc.analysis.explain import parameter_placements
+    from planc.zoo import llama3
+    with torch.device("meta"):
+        compiled = planc.compile(planc.loads(context_workers.PLANS[name]), llama3.llama_tiny(), 4)
+    predicted = parameter_placements(compiled, 4)["tok_embeddings.weight"]
+    shown = {"Shard(0)": "Shard(dim=0)", "Replicate()": "Replicate()", "_StridedShard(0, sf=2)": "_StridedShard(dim=0, sf=2)"}
+    assert all(r[name]["placements"] == "(" + ", ".join(shown[predicted[a]] for a in ("shard_context", "tensor")) + ")"
+               for r in tensor), (predicted, tensor[0][name]["placements"])
+
+
+@pytest.mark.dist
 def test_llama_tiny_emitted_code_trains_like_one_process(four):
     """The code `planc emit` prints (`apply_plan`, `shard_batch`) for the shard x context and the
     replicate x context plans trains the same, on the same meshes as `planc.apply`."""
@@ -125,8 +151,13 @@ def test_llama_tiny_emitted_code_trains_like_one_process(four):
 
 
 @pytest.mark.dist
-def test_example_trains_the_shipped_context_plan_under_torchrun():
-    """examples/train.py with plans/zoo-llama-context.plan on 4 gloo ranks (shard 2 x context 2):
+@pytest.mark.parametrize("plan,model,mesh", [
+    ("plans/zoo-llama-context.plan", ["--model", "planc.zoo:llama_tiny"], "'shard': 2, 'context': 2"),
+    ("plans/llama3-8b-long-context-tiny.plan", [], "'context': 2, 'tensor': 2"),
+])
+def test_example_trains_the_shipped_context_plans_under_torchrun(plan, model, mesh):
+    """examples/train.py with a shipped context plan on 4 gloo ranks: shard 2 x context 2, and the
+    long-context plan's tiny sibling (context 2 x tensor 2, sequence and loss parallel, bf16):
     `applied.shard_batch` in the loop, the loss falls."""
     import pathlib
     import re
@@ -134,11 +165,24 @@ def test_example_trains_the_shipped_context_plan_under_torchrun():
     import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           "examples/train.py", "--plan", "plans/zoo-llama-context.plan", "--model", "planc.zoo:llama_tiny",
-           "--steps", "4"]
+           "examples/train.py", "--plan", plan, *model, "--steps", "4", "--seq", "64"]
     out = subprocess.run(cmd, cwd=pathlib.Path(__file__).resolve().parent.parent, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
     assert len(losses) == 4 and losses[-1] < losses[0], out.stdout
-    assert "'shard': 2, 'context': 2" in out.stdout and "applied.shard_batch" in out.stdout  # the summary
+    assert mesh in out.stdout and "applied.shard_batch" in out.stdout  # the summary
+
+
+@pytest.mark.dist
+def test_dcp_saved_under_context_loads_without_it(tmp_path):
+    """A DCP checkpoint saved under shard x context (FSDP over the flattened 4 ranks) loads into a
+    fresh model and optimizer under a plan without the context axis: every entry bit for bit."""
+    from test_checkpoint_dist import assert_identical
+
+    results = run(context_workers.dcp_case, 4, str(tmp_path / "ckpt"))
+    result = results[0]
+    assert result["mesh"] != ("shard_context",)  # really another sharding
+    assert_identical(result["loaded"]["model"], result["saved"]["model"], "model")
+    assert_identical(result["loaded"]["optim"]["state"], result["saved"]["optim"]["state"], "optim/state")
+    assert any(not torch.equal(result["before"]["model"][k], v) for k, v in result["saved"]["model"].items())

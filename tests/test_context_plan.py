@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pathlib
 
+import torch
+
 import planc
+from planc import zoo
 from planc.lower.job import ShardBatch
 from planc.lower.program import AttendOverContext, FullyShard
 from planc.resolve.mesh import Mesh, Role
@@ -92,13 +95,16 @@ def _cli(*argv: str) -> tuple[int, str]:
     return code, err.getvalue()
 
 
-def test_shipped_plan_checks_and_estimating_commands_refuse_it_clearly():
-    """`planc check` passes the shipped context plan; `explain` (the estimators refuse the
-    `AttendOverContext` / `ShardBatch` kinds) says so at the plan line, no internal error."""
+def test_shipped_plan_checks_and_explain_estimates_one_context_rank():
+    """`planc check` passes the shipped context plan; `explain` estimates one context rank's step
+    (memory and time: tests/test_context_memory_dist.py and tests/test_time_context.py hold the figures)."""
     assert _cli("check", "plans/zoo-llama-context.plan", "--world-size", "8")[0] == 0
-    code, err = _cli("explain", "plans/zoo-llama-context.plan", "--world-size", "8")
-    assert code == 1 and "internal error" not in err
-    assert "plans/zoo-llama-context.plan:24: context parallelism is not yet estimated" in err
+    code, out = _cli("explain", "plans/zoo-llama-context.plan", "--model", "planc.zoo:llama_tiny", "--world-size", "8",
+                     "--input-shape", "2x64")
+    assert code == 0, out
+    assert "shard x context 2, flattened; one context rank's step" in out
+    assert "one of 2 context ranks: its sequence shard, K/V gathered" in out
+    assert "all-gather 128.00 KiB (context)" in out and "all-reduce 128.00 KiB (context)" in out
 
 
 def test_fmt_writes_the_context_axis_and_style_canonically():
@@ -174,3 +180,31 @@ def test_a_model_whose_forward_takes_no_positions_is_refused():
     c = planc.compile(planc.loads(text), _NoPositions(), 4, strict=False)
     (d,) = c.errors
     assert d.code == "P493" and "`_NoPositions.forward` takes no `positions`" in d.message and d.span.line == 3
+
+
+def _rules(path: str) -> list[str]:
+    """A plan's statements without comments, `model`, `mesh` and `expect` lines."""
+    text = (pathlib.Path(__file__).resolve().parent.parent / path).read_text()
+    return [line for line in text.splitlines()
+            if line.strip() and not line.startswith(("#", "model ", "mesh ", "expect "))]
+
+
+def test_the_long_context_plan_and_its_tiny_sibling_have_the_same_rules():
+    """The tiny sibling (4 ranks, what examples/train.py trains in CI) differs only in model and mesh."""
+    big, tiny = _rules("plans/llama3-8b-long-context.plan"), _rules("plans/llama3-8b-long-context-tiny.plan")
+    assert big == tiny and "parallel layers.*.attention context" in big
+
+
+def test_the_long_context_plan_checks_and_its_bounds_hold_at_131072_tokens():
+    """`planc check` accepts it (its `expect memory` lines at 64 ranks, one 131072-token sequence
+    per context group, are estimated and hold); explain shows the context and tensor degrees."""
+    code, out = _cli("check", "plans/llama3-8b-long-context.plan")
+    assert code == 0 and "warning" not in out and "ok (35 units)" in out, out
+    plan = planc.load(pathlib.Path(__file__).resolve().parent.parent / "plans/llama3-8b-long-context.plan")
+    with torch.device("meta"):
+        model = zoo.llama3_8b()
+    compiled = planc.compile(plan, model, 64)
+    assert compiled.mesh.sizes(64) == {"replicate": 1, "shard": 1, "context": 8, "tensor": 8}
+    est = compiled.memory_at(64, (1, 131072))
+    assert "one of 8 tensor-parallel ranks" in est.source and "one of 8 context ranks" in est.source
+    assert 30 * 2**30 < est.peak.total <= 40 * 2**30  # the plan's bound, and not a vacuous one

@@ -238,13 +238,13 @@ expect memory.peak <= 1GiB at world = 4
 
 
 @ASYNC
-async def test_hover_on_style_words_and_an_unestimated_context_plan(client):
+async def test_hover_on_style_words_and_the_estimate_of_a_context_plan(client):
     uri, diags = await open_doc(client, CONTEXT)
-    assert [d.code for d in diags] == ["P497"]  # the memory bound is not estimated: a warning
+    assert [d.code for d in diags] == []  # the memory bound is estimated, and holds
     style = await hover(client, uri, CONTEXT, "context\n")
     assert style.startswith("**context**: context parallelism") and "(`context = 2`)" in style
     exp = await hover(client, uri, CONTEXT, "memory.peak")
-    assert "not estimated: context parallelism is not yet estimated" in exp
+    assert "current estimate: **" in exp and "(world 4, activations not counted)" in exp
     tp = "model planc.zoo:llama_tiny\nmesh (shard = *, tensor = 2)\nparallel layers.*.attention.wq colwise\n"
     uri, _ = await open_doc(client, tp)
     assert "torch's `ColwiseParallel`" in await hover(client, uri, tp, "colwise")

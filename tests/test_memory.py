@@ -286,7 +286,7 @@ def _zoo_plans():
 
 
 @pytest.mark.parametrize("name,builder", shipped.params(_zoo_plans(), lambda c: ROOT / "plans" / c[0],
-                                                     ids=[n for n, _ in _zoo_plans()]))
+                                                     ids=[n for n, _ in _zoo_plans()], world=8))
 def test_estimate_within_10_percent_of_simulation_at_8_ranks(name, builder):
     plan = planc.load(ROOT / "plans" / name)
     est = memory.estimate(planc.compile(plan, tiny(builder), 8), 8, input_shape=SHAPE)

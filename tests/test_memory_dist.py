@@ -28,8 +28,9 @@ from distributed import run
 
 import planc
 from planc import zoo
-from planc.analysis.simulate import measure_real, simulate, zoo_inputs
+from planc.analysis.simulate import measure_real, sequence_shard, simulate, zoo_inputs
 from planc.estimate import memory
+from planc.estimate.trace import Example
 
 pytestmark = pytest.mark.dist
 
@@ -50,8 +51,8 @@ def zoo_plans() -> list[tuple[str, str, str]]:
 
 
 ALL = zoo_plans()
-CASES = [c for c in ALL if not shipped.not_estimated(ROOT / "plans" / c[0])]  # the launch runs these
-PARAMS = shipped.params(ALL, lambda c: ROOT / "plans" / c[0], ids=[c[0] for c in ALL])  # the rest: skipped, visibly
+CASES = [c for c in ALL if not shipped.not_estimated(ROOT / "plans" / c[0], WORLD)]  # the launch runs these
+PARAMS = shipped.params(ALL, lambda c: ROOT / "plans" / c[0], ids=[c[0] for c in ALL], world=WORLD)  # the rest: skipped, visibly
 
 
 def local_storage_bytes(model, names) -> int:
@@ -74,12 +75,13 @@ def apply_and_measure(rank: int, world: int, cases) -> dict:
         per_unit = {u.name: local_storage_bytes(model, u.params) for u in applied.compiled.units}
         torch.manual_seed(1)
         inputs = (zoo.example_input(model, *SHAPE),)
-        m = measure_real(model, inputs, loss_context=applied.loss_parallel)
+        m = measure_real(model, sequence_shard(applied, Example.of(inputs)), loss_context=applied.loss_parallel)
         # the same step with gloo's input-cloning reduce-scatter replaced by all-reduce + slice
         torch.manual_seed(0)
         model = zoo.ZOO[builder]()
         again = planc.apply(model, planc.loads(text, filename=name))
-        fixed = measure_real(model, inputs, nccl_like_reduce_scatter=True, loss_context=again.loss_parallel)
+        fixed = measure_real(model, sequence_shard(again, Example.of(inputs)), nccl_like_reduce_scatter=True,
+                             loss_context=again.loss_parallel)
         out[name] = {"units": per_unit, "peak": m.peak, "breakdown": m.breakdown, "moment": m.moment,
                      "peak_nccl_like": fixed.peak}
     return out

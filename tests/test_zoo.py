@@ -289,6 +289,7 @@ def test_zoo_registry_and_frozen_configs():
         "llama",
         "llama_tiny",
         "llama3_405b",
+        "llama3_8b",
         "routed_moe",
         "routed_moe_tiny",
     }
@@ -390,3 +391,10 @@ def test_llama_matches_hugging_face_llama_with_the_same_weights():
     tokens = zoo.example_input(model, batch=2, seq=16)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf(input_ids=tokens).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_llama3_8b_has_the_published_shape():
+    """Meta's Llama 3 8B: 8.03B parameters (embedding and output untied)."""
+    with torch.device("meta"):
+        model = zoo.llama3_8b()
+    assert sum(p.numel() for p in model.parameters()) == 8_030_261_248

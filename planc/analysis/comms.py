@@ -23,13 +23,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from planc.estimate.trace import LossFn, default_loss
-from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
-from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, ShardBatch
+from planc.lower.program import AttendOverContext, Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
 
 # What the recorder runs: the applied plan (the runtime's reader refuses what it cannot
-# apply) and one forward, loss (in `loss_parallel()`) and backward, attributed to the units.
-READER = Reader("the collective recorder", (FullyShard, Parallelize, Checkpoint, Compile, SetPrefetch, UnitMethod),
-                (FORWARD, FULL_BACKWARD), (LossParallel,))
+# apply) and one forward, loss (in `loss_parallel()`) and backward, attributed to the units;
+# with a context axis each microbatch cut by `applied.shard_batch` as a training loop cuts it.
+READER = Reader("the collective recorder",
+                (FullyShard, Parallelize, AttendOverContext, Checkpoint, Compile, SetPrefetch, UnitMethod),
+                (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 # c10d op -> (kind, index of the tensor whose bytes are the nccl-tests size)
 _OPS = {
@@ -144,7 +146,7 @@ def record_collectives(plan, build: Callable[[], nn.Module], world: int, *,
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import planc
-    from planc.analysis.simulate import _skip_sharding_propagation, fake_step_inputs, init_fake
+    from planc.analysis.simulate import _skip_sharding_propagation, fake_step_inputs, init_fake, sequence_shard
     from planc.backends.runtime import apply, build_mesh
 
     _skip_sharding_propagation()
@@ -166,7 +168,7 @@ def record_collectives(plan, build: Callable[[], nn.Module], world: int, *,
                 k = applied.microbatches
                 for mb in range(k):  # the plan's microbatches, each with its gradient sync
                     applied.gradient_sync(mb)
-                    part = example.microbatch(k, mb)
+                    part = sequence_shard(applied, example.microbatch(k, mb))
                     recorder.phase = "forward"
                     pred = model(*part.args, **part.kwargs)
                     with applied.loss_parallel():  # vocabulary-sharded logits (`loss_parallel`), as a training loop's

@@ -16,8 +16,17 @@ import json
 from typing import Any
 
 from planc.estimate.memory import CATEGORIES, Estimate
-from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
-from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, Policy, SetPrefetch, UnitMethod
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, ShardBatch
+from planc.lower.program import (
+    AttendOverContext,
+    Checkpoint,
+    Compile,
+    FullyShard,
+    Parallelize,
+    Policy,
+    SetPrefetch,
+    UnitMethod,
+)
 from planc.resolve.ir import Unit
 from planc.resolve.mesh import Role
 from planc.resolve.options import show_value
@@ -68,7 +77,8 @@ def parameter_placements(compiled, world: int) -> dict[str, dict[str, str]]:
     replicated; `replicate` and `sequence` replicate every parameter below their module
     (torch's `distribute_module` visits the subtree); `prepare_*` styles move none. The
     data-parallel axes (`FullyShard` ops): `Replicate()` on a replicate axis; on the shard axis
-    `Shard(d)` (d = 0, or the `place` dim), `_StridedShard(d, sf=tp)` when tensor parallelism
+    (with a context axis: shard x context flattened, under its flattened name) `Shard(d)` (d = 0,
+    or the `place` dim), `_StridedShard(d, sf=tp)` when tensor parallelism
     already shards d. A parameter no unit manages (ignored) has no data-parallel axis; one no
     style touches, no tensor axis (it is then a DTensor on the data-parallel submesh only).
     """
@@ -88,17 +98,19 @@ def parameter_placements(compiled, world: int) -> dict[str, dict[str, str]]:
                 for canonical in graph.subtree_params(op.module):
                     on_tensor.setdefault(canonical, None)
     out: dict[str, dict[str, str]] = {name: {} for name in graph.params}
+    flat = {joined[0]: name for name, joined in mesh.flattened.items()}  # shard -> shard_context
     for op in program.units:
         placed = dict(op.placements)
         for name in op.params:
             dim = placed.get(name, 0)
             for axis in mesh.dp_axes:
+                shown = flat.get(axis.name, axis.name)
                 if axis.role == "replicate":
-                    out[name][axis.name] = "Replicate()"
+                    out[name][shown] = "Replicate()"
                 elif name in on_tensor and on_tensor[name] == dim and tp > 1:
-                    out[name][axis.name] = f"_StridedShard({dim}, sf={tp})"
+                    out[name][shown] = f"_StridedShard({dim}, sf={tp})"
                 else:
-                    out[name][axis.name] = f"Shard({dim})"
+                    out[name][shown] = f"Shard({dim})"
     for name, dim in on_tensor.items():
         out[name][tensor_axis] = "Replicate()" if dim is None else f"Shard({dim})"  # type: ignore[index]
     return out
@@ -171,15 +183,24 @@ def _mesh(compiled, est: Estimate) -> dict[str, Any]:
     sizes = compiled.mesh.sizes(est.world) or {}
     if compiled.mesh.axis(Role.TENSOR) is not None:
         out["tensor"] = sizes.get("tensor")
+    if compiled.mesh.axis(Role.CONTEXT) is not None:
+        out["context"] = sizes.get("context")
     out["axes"] = [{"axis": a.name, "role": a.role, "size": sizes.get(a.role)} for a in compiled.mesh.device_axes]
+    for name, (shard, context) in compiled.mesh.flattened.items():  # FSDP's one axis: shard x context
+        joined = [a for a in out["axes"] if a["axis"] in (shard, context)]
+        size = (joined[0]["size"] or 0) * (joined[1]["size"] or 0) or None
+        at = out["axes"].index(joined[0])
+        out["axes"] = [a for a in out["axes"] if a not in joined]
+        out["axes"].insert(at, {"axis": name, "role": "shard x context", "size": size})
     return out
 
 
 # What explain shows: per unit its FSDP settings, prefetch lists and unit methods (from the
 # resolution the ops were lowered from), each parameter's placement per axis (`Parallelize`,
-# `FullyShard`), checkpointing and compile as settings; the one step's estimates.
-READER = Reader("explain", (FullyShard, Parallelize, Checkpoint, Compile, SetPrefetch, UnitMethod),
-                (FORWARD, FULL_BACKWARD), (LossParallel,))
+# `FullyShard`), checkpointing and compile as settings; the one step's estimates (a context plan's
+# `AttendOverContext` and `ShardBatch` are in them: one context rank's step).
+READER = Reader("explain", (FullyShard, Parallelize, AttendOverContext, Checkpoint, Compile, SetPrefetch, UnitMethod),
+                (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 
 def report(compiled, est: Estimate, measured=None, model_ref: str | None = None, step_time=None) -> dict[str, Any]:
@@ -372,6 +393,8 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
     mem = data["memory"]
     mesh = data["mesh"]
     tensor = f" x tensor {mesh['tensor']}" if mesh.get("tensor") is not None else ""
+    if mesh.get("context") is not None:  # FSDP shards over shard x context, flattened
+        tensor = f" (shard x context {mesh['context']}, flattened; one context rank's step)" + tensor
     out = [style.bold(f"plan {data['plan']}") + f"  model {data['model'] or '(given)'}  "
            f"world {data['world_size']} (replicate {mesh['replicate']} x shard {mesh['shard']}{tensor})  "
            f"optimizer {data['optimizer']}", ""]

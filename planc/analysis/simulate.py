@@ -233,7 +233,7 @@ def simulate(plan, build: Callable[[], nn.Module], world: int, *, rank: int = 0,
             example = fake_step_inputs(model, inputs, fake)
             schedule = compiled.job.schedule
             return _measure(model, example, optimizer, steps, loss, clip, applied.loss_parallel,
-                            schedule.microbatches, schedule.gradient_sync)
+                            schedule.microbatches, schedule.gradient_sync, lambda part: sequence_shard(applied, part))
     finally:
         dist.destroy_process_group()
 
@@ -297,14 +297,25 @@ def use_all_reduce_slice(model: nn.Module) -> None:
             module.set_custom_reduce_scatter(AllReduceSlice())
 
 
+def sequence_shard(applied, part: Example) -> Example:
+    """`part` (token ids first) as this rank's share under a context axis (`applied.shard_batch`:
+    its tokens' head-tail shard, with `positions=`); as it is without one."""
+    from planc.lower.job import ShardBatch
+    if not applied.compiled.job.step_op(ShardBatch) or not part.args:
+        return part
+    batch = applied.shard_batch(part.args[0])
+    return Example((batch.tokens, *part.args[1:]), {**part.kwargs, "positions": batch.positions})
+
+
 def _measure(model: nn.Module, example: Example, optimizer: str, steps: int, loss: LossFn | None,
              clip: float | None, loss_context=contextlib.nullcontext, microbatches: int = 1,
-             sync: str = "every") -> Measurement:
+             sync: str = "every", shard=lambda part: part) -> Measurement:
     """Run `steps` training steps under the tracker; the last one is measured. The loss and
     backward run inside `loss_context()` (`AppliedPlan.loss_parallel`: vocabulary-sharded logits).
     A step of several microbatches runs each forward and backward on its slice of the batch,
     as a hand-written accumulation loop does: with `sync = "last"`, FSDP2's
-    `set_requires_gradient_sync(False)` before all but the last."""
+    `set_requires_gradient_sync(False)` before all but the last. `shard` cuts each microbatch
+    for this rank (`sequence_shard` under a context axis)."""
     opt = _optimizer(model, optimizer)
     tracker = _tracker_class()(model, opt)
     tracker.track_inputs((example.args, example.kwargs))
@@ -314,7 +325,7 @@ def _measure(model: nn.Module, example: Example, optimizer: str, steps: int, los
             tracker.recording = step == steps - 1
             tracker.reset_mod_stats()  # the tracker refuses a second iteration otherwise
             for mb in range(microbatches):
-                part = example.microbatch(microbatches, mb)
+                part = shard(example.microbatch(microbatches, mb))
                 if sync == "last":
                     model.set_requires_gradient_sync(mb == microbatches - 1)
                 pred = model(*part.args, **part.kwargs)

@@ -3,9 +3,12 @@
 The pattern is the one `/work/shared/docs/pp-ep-cp-facts.md` probed on gloo (torch's ring
 attention has no CPU kernel): each context rank holds `2` of the `2 * cp` sequence chunks
 (chunk `r` and chunk `2 * cp - 1 - r`, "head-tail", so causal work is balanced), gathers every
-rank's K and V in forward, reduce-scatters their gradients in backward, and masks by *global*
-positions. A plan reaches it through `parallel SELECTOR context` (`AttendOverContext` ops, run by
-`planc.apply`) and the `ShardBatch` step op (`AppliedPlan.shard_batch` -> `shard_batch` here).
+rank's K and V in forward into the whole sequence in order, sums their gradients in backward
+(an all-reduce; each rank keeps its chunks), and runs each query chunk's causal SDPA over the
+prefix of keys up to its end (lower-right aligned: `causal_lower_right`'s flash kernels on GPU,
+an explicit mask on CPU), so no score matrix is built where SDPA has a fused kernel. A plan
+reaches it through `parallel SELECTOR context` (`AttendOverContext` ops, run by `planc.apply`)
+and the `ShardBatch` step op (`AppliedPlan.shard_batch` -> `shard_batch` here).
 """
 
 from __future__ import annotations
@@ -60,21 +63,38 @@ def _gather_plain(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
+def _in_order(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """Every rank's head-tail shard (`parts[r]`: chunks `r` and `2cp - 1 - r`) as the whole sequence, in order."""
+    cp = len(parts)
+    chunk = parts[0].shape[dim] // 2
+    return torch.cat([parts[j].narrow(dim, 0, chunk) if j < cp else parts[2 * cp - 1 - j].narrow(dim, chunk, chunk)
+                      for j in range(2 * cp)], dim)
+
+
+def _my_chunks(t: torch.Tensor, dim: int, cp: int, rank: int) -> torch.Tensor:
+    """Chunks `rank` and `2cp - 1 - rank` of the whole sequence `t` (this rank's head-tail shard), a new tensor."""
+    chunk = t.shape[dim] // (2 * cp)
+    return torch.cat([t.narrow(dim, rank * chunk, chunk), t.narrow(dim, (2 * cp - 1 - rank) * chunk, chunk)], dim)
+
+
 class _GatherSequence(torch.autograd.Function):
-    """All-gather along `dim` in forward; in backward, sum the gradient over ranks and keep this rank's part."""
+    """Every rank's head-tail shard gathered into the whole sequence, in order, in forward; in
+    backward the gradient summed over ranks and this rank's two chunks kept."""
 
     @staticmethod
     def forward(ctx, t, dim, group):
-        ctx.dim, ctx.group, ctx.length = dim, group, t.shape[dim]
-        return _gather_plain(t, dim, group)
+        ctx.dim, ctx.group = dim, group
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        return _in_order(parts, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        # NOTE: gloo has no reduce_scatter; all_reduce then narrow sums the same values.
+        # NOTE: all_reduce then this rank's chunks: gloo has no reduce-scatter of a list along
+        # a middle dim; the values are the same (a reduce-scatter would move half the bytes)
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
-        rank = dist.get_rank(ctx.group)
-        return grad.narrow(ctx.dim, rank * ctx.length, ctx.length), None, None
+        return _my_chunks(grad, ctx.dim, dist.get_world_size(ctx.group), dist.get_rank(ctx.group)), None, None
 
 
 def unshard(t: torch.Tensor, dim: int, group=None) -> torch.Tensor:
@@ -86,18 +106,43 @@ def unshard(t: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     return full.index_select(dim, torch.argsort(order))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, group=None) -> torch.Tensor:
-    """Causal attention of this rank's queries over every rank's keys; `q, k, v` are `(..., seq, head_dim)`.
+def causal_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA of `q` (the last `L` positions of a prefix) over the prefix's `k, v` (`S >= L`), causal
+    aligned lower-right: query `i` sees keys up to `S - L + i`.
 
-    `positions` are the global positions of this rank's sequence shard (`shard_positions`).
+    On GPU torch's `causal_lower_right` runs the flash / memory-efficient kernels (no mask, no
+    score matrix). Elsewhere (CPU, fake tensors) SDPA gets the L x S boolean mask, which its CPU
+    kernel keeps for backward (`planc/estimate/context_local.py` models the GPU path).
+    """
+    length, total = q.shape[-2], k.shape[-2]
+    if length == total:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if q.device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(length, total))
+    mask = torch.ones(length, total, dtype=torch.bool, device=q.device).tril(total - length)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
+              group=None) -> torch.Tensor:
+    """Causal attention of this rank's queries over every rank's keys; `q, k, v` are `(..., seq, head_dim)`,
+    this rank's head-tail shard (chunks `r` and `2cp - 1 - r` of `2cp`, `shard_positions`: the
+    `positions` the loop passes, which say no more than that).
+
+    Keys and values are gathered into the whole sequence in order; each of the two query chunks
+    attends to the prefix of keys up to its own end, causal within its diagonal block (SDPA,
+    `causal_prefix`): no score matrix is built where SDPA has a fused kernel.
     """
     seq_dim = q.dim() - 2
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
     keys = _GatherSequence.apply(k, seq_dim, group)
     values = _GatherSequence.apply(v, seq_dim, group)
-    key_positions = _gather_plain(positions, 0, group)
-    scores = (q @ keys.transpose(-1, -2)) / q.shape[-1] ** 0.5
-    scores = scores.masked_fill(positions[:, None] < key_positions[None, :], float("-inf"))
-    return scores.softmax(-1) @ values
+    chunk = q.shape[seq_dim] // 2
+    ends = ((rank + 1) * chunk, (2 * cp - rank) * chunk)  # the end of the head chunk, of the tail chunk
+    outs = [causal_prefix(q.narrow(seq_dim, i * chunk, chunk), keys.narrow(seq_dim, 0, end),
+                          values.narrow(seq_dim, 0, end)) for i, end in enumerate(ends)]
+    return torch.cat(outs, seq_dim)
 
 
 class _ContextSDPA(TorchFunctionMode):

@@ -1,12 +1,12 @@
-"""Context parallelism, statically (P492-P497): the axis, the styled modules, the sequence length.
+"""Context parallelism, statically (P492-P495, P497): the axis, the styled modules, the sequence length.
 
 A context axis cuts every batch along the sequence (`ShardBatch`); what trains wrong without
 an error is caught here: a context axis with no module attending over it (P492), the style
 on a module that is not an attention planc can route (P493), a Hugging Face model that builds
 its rotary positions and causal mask from the whole sequence inside its forward (P494), a
-sequence length that does not cut into 2 x context chunks (P495). Context with a tensor axis
-is not built yet (P496); memory `expect`s of a context plan are not estimated (P497, warning,
-`planc/checks/expect.py`).
+sequence length that does not cut into 2 x context chunks (P495). `check --simulate` does not
+run a context plan's step (P497, warning). Context with a tensor axis is built (heads over the
+tensor axis, with or without sequence parallelism: tests/test_context_dist.py).
 """
 
 from __future__ import annotations
@@ -31,16 +31,6 @@ def _context_axis(ctx: Context):
 
 def _statements(ctx: Context) -> list[tuple[int, st.ParallelStmt]]:
     return [(i, s) for i, s in enumerate(ctx.plan.statements) if isinstance(s, st.ParallelStmt) and is_context(s)]
-
-
-def check_context_tensor(ctx: Context) -> Iterator[Diagnostic]:
-    """P496: a context axis and a tensor axis on one mesh (not built yet)."""
-    mesh = ctx.res.mesh
-    if _context_axis(ctx) is not None and mesh.axis(Role.TENSOR) is not None:
-        yield err("P496", "context parallelism with a tensor axis is not supported yet", mesh.span,
-                  "context and tensor axes",
-                  ("planc builds context parallelism with FSDP: remove the tensor axis (and the `parallel` "
-                   "tensor styles), or the context axis",))
 
 
 def check_context_unused(ctx: Context) -> Iterator[Diagnostic]:
@@ -152,7 +142,8 @@ def not_simulated(res, worlds: list[int], shape: tuple[int, ...] | None) -> list
     span = origin.span if origin is not None else mesh.span
     found = [sequence_problem(mesh, w, shape, span) for w in worlds] if shape else []
     out = [d for d in found if d is not None][:1]
-    out.append(err("P497", "`--simulate` did not run a step: context parallelism is not yet estimated", span,
-                   "not simulated", (f"the simulated step does not model the context axis (`{axis}`) yet; "
-                                     "`planc.apply` runs it (tests/test_context_dist.py)",), severity="warning"))
+    out.append(err("P497", "`--simulate` did not run a step: context parallelism is not yet simulated", span,
+                   "not simulated", (f"the simulated step does not run the context axis (`{axis}`) yet; "
+                                     "`planc explain` estimates it and `planc.apply` runs it "
+                                     "(tests/test_context_dist.py)",), severity="warning"))
     return out

@@ -9,13 +9,13 @@ from __future__ import annotations
 from typing import Iterator
 
 from planc.checks.context import Context, err
+from planc.checks.context_parallel import sequence_problem
 from planc.checks.experts import not_estimated as experts_not_estimated
 from planc.checks.mesh import too_many_ranks
 from planc.diagnostics import Diagnostic, suggestion
 from planc.lang import syntax as st
 from planc.limits import MAX_RANKS
 from planc.quantities import show_bytes, show_shape
-from planc.resolve.mesh import Role
 from planc.resolve.selectors import match_modules
 from planc.resolve.step import MicrobatchError, check_splits
 
@@ -133,12 +133,6 @@ def _expect_memory(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
         from planc.checks.pipeline import not_estimated
         yield not_estimated(ctx.res.pipeline, s.span, f"`expect {s.metric}` was not checked")
         return
-    context = ctx.res.mesh.axis(Role.CONTEXT)
-    if context is not None:  # the estimators refuse the job's `ShardBatch` (planc/lower/job.py: Reader)
-        yield err("P497", f"`expect {s.metric}` was not checked: context parallelism is not yet estimated", s.span,
-                  "not estimated", (f"the memory model does not model the context axis (`{context}`) yet; check this "
-                                    "bound on a real run",), severity="warning")
-        return
     if ctx.res.experts:  # the estimators refuse `DispatchExperts` (planc/lower/job.py: Reader)
         yield experts_not_estimated(ctx.res, f"`expect {s.metric}` was not checked", s.span)
         return
@@ -149,6 +143,8 @@ def _expect_memory(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
                   ("add `at world = N` to the line, or pass `--world-size N`",), severity="warning")
         return
     shape = s.input_shape
+    if shape is not None and sequence_problem(ctx.res.mesh, world, shape, None) is not None:
+        return  # the context axis cannot cut this sequence: P495 says so (`check_context_sequence`)
     if shape is None and s.metric == "memory.activations":
         yield err("P503", f"`expect {s.metric}` was not checked: no input shape", s.span,
                   "activations depend on the input",

@@ -16,7 +16,6 @@ from planc.checks.context import MEMORY, MODEL, WORLD, Check, Context
 from planc.checks.context_parallel import (
     check_context_modules,
     check_context_sequence,
-    check_context_tensor,
     check_context_unused,
 )
 from planc.checks.expect import METRICS, check_expects, check_memory_expects, check_metric_lines, metric_problems
@@ -91,7 +90,6 @@ CHECKS: tuple[Check, ...] = (
     Check(check_replicated_head_params, _MODEL),
     Check(check_fused_colwise, _MODEL),
     Check(check_tied_placements, _MODEL),
-    Check(check_context_tensor),
     Check(check_context_unused, _MODEL),
     Check(check_context_modules, _MODEL),
     Check(check_context_sequence),

@@ -456,12 +456,10 @@ CODES: dict[str, Code] = {
                  "must divide by 2 x context.\n\n"
                  "    mesh (shard = *, context = 4)\n    expect memory.peak <= 1GiB at world = 8, input = 2x100   "
                  "# error: 100 % 8 != 0"),
-    "P496": Code("context parallelism with a tensor axis", "planc builds context parallelism with FSDP (over the "
-                 "flattened shard x context axes); with a tensor axis too it is not built or tested yet. Remove the "
-                 "tensor axis and the `parallel` styles, or the context axis."),
-    "P497": Code("context parallelism is not yet estimated", "planc's memory and step-time models do not model "
-                 "context parallelism yet (the sequence-sharded activations, the gathered keys and values); an "
-                 "`expect memory...` line of a plan with a context axis is not checked.", "warning"),
+    "P497": Code("`--simulate` does not run a context plan's step", "`planc check --simulate` runs one step of "
+                 "the applied plan on a fake process group; it does not run context parallelism's sequence cut and "
+                 "K/V gathers yet, so a plan with a context axis is not simulated (a warning). The memory and "
+                 "step-time estimates model it (`planc explain`, `expect memory...` lines).", "warning"),
     # --- expectations (P5xx)
     "P425": Code("trains differently from one process", "`planc check --verify` trained the plan on a small "
                  "twin of the model on local processes (gloo, the smallest world that keeps every mesh axis "

@@ -1,9 +1,10 @@
 """Collectives of one step: what each FSDP unit and tensor-parallel style moves, exact bytes, and a collective's time.
 
 `unit_collectives` gives each `fully_shard` unit's all-gathers, reduce-scatters, all-reduces and
-host copies (torch 2.13 FSDP2's sizes); `tp_collectives` each tensor-parallel style's activation
-collectives; `recompute_collectives` what checkpointing reruns; `collective_s` the alpha-beta time
-of one on a `Hardware`. The step-time model (`planc/estimate/time.py`) schedules them.
+host copies (torch 2.13 FSDP2's sizes, over the flattened shard x context ranks with a context
+axis); `tp_collectives` each tensor-parallel style's activation collectives; `context_collectives`
+each context-parallel attention's K/V gathers; `recompute_collectives` what checkpointing reruns;
+`collective_s` the alpha-beta time of one on a `Hardware`. The step-time model (`planc/estimate/time.py`) schedules them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from planc.estimate.hardware import Hardware
 from planc.lower.fsdp import compute_dtypes, fsdp_shape, reshard_group, shard_numel
 from planc.lower.job import Schedule
 from planc.lower.lowering import tensor_dims
-from planc.lower.program import Checkpoint, FullyShard, Parallelize, Program
+from planc.lower.program import AttendOverContext, Checkpoint, FullyShard, Parallelize, Program
 from planc.resolve.styles import IN, OUT, STYLES
 
 
@@ -66,7 +67,8 @@ def unit_collectives(program: Program, graph, world: int, schedule: Schedule | N
     collective (`foreach_all_gather`), the reduce-scatter all its gradients.
     """
     sizes = program.mesh.sizes(world) or {"shard": world}
-    replicate, shard, tp = sizes.get("replicate", 1), sizes.get("shard", 1), sizes.get("tensor", 1)
+    replicate, tp = sizes.get("replicate", 1), sizes.get("tensor", 1)
+    shard = sizes.get("shard", 1) * sizes.get("context", 1)  # FSDP shards over shard x context, flattened
     tp_dims = tensor_dims(program, graph) if tp > 1 else {}
     out: list[list[Collective]] = []
     for op in program.units:
@@ -129,11 +131,54 @@ def totals(units: Iterable) -> dict[str, dict[str, int]]:
     return out
 
 
+# ===================================================================== context parallelism
+
+
+def context_collectives(program: Program, profile, world: int) -> dict[str, list[Collective]]:
+    """Module path -> the collectives its `context` style issues on one context rank (the runtime's,
+    `planc/backends/context.py`), per SDPA call the profile saw under the module.
+
+    The profile is the whole sequence's step (one data-parallel batch), so each call's key and
+    value there are the gathered ones. Forward: an all-gather of the keys and one of the values
+    (each B x H x S x D after any repeat of KV heads for grouped-query attention, the local heads
+    under tensor parallelism); backward: an all-reduce of each of the
+    gathered keys' and values' gradients (the runtime sums them with an all-reduce and keeps its
+    own part: gloo has no reduce-scatter along the sequence dim). A checkpointed ancestor reruns
+    the forward gathers in backward.
+    """
+    sizes = program.mesh.sizes(world) or {}
+    cp = sizes.get("context", 1)
+    ops = program.of_type(AttendOverContext)
+    if cp <= 1 or not ops or profile is None:
+        return {}
+    stride = sizes.get("tensor", 1)  # the context axis sits outside the tensor axis
+    checkpointed = _ancestors_in({op.module for op in program.of_type(Checkpoint)}, [op.module for op in ops])
+    out: dict[str, list[Collective]] = {}
+    for op in ops:
+        prefix = op.module + "."
+        calls = [kv for path, kvs in profile.attention.items() if path == op.module or path.startswith(prefix)
+                 for kv in kvs]
+        cs: list[Collective] = []
+        for key, value in calls:
+            forward = [Collective("all_gather", "context", cp, t.numel * _itemsize(t.dtype), "forward", op.module,
+                                  stride, side="input") for t in (key, value)]
+            cs += forward
+            cs += [Collective("all_reduce", "context", cp, t.numel * _itemsize(t.dtype), "backward", op.module, stride)
+                   for t in (key, value) if t.requires_grad]
+            if checkpointed.get(op.module):
+                cs += [dataclasses.replace(c, phase="backward", what=f"{op.module} (recompute)") for c in forward]
+        out[op.module] = cs
+    return out
+
+
 # ===================================================================== tensor parallelism
 
 
-def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, list[Collective]]:
+def tp_collectives(program: Program, graph, profile, world: int, cp: int = 1) -> dict[str, list[Collective]]:
     """Module path -> the activation collectives its tensor-parallel style issues (torch 2.13 DTensor).
+
+    With `cp` > 1 (context parallelism cuts each batch's sequence) a rank's activations are 1/cp
+    of the profile's (the whole sequence's): their collectives' bytes are divided by cp.
 
     Modelled (sizes are the full activation, nccl-tests' convention; shapes from the profile):
 
@@ -178,7 +223,7 @@ def tp_collectives(program: Program, graph, profile, world: int) -> dict[str, li
         size = _itemsize(dtype)
 
         def nbytes(a, size=size) -> int:
-            return a.numel * size if a is not None else 0
+            return a.numel * size // cp if a is not None else 0
         in_layout = (style.input_layouts or (None,))[0]
         out_layout = (style.output_layouts or (None,))[0]
         if row.splits == OUT:  # colwise

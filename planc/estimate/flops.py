@@ -93,6 +93,8 @@ class StepProfile:
     outputs: dict[str, Activation] = field(default_factory=dict)
     spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # path -> its first forward's op range
     stops: dict[str, int] = field(default_factory=dict)          # path -> where checkpoint's recompute stops
+    attention: dict[str, list] = field(default_factory=dict)     # path -> (key, value) `Activation`s of each
+    #                                                              SDPA it calls in forward (context parallelism gathers them)
     tokens: int | None = None                                     # batch x sequence of token-id inputs
     source: str = ""
 
@@ -119,6 +121,8 @@ def _counter_class():
             self._on_flops = on_flops
 
         def _count_flops(self, func_packet, out, args, kwargs):
+            if "scaled_dot_product" in str(func_packet) and len(args) > 2:
+                self._on_attention(args[1], args[2], self.mod_tracker.parents)
             if func_packet in self.flop_registry:
                 n = self.flop_registry[func_packet](*args, **kwargs, out_val=out)
                 self._on_flops(func_packet, n, self.mod_tracker.parents)
@@ -152,6 +156,11 @@ def count_step(model: torch.nn.Module, example: Example, loss: LossFn | None = N
         if phase[0] == "forward":
             events.append((-1, False))
         return t
+
+    def on_attention(key, value, parents):
+        if phase[0] == "forward":
+            prof.attention.setdefault(path_of(parents), []).append(
+                tuple(Activation(tuple(t.shape), t.dtype, t.requires_grad) for t in (key, value)))
 
     def on_flops(func, n, parents):
         path = path_of(parents)
@@ -191,6 +200,7 @@ def count_step(model: torch.nn.Module, example: Example, loss: LossFn | None = N
         handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
     step_loss = loss or default_loss(model)
     counter = _counter_class()(on_flops)
+    counter._on_attention = on_attention
     try:
         with counter, warnings.catch_warnings():
             warnings.simplefilter("ignore")

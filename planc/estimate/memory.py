@@ -48,6 +48,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from planc.estimate.context_local import context_degree, shard_example
 from planc.estimate.trace import Example, Trace, TraceError, default_input, trace_for
 from planc.limits import rank_count
 from planc.lower.fsdp import (
@@ -61,9 +62,18 @@ from planc.lower.fsdp import (
     root_index,
     shard_numel,
 )
-from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, Schedule, step_schedule
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, Schedule, ShardBatch, step_schedule
 from planc.lower.lowering import tensor_dims
-from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, Program, SetPrefetch, UnitMethod
+from planc.lower.program import (
+    AttendOverContext,
+    Checkpoint,
+    Compile,
+    FullyShard,
+    Parallelize,
+    Program,
+    SetPrefetch,
+    UnitMethod,
+)
 
 # "adamw"/"adam": torch's foreach implementation (the default); "*_fused": fused=True.
 OPTIMIZERS = ("adamw", "adamw_fused", "adam", "adam_fused", "sgd", "none")
@@ -489,10 +499,13 @@ class _Replay:
 
 
 # What the memory model plays: the units' FSDP state (`FullyShard`, their prefetch lists), the
-# tensor split of parameters (`Parallelize`), checkpointing and the loss through the trace;
-# `compile` and unit methods (gradient divide factor, sum reduction) change no byte of it.
-READER = Reader("the memory estimate", (FullyShard, Parallelize, Checkpoint, Compile, SetPrefetch, UnitMethod),
-                (FORWARD, FULL_BACKWARD), (LossParallel,))
+# tensor split of parameters (`Parallelize`), checkpointing and the loss through the trace, the
+# sequence cut (`ShardBatch`: one context rank's shard is traced) and the K/V gathers
+# (`AttendOverContext`, in the trace); `compile` and unit methods (gradient divide factor, sum
+# reduction) change no byte of it.
+READER = Reader("the memory estimate",
+                (FullyShard, Parallelize, AttendOverContext, Checkpoint, Compile, SetPrefetch, UnitMethod),
+                (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 
 def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
@@ -532,7 +545,11 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
         inputs = default_input(graph.model, input_shape)
     step = None if inputs is None else Example.of(inputs)
     example = None if step is None else step.microbatch(job.schedule.microbatches)
-    trace = trace_for(compiled, example, loss, (program.mesh.sizes(world) or {}).get("tensor", 1))
+    cp = context_degree(job, world)
+    if step is not None and cp > 1:  # one context rank's share of the sequence, with its positions
+        op = job.step_op(ShardBatch)[0]
+        step, example = shard_example(step, op, cp), shard_example(example, op, cp)
+    trace = trace_for(compiled, example, loss, (program.mesh.sizes(world) or {}).get("tensor", 1), cp=cp)
     mem = unit_memory(program, graph, world, optimizer)
     replicated = sum(graph.params[n].nbytes for n in _replicated_params(program, graph))
     buffers = buffer_bytes(graph)

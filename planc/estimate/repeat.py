@@ -27,13 +27,15 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from planc.estimate.trace import Event
-from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
-from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, ShardBatch
+from planc.lower.program import AttendOverContext, Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
 
-# What makes blocks' traced events equal: their units, checkpointing and tensor styles (in
-# `_signature`); compile, prefetch lists and unit methods change no traced byte.
-READER = Reader("the repeated-block trace", (FullyShard, Parallelize, Checkpoint, Compile, SetPrefetch, UnitMethod),
-                (FORWARD, FULL_BACKWARD), (LossParallel,))
+# What makes blocks' traced events equal: their units, checkpointing, tensor and context styles
+# (in `_signature`); compile, prefetch lists and unit methods change no traced byte, nor does the
+# sequence cut (every block sees the same shard).
+READER = Reader("the repeated-block trace",
+                (FullyShard, Parallelize, AttendOverContext, Checkpoint, Compile, SetPrefetch, UnitMethod),
+                (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 MIN_RUN = 5  # blocks: the two first, the two last, and at least one written out
 
@@ -70,6 +72,7 @@ def _signature(compiled, path: str, unit) -> tuple | None:
     buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in mod.named_buffers())
     checkpoints = tuple(sorted((rel(op.module), op.mode) for op in program.of_type(Checkpoint) if inside(op.module)))
     styles = tuple(sorted((rel(op.module), repr(op.style)) for op in program.of_type(Parallelize) if inside(op.module)))
+    styles += tuple(sorted((rel(op.module), "context") for op in program.of_type(AttendOverContext) if inside(op.module)))
     ignored = tuple(sorted(rel(p) for p in compiled.resolution.ignored if inside(p)))
     return type(mod), params, buffers, unit.policy.precision, checkpoints, styles, ignored
 
@@ -217,7 +220,8 @@ def restore_profile(prof, runs: list[Run]):
     """The full model's `StepProfile` from the short model's (None: the blocks are not copies)."""
     import dataclasses
     prof = dataclasses.replace(prof)
-    tables = ("forward", "recomputed", "recompute_full", "recompute_selective", "backward", "inputs", "outputs")
+    tables = ("forward", "recomputed", "recompute_full", "recompute_selective", "backward", "inputs", "outputs",
+              "attention")
     for run in runs:
         path = [f"{run.container}.{k}" for k in run.keys]
         c0, c1, c2, c3 = path[0], path[1], path[-2], path[-1]

@@ -20,13 +20,15 @@ from torch import nn
 from planc.lower.fsdp import fsdp_shape
 from planc.lower.job import Reader
 from planc.lower.lowering import tensor_dims
-from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
+from planc.lower.program import AttendOverContext, Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
 from planc.resolve.styles import STYLES
 from planc.resolve.tensor import Layout
 
-# The tensor split is `Parallelize`'s alone: FSDP, checkpointing, compile, prefetch lists and
-# unit methods leave a tensor rank's local shapes and layouts as they are.
-READER = Reader("the tensor-local emulation", (FullyShard, Parallelize, Checkpoint, Compile, SetPrefetch, UnitMethod))
+# The tensor split is `Parallelize`'s alone: FSDP, checkpointing, the context gathers
+# (`context_local.py`), compile, prefetch lists and unit methods leave a tensor rank's local
+# shapes and layouts as they are.
+READER = Reader("the tensor-local emulation",
+                (FullyShard, Parallelize, AttendOverContext, Checkpoint, Compile, SetPrefetch, UnitMethod))
 
 
 def local_shapes(program, graph, tp: int) -> dict[str, tuple[int, ...]]:

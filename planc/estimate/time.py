@@ -82,6 +82,7 @@ from planc.estimate.collectives import (  # noqa: F401  (re-exported: the step-t
     _itemsize,
     _Net,
     collective_s,
+    context_collectives,
     recompute_collectives,
     totals,
     tp_collectives,
@@ -92,9 +93,18 @@ from planc.estimate.hardware import hardware as hardware_of
 from planc.lower import fsdp as fsdp_rules
 from planc.lower.fsdp import compute_dtypes, default_backward_prefetch, fsdp_shape, root_index, shard_numel
 from planc.lower.fsdp import owners as fsdp_owners
-from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, Schedule, step_schedule
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, Schedule, ShardBatch, step_schedule
 from planc.lower.lowering import tensor_dims
-from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, Program, SetPrefetch, UnitMethod
+from planc.lower.program import (
+    AttendOverContext,
+    Checkpoint,
+    Compile,
+    FullyShard,
+    Parallelize,
+    Program,
+    SetPrefetch,
+    UnitMethod,
+)
 from planc.resolve.step import check_splits
 
 PHASES = ("forward", "backward", "optimizer")
@@ -203,15 +213,23 @@ def _assumptions(hw: Hardware, eff: float, tp: int) -> list[str]:
     ]
 
 
+BLOCKING_AXES = ("tensor", "context")  # activation collectives: compute waits for them (not FSDP's overlap)
+_CONTEXT_NOTE = ("context parallelism ({cp} ranks): a rank computes 1/{cp} of its batch's FLOPs (the head-tail cut "
+                 "balances causal attention; the math attention computes its shard's scores against every key); "
+                 "each styled attention's K/V all-gathers and their gradients' all-reduces on the context axis block "
+                 "compute, as tensor-parallel collectives do")
 OUTSIDE = "(outside units)"  # the row of compute no unit owns (plans with `root none`)
 OPTIMIZER_BYTES = {"adamw": 7, "adam": 7, "adamw_fused": 7, "adam_fused": 7, "sgd": 3, "none": 0}
 
 
 # What the step time plays: the units' collectives and prefetch order, the tensor styles'
-# collectives and FLOP split, checkpointing's recompute, the loss in the traced profile;
-# `compile` and unit methods are not modelled (the efficiency factor stands for kernels).
-READER = Reader("the step-time estimate", (FullyShard, Parallelize, Checkpoint, Compile, SetPrefetch, UnitMethod),
-                (FORWARD, FULL_BACKWARD), (LossParallel,))
+# collectives and FLOP split, the context styles' K/V gathers (`AttendOverContext`) and the
+# sequence cut (`ShardBatch`: a rank computes 1 / context of its batch's FLOPs), checkpointing's
+# recompute, the loss in the traced profile; `compile` and unit methods are not modelled (the
+# efficiency factor stands for kernels).
+READER = Reader("the step-time estimate",
+                (FullyShard, Parallelize, AttendOverContext, Checkpoint, Compile, SetPrefetch, UnitMethod),
+                (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 
 def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100", profile=None, graph=None,
@@ -247,6 +265,9 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
         profile = step_profile(graph, inputs, input_shape=input_shape, loss=loss, dtype=main_dtype(program, graph))
     sizes = program.mesh.sizes(world) or {"shard": world}
     tp = sizes.get("tensor", 1)
+    cp = sizes.get("context", 1) if any(True for _ in program.of_type(AttendOverContext)) else 1
+    if cp > 1:
+        notes.append(_CONTEXT_NOTE.format(cp=cp))
     units = program.units
     fsdp = unit_collectives(program, graph, world, schedule)
     per_unit = [UnitTime(u.name, i, list(cs)) for i, (u, cs) in enumerate(zip(units, fsdp))]
@@ -267,11 +288,13 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
         if note:
             notes.append(note)
         own = owners(program, graph, set(profile.forward) | set(profile.backward) | set(profile.order) | {""})
-        model_flops, fwd_segments, bwd_segments = _compute(program, graph, per_rank or profile, 1 if per_rank else tp,
-                                                           per_unit, own, hw, eff)
-        tp_cs = tp_collectives(program, graph, profile, world)
+        model_flops, fwd_segments, bwd_segments = _compute(program, graph, per_rank or profile,
+                                                           (1 if per_rank else tp) * cp, per_unit, own, hw, eff)
+        tp_cs = tp_collectives(program, graph, profile, world, cp)
         for path, cs in recompute_collectives(program, profile, tp_cs).items():
             tp_cs[path] = tp_cs[path] + cs
+        for path, cs in context_collectives(program, per_rank or profile, world).items():  # blocking, as TP's
+            tp_cs[path] = tp_cs.get(path, []) + cs
         tp_cs = {path: [dataclasses.replace(c, times=k) for c in cs] for path, cs in tp_cs.items()}
         for path, cs in tp_cs.items():
             per_unit[own.get(path, root if root is not None else len(units))].collectives.extend(cs)
@@ -291,7 +314,7 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     total_s += tp_s
     compute_s_all = compute_s
     on_device = on_host = 0
-    shard = sizes.get("shard", 1)
+    shard = sizes.get("shard", 1) * sizes.get("context", 1)  # FSDP's group: shard x context, flattened
     split = tensor_dims(program, graph) if tp > 1 else {}  # a parameter no rule splits is whole on every tensor rank
     for u in units:
         n = sum(shard_numel(fsdp_shape(graph.params[name].shape, split.get(name), tp), shard)
@@ -306,7 +329,7 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     exposed = max(0.0, total_s - compute_s_all - optimizer_s)
     tokens = None
     if profile is not None and profile.tokens:
-        tokens = profile.tokens * k * (world // tp)
+        tokens = profile.tokens * k * (world // (tp * cp))
     return StepTime(world, hw, per_unit, compute_s_all, net.busy + tp_s, exposed, optimizer_s, total_s, tokens,
                     model_flops, _assumptions(hw, eff, tp) + notes, efficiency=eff, tp=tp, order=order)
 
@@ -421,7 +444,8 @@ class _Overlap:
         self.compute_s += seconds
 
     def cols(self, i: int, kind: str, phase: str) -> list[Collective]:
-        return [c for c in self.per_unit[i].collectives if c.kind == kind and c.phase == phase and c.axis != "tensor"]
+        return [c for c in self.per_unit[i].collectives if c.kind == kind and c.phase == phase
+                and c.axis not in BLOCKING_AXES]
 
     def gather(self, i: int, phase: str, ready: float) -> float:
         """Issue unit i's all-gather (after its host copy, if offloaded); returns when it is done."""

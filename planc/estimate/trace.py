@@ -22,16 +22,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from planc.lower.fsdp import root_index, unit_of_module
-from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
-from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, ShardBatch
+from planc.lower.program import AttendOverContext, Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
 from planc.resolve.step import MicrobatchError, check_splits  # noqa: F401  (MicrobatchError: re-exported)
 
 # What the trace records: the units' hooks (`FullyShard`), checkpointing, each tensor style's
 # local shapes and layouts; prefetch lists, `compile` and unit methods change no byte it records
 # (the memory replay plays the prefetches). One forward and one backward of the one part, the
-# loss (in `loss_parallel()`) as one tensor rank computes it.
-READER = Reader("the trace", (FullyShard, Checkpoint, Parallelize, Compile, SetPrefetch, UnitMethod),
-                (FORWARD, FULL_BACKWARD), (LossParallel,))
+# loss (in `loss_parallel()`) as one tensor rank computes it; under context parallelism one
+# context rank's sequence shard (the caller cuts the example: `context_local.shard_example`)
+# and each styled attention's K/V gathers (`AttendOverContext`).
+READER = Reader("the trace", (FullyShard, Checkpoint, Parallelize, AttendOverContext, Compile, SetPrefetch, UnitMethod),
+                (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 
 @dataclass
@@ -325,7 +327,7 @@ def _cast(tree: Any, dtype: torch.dtype) -> Any:
 
 
 def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None = None, tp: int = 1,
-               repeat: bool = False) -> Trace:
+               repeat: bool = False, cp: int = 1) -> Trace:
     """Run one forward and backward on fake CPU tensors and record the events of the step.
 
     The step is a training step: `loss(output, example)` (default `default_loss`: the LM
@@ -342,6 +344,9 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
         repeat: trace runs of identical blocks as four blocks and write the others out
             (`planc/estimate/repeat.py`: the same events, checked on the trace; in full when
             the check or the short step fails).
+        cp: context-parallel degree: with `AttendOverContext` ops and cp > 1, the step of one
+            context rank (`inputs` already its sequence shard with `positions=`; each styled
+            attention gathers K/V over cp ranks: `planc/estimate/context_local.py`).
 
     Returns:
         The trace: unit hooks and live non-parameter bytes after every op.
@@ -359,6 +364,10 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
     if tp > 1:
         from planc.estimate.tensor_local import emulate_layouts
         layout_handles = emulate_layouts(model, program, compiled.graph, tp)
+    cp = cp if any(True for _ in program.of_type(AttendOverContext)) else 1
+    if cp > 1:
+        from planc.estimate.context_local import emulate_context
+        layout_handles += emulate_context(model, program, cp)
     for op in program.of_type(Checkpoint):
         checkpoint_module(model.get_submodule(op.module), context_fn=context_fn(op.mode))
     rec = _Recorder(model, program.units)
@@ -388,8 +397,9 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
     if runs:
         events = repeated.restore(events, runs, program.units) if events is not None else None
         if events is None:
-            return fake_trace(compiled, inputs, loss, tp)
+            return fake_trace(compiled, inputs, loss, tp, cp=cp)
     on = f" (one of {tp} tensor-parallel ranks, its local shapes)" if tp > 1 else ""
+    on += f" (one of {cp} context ranks: its sequence shard, K/V gathered)" if cp > 1 else ""
     return Trace(events, input_bytes, f"live tensors of one forward and backward{on} on fake CPU tensors, each "
                  f"unit's precision and checkpointing applied; {loss_name(model, example, loss)}")
 
@@ -559,6 +569,7 @@ def _step_key(compiled) -> tuple:
     units = tuple((u.modules, u.params, u.is_root, u.policy.precision) for u in program.units)
     checkpointed = tuple(sorted((op.module, op.mode) for op in program.of_type(Checkpoint)))
     styles = tuple((op.module, op.style) for op in program.of_type(Parallelize))
+    styles += tuple((op.module, "context") for op in program.of_type(AttendOverContext))
     return units, checkpointed, frozenset(compiled.resolution.ignored), styles
 
 
@@ -581,23 +592,25 @@ def _quiet_fake_tensor_logs():
 
 
 def trace_for(compiled, inputs: "tuple | dict | Example | None", loss: LossFn | None = None, tp: int = 1,
-              repeat: bool = False) -> Trace:
+              repeat: bool = False, cp: int = 1) -> Trace:
     """The (cached) trace of one step of `compiled` with `inputs` and `loss`, on one of `tp` tensor
-    ranks; `repeat`: see `fake_trace` (the same events, so one cache entry serves both)."""
+    ranks and one of `cp` context ranks (`inputs` its shard); `repeat`: see `fake_trace` (the same
+    events, so one cache entry serves both)."""
     READER.compiled(compiled)  # before the cache: a job it cannot record is refused every time
     cache = _TRACES.setdefault(compiled.graph, {})
     example = None if inputs is None else Example.of(inputs)
-    key = (_step_key(compiled), None if example is None else example.key(), loss, tp)
+    key = (_step_key(compiled), None if example is None else example.key(), loss, tp, cp)
     if key not in cache:
         if example is None:
             cache[key] = synthetic_trace(compiled)
         else:
             try:
                 with _quiet_fake_tensor_logs():
-                    cache[key] = fake_trace(compiled, example, loss, tp, repeat)
+                    cache[key] = fake_trace(compiled, example, loss, tp, repeat, cp)
             except Exception as err:  # any model code can fail on unexpected inputs
                 shapes = " and ".join("x".join(map(str, t.shape)) for t in example.tensors())
                 rank = f" as one of {tp} tensor-parallel ranks (local shapes)" if tp > 1 and key[0][3] else ""
+                rank += f" as one of {cp} context ranks (its sequence shard)" if cp > 1 else ""
                 raise TraceError(f"the model did not run on inputs of shape {shapes}{rank}: "
                                  f"{type(err).__name__}: {err}") from err
     return cache[key]

@@ -278,9 +278,10 @@ def _expect_hover(analysis: Analysis, s: st.ExpectMetric) -> str:
         est = compiled.memory_at(world, s.input_shape)
     except TraceError as err:
         return text + f"\n\ncannot estimate: {err}"
-    except UnknownKind as err:  # the estimators refuse what they do not model (context, expert parallelism)
-        what = "expert" if type(err.what).__name__ == "DispatchExperts" else "context"
-        return text + f"\n\nnot estimated: {what} parallelism is not yet estimated"
+    except UnknownKind as err:  # the estimators refuse what they do not model (expert parallelism)
+        if type(err.what).__name__ == "DispatchExperts":
+            return text + "\n\nnot estimated: expert parallelism is not yet estimated"
+        return text + f"\n\nnot estimated: {err}"
     value = est.metric(s.metric)
     if value is None:
         return text + "\n\nnot estimated: " + "; ".join(est.notes or ["give `input = BxS`"])

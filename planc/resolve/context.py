@@ -5,8 +5,8 @@
 
 The style word `context` marks attention modules whose causal attention runs over the whole
 sequence while each rank of the context axis holds a head-tail shard of it: keys and values
-are gathered over the context axis in forward (their gradients reduced in backward) and
-masked by global positions (`planc/backends/context.py`). It takes no options (P491) and
+are gathered over the context axis in forward (their gradients reduced in backward) and each
+query chunk attends causally to the keys before it (`planc/backends/context.py`). It takes no options (P491) and
 needs a context axis on the mesh (P490). Which modules it fits is checked against the model
 (`planc/checks/context_parallel.py`).
 """

@@ -56,6 +56,7 @@ from torch import nn
 from planc.zoo.gpt import GPT, GPT_TINY_CONFIG, GPTBlock, GPTConfig, gpt, gpt_tiny
 from planc.zoo.layers import MLP, CausalSelfAttention
 from planc.zoo.llama3 import (
+    LLAMA3_8B_CONFIG,
     LLAMA3_405B_CONFIG,
     LLAMA_TINY_CONFIG,
     Attention,
@@ -65,6 +66,7 @@ from planc.zoo.llama3 import (
     RMSNorm,
     TransformerBlock,
     llama,
+    llama3_8b,
     llama3_405b,
     llama_tiny,
 )
@@ -100,6 +102,7 @@ __all__ = [
     "MoETransformer",
     "LlamaConfig",
     "LLAMA_TINY_CONFIG",
+    "LLAMA3_8B_CONFIG",
     "RMSNorm",
     "Attention",
     "FeedForward",
@@ -109,6 +112,7 @@ __all__ = [
     "llama_tiny",
     "llama3_405b",
     "LLAMA3_405B_CONFIG",
+    "llama3_8b",
     "seed_transformer",
     "seed_transformer_tiny",
     "gpt",
@@ -166,6 +170,7 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
     "llama": llama,
     "llama_tiny": llama_tiny,
     "llama3_405b": llama3_405b,
+    "llama3_8b": llama3_8b,  # the Llama 3 8B shape (plans/llama3-8b-long-context.plan); tiny: llama_tiny
     "routed_moe": routed_moe,
     "routed_moe_tiny": routed_moe_tiny,
 }

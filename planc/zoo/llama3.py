@@ -199,6 +199,16 @@ def llama(config: LlamaConfig | None = None) -> Llama:
     return Llama(config if config is not None else LlamaConfig())
 
 
+# Llama 3 8B's shape (Meta's release: 32 blocks of width 4096, 32 query and 8 KV heads, SwiGLU
+# 14336, vocabulary 128256, RoPE theta 500000), about 8.03B parameters.
+LLAMA3_8B_CONFIG = LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336)
+
+
+def llama3_8b() -> Llama:
+    """Builds a :class:`Llama` with :data:`LLAMA3_8B_CONFIG` (build it on meta: 32 GB in fp32)."""
+    return Llama(LLAMA3_8B_CONFIG)
+
+
 def llama_tiny() -> Llama:
     """Builds a :class:`Llama` with :data:`LLAMA_TINY_CONFIG`."""
     return Llama(LLAMA_TINY_CONFIG)

@@ -1,0 +1,145 @@
+"""One context rank's step on plain tensors: its sequence shard, its positions, and the K/V gathers as the runtime allocates them.
+
+The activation trace (`planc/estimate/trace.py`) runs the model on fake tensors. Under context
+parallelism (`ShardBatch`, `AttendOverContext`) a rank holds `seq / cp` tokens of every
+sequence (two head-tail chunks) and calls the model with their global `positions=`; every
+attention the plan styles gathers all ranks' keys and values. `shard_example` cuts a step's
+example as `AppliedPlan.shard_batch` does; `emulate_context` hooks each styled attention so
+that its causal SDPA runs the runtime's attention (`planc/backends/context.py`) with the
+collectives replaced by local stand-ins that allocate what the real ones do on one rank:
+the all-gather's `cp` receive buffers and the whole sequence put in order (keys, values), the
+backward's full-size gradient (an in-place all-reduce) and the rank's two chunks copied out of
+it; each query chunk's SDPA over its prefix of keys as the GPU runs it (`causal_lower_right`,
+no mask). The runtime is the reference: tests/test_context_memory_dist.py holds the CPU path's
+trace (`CPU_RANK`) to FSDPMemTracker on real gloo ranks byte for byte, and the estimate to it
+less exactly the CPU kernel's masks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from planc.lower.job import ShardBatch
+from planc.lower.program import AttendOverContext
+
+
+def context_degree(job, world: int) -> int:
+    """The context axis's size at `world` ranks when the job cuts batches along the sequence, else 1."""
+    if not job.step_op(ShardBatch):
+        return 1
+    return (job.mesh.sizes(world) or {}).get("context", 1)
+
+
+def sequence_shard(seq: int, cp: int) -> int:
+    """Tokens of a `seq`-long sequence one of `cp` context ranks holds (two chunks of `2 x cp`)."""
+    if seq % (2 * cp):
+        raise ValueError(f"sequence length {seq} does not divide into 2 x context = {2 * cp} chunks")
+    return seq // cp
+
+
+def shard_example(example, op: ShardBatch, cp: int):
+    """`example` (tokens `(batch, seq)` first) as one context rank's: its tokens' share of the
+    sequence (`cp` > 1) and `positions=` (`seq / cp` int64 positions), as `shard_batch` gives them."""
+    from planc.estimate.trace import Example
+    if cp <= 1 or not example.args:
+        return example
+    dim = dict(op.tensors)["tokens"]
+    tokens = example.args[0]
+    local = sequence_shard(tokens.shape[dim], cp)
+    shape = tuple(local if d == dim else n for d, n in enumerate(tokens.shape))
+    sharded = torch.empty(shape, dtype=tokens.dtype, device=tokens.device)
+    positions = torch.empty((local,), dtype=torch.long, device=tokens.device)
+    return Example((sharded, *example.args[1:]), {**example.kwargs, "positions": positions})
+
+
+def _gather(t: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
+    """`_GatherSequence.forward`'s allocations: `cp` receive buffers, the contiguous input, the
+    whole sequence put in order (one concatenation of `2 x cp` chunks)."""
+    parts = [torch.empty_like(t) for _ in range(cp)]
+    t.contiguous()
+    chunk = t.shape[dim] // 2
+    return torch.cat([p.narrow(dim, i * chunk, chunk) for p in parts for i in range(2)], dim)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """The runtime's `_GatherSequence` on one rank: gather in forward; in backward the whole
+    gradient made contiguous (then all-reduced in place) and this rank's two chunks copied out."""
+
+    @staticmethod
+    def forward(ctx, t, dim, cp):
+        ctx.dim, ctx.length = dim, t.shape[dim]
+        return _gather(t, dim, cp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        chunk = ctx.length // 2
+        return torch.cat([grad.narrow(ctx.dim, 0, chunk), grad.narrow(ctx.dim, chunk, chunk)], ctx.dim), None, None
+
+
+# None: model the GPU path (what planc estimates). A rank: model that context rank's CPU path
+# instead, for comparisons with gloo runs (tests/test_context_memory_dist.py): SDPA's CPU kernel
+# takes an L x S boolean mask for each chunk that does not end its prefix's diagonal and keeps
+# a float copy of it for backward, which the GPU's `causal_lower_right` never builds.
+CPU_RANK: int | None = None
+
+
+def _causal_prefix(q, k, v):
+    """The runtime's `causal_prefix` as it runs on GPU (`causal_lower_right`: the flash kernel, no
+    mask): SDPA on the same shapes, which allocates and saves what the causal kernel does."""
+    length, total = q.shape[-2], k.shape[-2]
+    if CPU_RANK is None or length == total:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mask = torch.ones(length, total, dtype=torch.bool, device=q.device).tril(total - length)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def attention(q, k, v, cp: int):
+    """The runtime's `attention` (`planc/backends/context.py`) on one rank of `cp` (rank 0, or
+    `CPU_RANK`), with local stand-ins for its collectives (the head chunk attends to `rank + 1`
+    chunks of keys, the tail chunk to `2 cp - rank`)."""
+    rank = CPU_RANK or 0
+    seq_dim = q.dim() - 2
+    keys = _GatherSequence.apply(k, seq_dim, cp)
+    values = _GatherSequence.apply(v, seq_dim, cp)
+    chunk = q.shape[seq_dim] // 2
+    ends = ((rank + 1) * chunk, (2 * cp - rank) * chunk)
+    outs = [_causal_prefix(q.narrow(seq_dim, i * chunk, chunk), keys.narrow(seq_dim, 0, end),
+                           values.narrow(seq_dim, 0, end)) for i, end in enumerate(ends)]
+    return torch.cat(outs, seq_dim)
+
+
+class _ContextSDPA(TorchFunctionMode):
+    def __init__(self, positions, cp: int) -> None:
+        super().__init__()
+        self.positions, self.cp = positions, cp
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return attention(*args[:3], self.cp)
+        return func(*args, **kwargs)
+
+
+def emulate_context(model: torch.nn.Module, program, cp: int) -> list:
+    """Hook every module an `AttendOverContext` op names so that its causal SDPA gathers K/V
+    over `cp` ranks (allocations only); the hook handles."""
+    handles = []
+    for op in program.of_type(AttendOverContext):
+        module = model.get_submodule(op.module)
+        modes: list[_ContextSDPA] = []
+
+        def enter(_module, args, kwargs, modes=modes):
+            mode = _ContextSDPA(kwargs["positions"], cp)
+            modes.append(mode)
+            mode.__enter__()
+
+        def leave(_module, args, kwargs, output, modes=modes):
+            if modes:
+                modes.pop().__exit__(None, None, None)
+
+        handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(module.register_forward_hook(leave, with_kwargs=True, always_call=True))
+    return handles
