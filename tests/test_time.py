@@ -68,13 +68,6 @@ def _needs(ref: str) -> None:
 
 @pytest.mark.parametrize("path", shipped.params(PLANS, ids=[p.name for p in PLANS], world=WORLD))
 def test_collective_bytes_per_unit_equal_a_fake_process_group_step(path):
-    if path.name == "llama3-8b-long-context-tiny.plan":
-        # NOTE: passes alone and after tests/test_time_context.py's context x tensor cases, but
-        # `record_collectives` of one tensor-parallel plan after another with a different mesh in
-        # this process fails in DTensor's rowwise reduce-scatter ("Could not resolve the process
-        # group registered under the name N": a group of the earlier fake process group; also
-        # zoo-llama-tp.plan after this plan). Its styles are checked there (context x sequence parallel).
-        pytest.skip("a stale fake-process-group name after llama-tp.plan in one process; see the NOTE")
     plan = planc.load(path)
     ref = tiny_ref(plan.model_ref)
     _needs(ref)

@@ -180,7 +180,26 @@ def init_fake(world: int, rank: int = 0) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
     if dist.is_initialized():
         dist.destroy_process_group()
+    _forget_meshes()  # a group destroyed by anyone leaves meshes of its world in DTensor's caches
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's caches of sharding propagation and redistribution plans.
+
+    They key on `DeviceMesh` equality (shape, device, axis names), not on its process groups, and
+    their entries hold the mesh they were made with: after the process group is restarted, an
+    equal new mesh hits an entry whose mesh names a group of the old world, and the collective
+    fails with "Could not resolve the process group registered under the name N" (seen when one
+    process records several plans' steps in turn, as the test suite does).
+    """
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 def fake_step_inputs(model: nn.Module, inputs, fake) -> Example:
