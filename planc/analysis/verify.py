@@ -84,6 +84,7 @@ class Verdict:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     first_output: tuple[str, float] | None = None  # the first module whose forward output differs, its error
+    stage_of: dict[str, int] = field(default_factory=dict)  # a pipeline plan: each parameter's stage on the twin
 
     @property
     def ok(self) -> bool:
@@ -92,7 +93,8 @@ class Verdict:
     def summary(self) -> str:
         mesh = " x ".join(f"{k} {v}" for k, v in self.sizes.items() if v > 1) or "1 rank"
         return (f"verified at {self.world} ranks ({mesh}) against one process on `{self.twin}`: {STEPS} AdamW steps, "
-                f"{self.compared} losses, gradients and parameters within {ATOL:g} + {RTOL:g} x max, fp32")
+                f"{self.compared} losses, gradients and parameters within {ATOL:g} + {RTOL:g} x max, fp32"
+                + "".join(f"; {note}" for note in self.notes))
 
 
 # ===================================================================== the twin
@@ -350,18 +352,20 @@ def _loss_scale(compiled, dp: int) -> float:
     divide_factor = 1.0`: torchtitan sums, having divided its loss by the global token count)."""
     from planc.lower.program import UnitMethod
 
-    factors = {op.unit: float(op.args[0]) for op in compiled.job.program.ops
+    programs = [part.program for part in compiled.job.parts]  # one, or a pipeline's stages
+    factors = {op.unit: float(op.args[0]) for program in programs for op in program.ops
                if isinstance(op, UnitMethod) and op.method == "set_gradient_divide_factor"}
-    found = {factors.get(u.name, float(dp)) for u in compiled.job.program.units if u.params}
+    found = {factors.get(u.name, float(dp)) for program in programs for u in program.units if u.params}
     if len(found) > 1:
         raise VerifyError(f"the units divide their gradients by different factors ({sorted(found)}): no one loss "
                           "scale makes them the one-process mean")
     return found.pop() / dp if found else 1.0
 
 
-def _launch(world: int, spec: dict, timeout: float) -> dict:
+def _launch(world: int, spec: dict, timeout: float, body=None) -> Any:
     try:
-        return launch(_rank, world, spec, timeout=timeout)[0]
+        results = launch(body or _rank, world, spec, timeout=timeout)
+        return results if body is not None else results[0]
     except LaunchError as err:
         if err.timed_out:
             raise VerifyError(f"the sharded run did not finish in {timeout:.0f} s (a hang?)") from None
@@ -481,12 +485,14 @@ def diagnostics(compiled, verdict: Verdict) -> list[Diagnostic]:
         names = sorted({m.param or "the loss" for m in ms})
         shown = ", ".join(f"`{n}`" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         rel = f"{100 * worst.error / worst.scale:.3g}%" if worst.scale else f"{worst.error:.3g}"
+        stages = sorted({verdict.stage_of[m.param] for m in ms if m.param in verdict.stage_of})
         out.append(Diagnostic(
             code="P425", severity="error", span=span,
             message=f"trains differently from one process: {shown} ({worst.what} of `{worst.param or 'the loss'}` "
                     f"off by {rel}, max error {worst.error:.3g})",
             label="sharded here",
             notes=(f"this rule {meaning[span]}",
+                   *([f"in pipeline stage {', '.join(map(str, stages))} of the twin"] if stages else []),
                    f"{verdict.world} ranks against one process on `{verdict.twin}`, fp32, tolerance {ATOL:g} + "
                    f"{RTOL:g} x max"),
             help=("run `planc check --simulate` and read the P4xx rules for this line; a module with weights on "
@@ -528,6 +534,8 @@ def _verify(compiled, base: str | None, twin: str | None, timeout: float, allow:
         if ref is None:
             raise VerifyError("the plan has no `model` line: pass --model or --verify-model")
         twin = twin_reference(ref, base, folder)
+    if compiled.resolution.pipeline is not None:
+        return _verify_pipeline(compiled, base, twin, allow, timeout, start)
     world = simulation_world(compiled.mesh)
     if world > MAX_PROCESSES:
         raise VerifyError(f"the mesh needs {world} processes at its smallest ({compiled.mesh}); this machine runs "
@@ -551,6 +559,48 @@ def _verify(compiled, base: str | None, twin: str | None, timeout: float, allow:
         twin = f"{ref} shrunk to {TWIN_LAYERS} layers, heads of {TWIN_HEAD_DIM}, a vocabulary of {TWIN_VOCAB}"
     return Verdict(world, {str(getattr(r, "value", r)): v for r, v in sizes.items()}, twin, compared, mismatches,
                    time.monotonic() - start, first_output=first_output)
+
+
+def _verify_pipeline(compiled, base: str | None, twin: str, allow: frozenset[str], timeout: float,
+                     start: float) -> Verdict:
+    """`_verify` for a pipeline plan: its schedule run by `planc.apply` on the ranks
+    (`planc.analysis.verify_pipeline`), one process with the same microbatching the oracle."""
+    from planc.analysis import verify_pipeline as vp
+
+    world = vp.pipeline_world(compiled.mesh, MAX_PROCESSES)
+    if world > MAX_PROCESSES:
+        raise VerifyError(f"the mesh needs {world} processes at its smallest ({compiled.mesh}); this machine runs "
+                          f"at most {MAX_PROCESSES} at once")
+    sizes = compiled.mesh.sizes(world) or {}
+    tp = sizes.get("tensor", 1)
+    dp = world // (tp * max(1, sizes.get("pipeline", 1)))
+    try:
+        reference_model = _build(twin, base)
+    except Exception as err:
+        raise VerifyError(f"the twin `{twin}` cannot be built: {type(err).__name__}: {err}") from err
+    try:
+        text, cut = vp.twin_text(compiled, _plan_text(compiled), reference_model)
+    except ValueError as err:
+        raise VerifyError(str(err)) from None
+    k = compiled.resolution.pipeline.microbatch_count or 1
+    spec = {"twin": twin, "base": base, "text": text, "file": compiled.plan.file, "allow": allow,
+            "global_batch": k * dp, "seq": -(-SEQ // tp) * tp}
+    try:
+        data = _batches(reference_model, spec["global_batch"], spec["seq"])
+        ref_out = _train(reference_model, data, lambda b: vp.reference_steps(b, dp, k), contextlib.nullcontext,
+                         dp * k, lambda t: t.item())
+    except Exception as err:
+        raise VerifyError(f"the twin `{twin}` does not train in one process on token ids of shape "
+                          f"{spec['global_batch']}x{spec['seq']}: {type(err).__name__}: {err}") from err
+    got = vp.merge(_launch(world, spec, timeout, vp.rank))
+    compared, mismatches = _compare(got, ref_out)
+    pipeline = compiled.resolution.pipeline
+    notes = [f"{pipeline.schedule}, {k} microbatches per step, {cut}"]
+    star = [a for a in compiled.mesh.axes if a.size is None]
+    if star and sizes.get(star[0].role) == 1:
+        notes.append(f"the `*` axis ({star[0].name}) at 1 rank: 2 would need {2 * world} processes")
+    return Verdict(world, {str(getattr(r, "value", r)): v for r, v in sizes.items()}, twin, compared, mismatches,
+                   time.monotonic() - start, notes=notes, stage_of=got["stage_of"])
 
 
 def not_verified(compiled, why: str) -> Diagnostic:

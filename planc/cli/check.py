@@ -111,9 +111,6 @@ def verify_plan(path: str, args, compiled) -> tuple[list[Diagnostic], str | None
     from planc.analysis import verify
 
     base = None if args.model else os.path.dirname(os.path.abspath(path))
-    if compiled.resolution.pipeline is not None:  # verify's training loop has no pipeline step yet
-        return [verify.not_verified(compiled, "`check --verify` does not train pipeline plans yet (`planc.apply` "
-                                    "runs them: tests/test_pipeline_dist.py)")], None
     try:
         verdict = verify.verify(compiled, base=base, twin=getattr(args, "verify_model", None), model=args.model)
     except verify.VerifyError as err:
