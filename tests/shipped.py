@@ -30,11 +30,21 @@ def not_run(path: pathlib.Path) -> str | None:
     return None
 
 
+def is_pipeline(path: pathlib.Path) -> bool:
+    """Whether the plan at `path` has a pipeline axis."""
+    return planc.compile(planc.load(path), None, strict=False).mesh.axis(Role.PIPELINE) is not None
+
+
 def not_verified(path: pathlib.Path) -> str | None:
-    """Why `check --verify` does not run the plan at `path` (a pipeline: P426), or None."""
+    """Why `check --verify` does not run the plan at `path` (P426), or None: a pipeline plan whose
+    fixed axes need more processes than verify runs (the 405B plan: pipeline 8 x tensor 8)."""
+    from planc.analysis.verify import MAX_PROCESSES
+    from planc.analysis.verify_pipeline import pipeline_world
+
     mesh = planc.compile(planc.load(path), None, strict=False).mesh
-    if mesh.axis(Role.PIPELINE) is not None:
-        return "pipeline plans are not yet verified by `check --verify` (P426; the runtime runs them)"
+    world = pipeline_world(mesh, MAX_PROCESSES)
+    if mesh.axis(Role.PIPELINE) is not None and world > MAX_PROCESSES:
+        return f"its fixed axes need {world} processes, more than `check --verify` runs ({MAX_PROCESSES}): P426"
     return None
 
 

@@ -1,4 +1,4 @@
-"""Pipeline stages built from the whole model by pass-throughs (planc/backends/stages.py).
+"""Pipeline stages built from the whole model by pass-throughs (planc/model/split.py).
 
 Oracle: the unsplit model. Chained, the stages compute exactly its forward; each stage keeps
 the very modules of its part under their paths in the whole model, and nothing else that trains.
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from planc import zoo
-from planc.backends.stages import PassThrough, SplitError, check_chain, check_split, split
+from planc.model.split import PassThrough, SplitError, check_chain, check_split, split
 
 STAGES = [("tok_embeddings", "layers.0"), ("layers.1",), ("norm", "output")]
 

@@ -3,7 +3,7 @@
 `planc emit` on a job with several parts prints what `planc.apply` does with it
 (`planc/backends/pipelining.py`): each stage's program as `apply_stage_N(model, mesh)`
 (printed by emit's own printers, `emit._body`), then `build_pipeline(model, mesh, loss_fn)`: this pipeline
-rank's stages split from the model (`planc.backends.stages.split`), each stage's function,
+rank's stages split from the model (`planc.model.split.split`), each stage's function,
 torch's `PipelineStage` on the pipeline axis and the schedule class, `scale_grads` stated.
 """
 
@@ -45,7 +45,7 @@ def emit_pipeline(compiled: CompiledPlan, plan_path: str, model_ref: str) -> str
     if "\nimport torch\n" not in imports + "\n":
         imports = "\n\nimport torch\n" + imports.lstrip("\n")
     out = "\n".join(doc) + imports.rstrip("\n") + "\nfrom torch.distributed.pipelining import PipelineStage"
-    out += f"\nfrom torch.distributed.pipelining.schedules import {cls}\n\nfrom planc.backends.stages import split\n"
+    out += f"\nfrom torch.distributed.pipelining.schedules import {cls}\n\nfrom planc.model.split import split\n"
     for part, body in zip(job.parts, bodies):
         out += f"\n\ndef apply_stage_{part.stage}(model, mesh):\n"
         out += f'    """Stage {part.stage} ({", ".join(part.modules)}): shard it in place on `mesh`, return it."""\n'

@@ -5,7 +5,7 @@ order (`pipeline_llm`: split, then the same parallelize function per stage, then
 
     the one root device mesh (pipeline axis outermost, `Job.mesh`)
     -> per stage this pipeline rank holds (`Schedule.stages`, loop or V placement):
-       the stage module (`planc.backends.stages.split`: the model, modules outside the stage
+       the stage module (`planc.model.split.split`: the model, modules outside the stage
        passed through, paths kept), its program run on it (`runtime.run`: tensor
        parallelism, checkpointing, compile, `fully_shard` on the data-parallel submesh)
        and torch's `PipelineStage` on the pipeline axis's process group
@@ -31,11 +31,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from planc.backends import runtime, stages
+from planc.backends import runtime
 from planc.compiler import CompiledPlan
 from planc.diagnostics import Diagnostic, PlanError, sort_diagnostics
 from planc.lower.job import ACTION_KINDS, Job, LossParallel, Reader
 from planc.lower.schedules import SINGLE_STAGE
+from planc.model import split as stages
 from planc.resolve.mesh import Role
 from planc.resolve.step import check_splits
 

@@ -1,4 +1,4 @@
-"""Build one pipeline stage's module from the whole model: the modules outside it become pass-throughs.
+"""Cut one pipeline stage's module from the whole model: the modules outside it become pass-throughs.
 
 A stage (`Part.modules`: module subtrees, paths in the whole model) runs as the whole model
 whose forward meets, in place of every module outside the stage, a `PassThrough` that returns
@@ -36,8 +36,6 @@ from typing import Iterable, Sequence
 
 import torch
 from torch import nn
-
-from planc.lower.pipeline import inside
 
 
 class SplitError(ValueError):
@@ -128,6 +126,11 @@ def _tensor_output(stage: nn.Module) -> None:
         return out.to_tuple()[0] if not isinstance(out, torch.Tensor) and hasattr(out, "to_tuple") else out
 
     stage.forward = tensor_forward
+
+
+def inside(path: str, modules: Iterable[str]) -> bool:
+    """Whether module `path` lies in one of the subtrees `modules` (`""` is the whole model)."""
+    return any(m == "" or path == m or path.startswith(m + ".") for m in modules)
 
 
 def _parent(path: str) -> str:
