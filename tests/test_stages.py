@@ -105,3 +105,52 @@ def test_a_pass_through_refuses_token_ids_at_run_time():
     stage = split(model, ("blocks.1", "ln_f"))
     with pytest.raises(SplitError, match="`wpe` is outside this pipeline stage and the forward passes it a torch.int64"):
         stage(torch.randn(2, 8, model.wte.weight.shape[1]))
+
+
+def _identity_split(model, keep):
+    """torchtitan-style: a deep copy with every block and embedding outside `keep` an `nn.Identity`."""
+    import copy
+
+    part = copy.deepcopy(model)
+    for name in ("wte", "wpe", "ln_f", "lm_head"):
+        if name not in keep:
+            setattr(part, name, torch.nn.Identity())
+    for i in range(len(part.blocks)):
+        if f"blocks.{i}" not in keep:
+            part.blocks[i] = torch.nn.Identity()
+    return part
+
+
+def test_fact_gpt_split_by_identities_trains_another_function():
+    """What torch does with GPT cut the torchtitan way (modules outside a stage replaced by
+    `nn.Identity`): stage 1 adds the token positions (`wpe` gone) to its hidden state. When the
+    sequence is as long as the hidden size nothing fails and the logits are silently another
+    function's; otherwise the forward fails deep inside, on a broadcast. P456 refuses it statically."""
+    torch.manual_seed(0)
+    model = zoo.gpt_tiny()
+    first, second = _identity_split(model, ("wte", "wpe", "blocks.0")), _identity_split(model, ("blocks.1", "ln_f", "lm_head"))
+    dim = model.wte.weight.shape[1]
+    x = torch.randint(0, 128, (2, dim), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        chained, whole = second(first(x)), model(x)
+    assert chained.shape == whole.shape and (chained - whole).abs().max() > 1e-2  # no error, wrong logits
+    with pytest.raises(RuntimeError, match="size of tensor"):
+        second(first(x[:, :8]))
+
+
+def test_check_refuses_a_forward_that_is_not_a_chain_p456():
+    """`planc check` runs the stages chained on meta: GPT's stage 1 is P456 on its `stage` line;
+    the same check passes the zoo Llama (a chain); a real (CPU) model is probed on a meta copy."""
+    import planc
+
+    text = ("model planc.zoo:gpt_tiny\nmesh (pipeline = 2, shard = *)\npipeline 1F1B { microbatches 4 }\n"
+            "stage 0: wte, wpe, blocks.0\nstage 1: blocks.1, ln_f, lm_head\nunit blocks.*\n")
+    model = zoo.gpt_tiny()
+    compiled = planc.compile(planc.loads(text, filename="gpt-pp.plan"), model, 4, strict=False)
+    (found,) = [d for d in compiled.diagnostics if d.code == "P456"]
+    assert found.span.line == 5 and "`wpe` is outside this pipeline stage" in found.message
+    assert not model.wte.weight.is_meta  # the model checked is untouched
+    llama = text.replace("gpt_tiny", "llama_tiny").replace("wte, wpe, blocks.0", "tok_embeddings, layers.0").replace(
+        "blocks.1, ln_f, lm_head", "layers.1, norm, output").replace("blocks.*", "layers.*")
+    compiled = planc.compile(planc.loads(llama, filename="llama-pp.plan"), zoo.llama_tiny(), 4, strict=False)
+    assert [d.code for d in compiled.diagnostics if d.is_error] == []

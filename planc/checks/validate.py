@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from planc.checks.chain import check_pipeline_chain
 from planc.checks.context import MEMORY, MODEL, WORLD, Check, Context
 from planc.checks.context_parallel import (
     check_context_modules,
@@ -97,6 +98,7 @@ CHECKS: tuple[Check, ...] = (
     Check(check_pipeline_units, _MODEL),
     Check(check_pipeline_rules, _MODEL),
     Check(check_pipeline_tied, _MODEL),
+    Check(check_pipeline_chain, _MODEL),
     Check(check_pipeline_reshard),
     Check(check_pipeline_microbatches),
     Check(check_pipeline_batch),

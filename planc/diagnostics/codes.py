@@ -531,6 +531,14 @@ CODES: dict[str, Code] = {
                  "(e.g. `fsdp_state_dict_type`); keep it where the script sets it.", "note"),
     "P706": Code("unknown fsdp_config key", "A key under `fsdp_config` is not one accelerate reads; it is "
                  "probably misspelled and accelerate ignores it.", "warning"),
+    # --- pipeline stages on the model (ppverify: P456)
+    "P456": Code("the forward is not a chain of the stages", "Each pipeline stage runs the model's forward with "
+                 "the modules outside it passed through (they return their first argument). A forward that "
+                 "indexes its blocks or carries state across them breaks that: GPT adds `wpe(positions)` to the "
+                 "token embedding, so a later stage would pass token positions on as its hidden state. planc "
+                 "cuts the model into the plan's stages on meta and runs them chained on token ids before "
+                 "anything runs; fix the stages (keep the modules the forward combines in one stage) or the "
+                 "forward (state that crosses blocks travels in the hidden state)."),
     # --- `planc import --hf-tp-plan` (tpplans: P457-P459)
     "P457": Code("Hugging Face tensor-parallel style not imported", "An entry of the model's Hugging Face "
                  "tensor-parallel plan (`base_model_tp_plan`, `_tp_plan`) has no torch `ParallelStyle` "

@@ -202,5 +202,7 @@ def check_split(model: nn.Module, stages: Sequence[Sequence[str]], inputs: Seque
         try:
             h = [check_chain(split(model, modules), h)]
         except SplitError as err:
-            raise SplitError(f"stage {index} ({', '.join(modules)}): {err}") from err
+            found = SplitError(f"stage {index} ({', '.join(modules)}): {err}")
+            found.stage = index  # type: ignore[attr-defined]  # which stage: the checks locate it (P456)
+            raise found from err
     return h[0]
