@@ -1,9 +1,9 @@
 """`planc check --verify` on pipeline plans (planc/analysis/verify_pipeline.py).
 
 The oracle is one process training the unsharded twin with the same microbatching. A plan
-that trains right passes at its stages rewritten for the twin; the split-backward schedule
-with FSDP resharding after forward (refused statically by P465: torch's wrong gradients)
-fails here too, located on the unit that reshards: the static rule and the oracle agree.
+that trains right passes at its stages rewritten for the twin; InterleavedZeroBubble with FSDP
+resharding after forward (refused statically by P465: torch's wrong gradients) fails here too,
+located on the unit that reshards: the static rule and the oracle agree.
 """
 
 from __future__ import annotations
@@ -65,14 +65,16 @@ def test_explicit_stages_train_like_one_process():
 
 @pytest.mark.dist
 def test_resharding_under_a_split_backward_schedule_fails_on_its_unit():
-    """DualPipeV with `reshard after_forward = true` (P465 statically): the gradients differ, P425 on that unit."""
-    path = ROOT / "tests" / "ui" / "p465_reshard_split_backward.plan"
+    """InterleavedZeroBubble with `reshard after_forward = true` on the blocks (P465 statically): the
+    first step's gradients of exactly those blocks differ (by tens of percent), P425 on that unit,
+    naming the stages that hold them."""
+    path = ROOT / "tests" / "fixtures" / "verify" / "izb_reshard.plan"
     compiled = _compiled(path, strict=False)
     assert [d.code for d in compiled.diagnostics if d.is_error] == ["P465"]
     verdict = verify.verify(compiled, base=str(path.parent), allow=frozenset({"P465"}))
     assert not verdict.ok
-    found = verify.diagnostics(compiled, verdict)
-    assert {d.code for d in found} == {"P425"}
-    lines = {d.span.line for d in found}
-    assert 7 in lines, [(d.span.line, d.message) for d in found]  # `unit layers.* { reshard after_forward = true }`
-    assert any("pipeline stage" in note for d in found for note in d.notes)
+    first = min(m.step for m in verdict.mismatches)
+    assert first == 1 and all(m.param.startswith("layers.") for m in verdict.mismatches if m.step == first)
+    (found,) = verify.diagnostics(compiled, verdict)
+    assert found.code == "P425" and found.span.line == 9, (found.span.line, found.message)
+    assert "in pipeline stage 1, 2 of the twin" in found.notes
