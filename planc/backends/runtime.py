@@ -377,7 +377,8 @@ class AppliedPlan:
         """A short human text: mesh, units, parameters and bytes held on this rank."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         ep = 1 if self.expert_mesh is None else self.expert_mesh[self.compiled.job.view(EXPERT).axes[-1].name].size()
-        experts_ = {n for op in self.compiled.job.program.of_type(DispatchExperts) for n in op.params}
+        experts_ = {n for part in self.compiled.job.parts for op in part.program.of_type(DispatchExperts)
+                    for n in op.params}  # every part's: a pipeline job has one per stage
         # tied parameters come once; an expert-parallel parameter holds 1 / expert of the experts
         total = sum(p.numel() * (ep if n in experts_ else 1) for n, p in self.model.named_parameters())
         lines = [f"planc: {self.compiled.plan.file}: {len(self.units)} units on mesh "
