@@ -154,3 +154,18 @@ def test_check_refuses_a_forward_that_is_not_a_chain_p456():
         "blocks.1, ln_f, lm_head", "layers.1, norm, output").replace("blocks.*", "layers.*")
     compiled = planc.compile(planc.loads(llama, filename="llama-pp.plan"), zoo.llama_tiny(), 4, strict=False)
     assert [d.code for d in compiled.diagnostics if d.is_error] == []
+
+
+def test_a_hugging_face_llama_passes_the_chain_check():
+    """HF's stage forward calls `.item()`, which fails on meta: not judged, no P456 (it splits soundly)."""
+    transformers = pytest.importorskip("transformers")
+    import planc
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    text = ("mesh (pipeline = 2, shard = *)\npipeline 1F1B { microbatches 4 }\n"
+            "stage 0: model.embed_tokens, model.layers.0\nstage 1: model.layers.1, model.norm, lm_head\n"
+            "unit model.layers.*\n")
+    compiled = planc.compile(planc.loads(text, filename="hf-pp.plan"), transformers.LlamaForCausalLM(config), 4,
+                             strict=False)
+    assert [d.code for d in compiled.diagnostics if d.is_error] == []

@@ -10,7 +10,8 @@ allocated) is cut into the plan's stages and run stage after stage on token ids
 (`split.check_split`); the first stage that cannot be cut or run as a chain is P456, on its
 `stage` line (the `pipeline` line for an automatic split), when the stages are otherwise well
 formed (P467-P471 say what is wrong with them first). A model that does not run whole
-on meta token ids is not judged (the runtime and `check --verify` still see it).
+on meta token ids, or a stage whose forward fails on meta for another reason than a pass-through
+(Hugging Face's `.item()` on meta), is not judged (the runtime and `check --verify` still see it).
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def _probe(model: nn.Module, stages: tuple[tuple[str, ...], ...]) -> SplitError 
             return None
         try:
             check_split(meta, [list(s) for s in stages], [tokens])
-        except SplitError as found:
-            return found
+        except SplitError as found:  # a forward failing on meta for another reason is not judged
+            return found if getattr(found, "not_a_chain", True) else None
         except Exception:
             return None
         finally:

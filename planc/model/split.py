@@ -204,5 +204,9 @@ def check_split(model: nn.Module, stages: Sequence[Sequence[str]], inputs: Seque
         except SplitError as err:
             found = SplitError(f"stage {index} ({', '.join(modules)}): {err}")
             found.stage = index  # type: ignore[attr-defined]  # which stage: the checks locate it (P456)
+            # a pass-through misused (or the cut itself), not the forward failing for another reason
+            # (on meta, e.g. `.item()`): what the static check judges
+            found.not_a_chain = not isinstance(err.__cause__, Exception) or isinstance(  # type: ignore[attr-defined]
+                err.__cause__, SplitError)
             raise found from err
     return h[0]
