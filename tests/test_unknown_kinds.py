@@ -162,15 +162,16 @@ def test_context_kinds_are_run_by_runtime_and_emit_and_refused_by_the_estimators
         run()
 
 
-EXPERT_READERS = {"runtime", "emit"}  # the interpreters with a rule for `DispatchExperts`
+EXPERT_READERS = {"runtime", "emit", "fake trace", "cached trace", "synthetic trace", "memory"}
 EXPERT_PLAN = ("model planc.zoo:routed_moe_tiny\nmesh (shard = *, expert = 2)\nunit layers.*\n"
                "parallel layers.*.moe.experts expert\n")
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_expert_kind_is_run_by_runtime_and_emit_and_refused_by_the_estimators(name):
-    """`DispatchExperts` (expert parallelism): the runtime and emit run it; every estimator refuses
-    it (the CLI says "expert parallelism is not yet estimated", P489 on `expect`/`--simulate`)."""
+    """`DispatchExperts` (expert parallelism): the runtime, emit, the trace and the memory estimate
+    run it (one expert rank's step: planc/estimate/expert_local.py); every other estimator refuses
+    it (the CLI says "expert parallelism is not yet estimated", P489 on `--simulate`)."""
     from planc.zoo import routed_moe_tiny
 
     with torch.device("meta"):

@@ -96,27 +96,32 @@ def _tracker_class():
         def _instrument_fsdp_module(self) -> None:
             from torch.distributed._tools.fsdp2_mem_tracker import _SavedFSDPMethods
             from torch.distributed.fsdp import FSDPModule
+            _merge_param_groups(True)
+            self._saved_groups = {}
             for module, state in _fsdp_states(self._root_mod, FSDPModule):
-                group = state._fsdp_param_group
                 _remove_forward_hooks(state)
-                self._instrument_fsdp_sharded_params_grads(group)
                 _install_forward_hooks(state, module, self._fsdp_state_pre_forward(module, state._pre_forward),
                                        self._fsdp_state_post_forward(module, state._post_forward), always=True)
-                self._fsdp_mod_to_saved_methods[module] = _SavedFSDPMethods(group.pre_backward, group.post_backward)
-                group.pre_backward = self._fsdp_param_group_pre_backward(module, group.pre_backward)
-                group.post_backward = self._fsdp_param_group_post_backward(module, group.post_backward)
+                for group in state._fsdp_param_groups:  # two with expert parallelism (per-parameter meshes)
+                    self._instrument_fsdp_sharded_params_grads(group)
+                    self._saved_groups[group] = _SavedFSDPMethods(group.pre_backward, group.post_backward)
+                    group.pre_backward = self._fsdp_param_group_pre_backward(module, group.pre_backward)
+                    group.post_backward = self._fsdp_param_group_post_backward(module, group.post_backward)
+                self._fsdp_mod_to_saved_methods[module] = None
             from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
             for buffer in self._root_mod.buffers():  # as the tracker's own method does
                 self._update_and_maybe_create_winfos(buffer, _FSDPRefType.BUFFER)
 
         def _deregister_module_and_optimizer_hooks(self) -> None:
-            for module, saved in self._fsdp_mod_to_saved_methods.items():
+            for module in self._fsdp_mod_to_saved_methods:
                 state = module._get_fsdp_state()
                 _remove_forward_hooks(state)
                 _install_forward_hooks(state, module, state._pre_forward, state._post_forward, always=False)
-                state._fsdp_param_group.pre_backward = saved.pre_backward
-                state._fsdp_param_group.post_backward = saved.post_backward
+            for group, saved in self._saved_groups.items():
+                group.pre_backward = saved.pre_backward
+                group.post_backward = saved.post_backward
             self._fsdp_mod_to_saved_methods.clear()
+            _merge_param_groups(False)
             if self._optimizer_hook_handles is not None:
                 for handle in self._optimizer_hook_handles:
                     handle.remove()
@@ -144,10 +149,35 @@ def _fsdp_states(root: nn.Module, fsdp_module_cls) -> list:
     for module in root.modules():
         if isinstance(module, fsdp_module_cls):
             state = module._get_fsdp_state()
-            if state._fsdp_param_group is not None and id(state) not in seen:
+            if state._fsdp_param_groups and id(state) not in seen:
                 seen.add(id(state))
                 out.append((state._modules[0], state))
     return out
+
+
+class _MergedGroups:
+    """Several `FSDPParamGroup`s of one state seen as one by FSDPMemTracker (it reads `fsdp_params`)."""
+
+    def __init__(self, groups) -> None:
+        self.fsdp_params = [p for g in groups for p in g.fsdp_params]
+
+
+def _merge_param_groups(on: bool) -> None:
+    """While the tracker runs (`on`), `FSDPState._fsdp_param_group` of a state with several parameter
+    groups (expert parallelism: per-parameter meshes) is their merge, not torch 2.13's assertion: the
+    tracker reads the singular property; FSDP itself uses `_fsdp_param_groups`."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    saved = getattr(FSDPState, "_planc_single_group", None)
+    if saved is None:
+        saved = FSDPState._planc_single_group = FSDPState.__dict__["_fsdp_param_group"]
+    if not on:
+        FSDPState._fsdp_param_group = saved
+        return
+
+    def merged(self):
+        groups = self._fsdp_param_groups
+        return _MergedGroups(groups) if len(groups) > 1 else saved.fget(self)
+    FSDPState._fsdp_param_group = property(merged)
 
 
 def _remove_forward_hooks(state) -> None:
@@ -313,7 +343,10 @@ def use_all_reduce_slice(model: nn.Module) -> None:
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(AllReduceSlice())
+            # per group: `set_custom_reduce_scatter` refuses a unit with two parameter groups (expert
+            # parallelism's per-parameter meshes); the comm reduces over whatever group it is given
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                group._reduce_scatter_comm = AllReduceSlice()
 
 
 def sequence_shard(applied, part: Example) -> Example:

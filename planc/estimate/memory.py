@@ -49,6 +49,7 @@ from typing import Iterable, Mapping
 import torch
 
 from planc.estimate.context_local import context_degree, shard_example
+from planc.estimate.expert_local import expert_degree, expert_fsdp_degree, local_expert_shape
 from planc.estimate.trace import Example, Trace, TraceError, default_input, trace_for
 from planc.limits import rank_count
 from planc.lower.fsdp import (
@@ -68,6 +69,7 @@ from planc.lower.program import (
     AttendOverContext,
     Checkpoint,
     Compile,
+    DispatchExperts,
     FullyShard,
     Parallelize,
     Program,
@@ -126,30 +128,35 @@ def unit_memory(program: Program, graph, world: int, optimizer: str = "adamw") -
     replicate, shard = mesh_sizes(program, world)
     sizes = program.mesh.sizes(world) or {}
     tp, tp_dims = sizes.get("tensor", 1), tensor_dims(program, graph)
+    ep, efsdp = expert_degree(program, world), expert_fsdp_degree(program, world)
     out = []
     for i, op in enumerate(program.units):
         names = list(op.params)
         infos = [graph.params[p] for p in names]
         placed = dict(op.placements)
+        experts = dict(op.experts)  # on the expert view: [experts / ep, ...] over efsdp ranks
         orig = infos[0].dtype if infos else torch.float32
         precision = op.policy.precision
         pdt, rdt = precision.compute_dtype(orig), precision.reduce(orig)
         sharded = unsharded = grad_unsharded = rs = grads = opt = count = dim_copy = 0
         reduce_of = {}
         for name, info in zip(names, infos):
-            dim = placed.get(name, 0)
+            dim = experts.get(name, placed.get(name, 0))
             shape = fsdp_shape(info.shape, tp_dims.get(name), tp)
+            over = shard
+            if name in experts:
+                shape, over = local_expert_shape(info.shape, ep), efsdp
             numel = math.prod(shape)
-            per_rank = shard_numel(shape, shard, dim)
+            per_rank = shard_numel(shape, over, dim)
             sharded += per_rank * _itemsize(info.dtype)
-            unsharded += per_rank * shard * _itemsize(pdt)
-            if dim and shard > 1:  # chunk + cat through a temporary of the full size
-                dim_copy += per_rank * shard * _itemsize(pdt)
+            unsharded += per_rank * over * _itemsize(pdt)
+            if dim and over > 1:  # chunk + cat through a temporary of the full size
+                dim_copy += per_rank * over * _itemsize(pdt)
             count += info.numel
             if info.requires_grad:
-                reduce_of[name] = (per_rank * shard * _itemsize(rdt), per_rank * _itemsize(info.dtype))
+                reduce_of[name] = (per_rank * over * _itemsize(rdt), per_rank * _itemsize(info.dtype))
                 grad_unsharded += numel * _itemsize(pdt)
-                rs += per_rank * shard * _itemsize(rdt)
+                rs += per_rank * over * _itemsize(rdt)
                 grads += per_rank * _itemsize(info.dtype)
                 opt += optimizer_state_bytes(per_rank, info.dtype, optimizer)
         reshard = op.policy.reshard_after_forward
@@ -502,9 +509,11 @@ class _Replay:
 # tensor split of parameters (`Parallelize`), checkpointing and the loss through the trace, the
 # sequence cut (`ShardBatch`: one context rank's shard is traced) and the K/V gathers
 # (`AttendOverContext`, in the trace); `compile` and unit methods (gradient divide factor, sum
-# reduction) change no byte of it.
+# reduction) change no byte of it. Expert parallelism (`DispatchExperts`): an expert rank's
+# `experts / expert` experts, FSDP-sharded over efsdp ranks (`FullyShard.experts`), its dispatch
+# in the trace (`expert_local.py`).
 READER = Reader("the memory estimate",
-                (FullyShard, Parallelize, AttendOverContext, Checkpoint, Compile, SetPrefetch, UnitMethod),
+                (FullyShard, Parallelize, AttendOverContext, DispatchExperts, Checkpoint, Compile, SetPrefetch, UnitMethod),
                 (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 
@@ -549,7 +558,8 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
     if step is not None and cp > 1:  # one context rank's share of the sequence, with its positions
         op = job.step_op(ShardBatch)[0]
         step, example = shard_example(step, op, cp), shard_example(example, op, cp)
-    trace = trace_for(compiled, example, loss, (program.mesh.sizes(world) or {}).get("tensor", 1), cp=cp)
+    trace = trace_for(compiled, example, loss, (program.mesh.sizes(world) or {}).get("tensor", 1), cp=cp,
+                      ep=expert_degree(program, world))
     mem = unit_memory(program, graph, world, optimizer)
     replicated = sum(graph.params[n].nbytes for n in _replicated_params(program, graph))
     buffers = buffer_bytes(graph)

@@ -23,7 +23,16 @@ from torch.utils._pytree import tree_flatten
 
 from planc.lower.fsdp import root_index, unit_of_module
 from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, ShardBatch
-from planc.lower.program import AttendOverContext, Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
+from planc.lower.program import (
+    AttendOverContext,
+    Checkpoint,
+    Compile,
+    DispatchExperts,
+    FullyShard,
+    Parallelize,
+    SetPrefetch,
+    UnitMethod,
+)
 from planc.resolve.step import MicrobatchError, check_splits  # noqa: F401  (MicrobatchError: re-exported)
 
 # What the trace records: the units' hooks (`FullyShard`), checkpointing, each tensor style's
@@ -31,8 +40,11 @@ from planc.resolve.step import MicrobatchError, check_splits  # noqa: F401  (Mic
 # (the memory replay plays the prefetches). One forward and one backward of the one part, the
 # loss (in `loss_parallel()`) as one tensor rank computes it; under context parallelism one
 # context rank's sequence shard (the caller cuts the example: `context_local.shard_example`)
-# and each styled attention's K/V gathers (`AttendOverContext`).
-READER = Reader("the trace", (FullyShard, Checkpoint, Parallelize, AttendOverContext, Compile, SetPrefetch, UnitMethod),
+# and each styled attention's K/V gathers (`AttendOverContext`). Under expert parallelism
+# (`DispatchExperts`), one expert rank's local experts and its token dispatch with balanced
+# routing (`planc/estimate/expert_local.py`).
+READER = Reader("the trace", (FullyShard, Checkpoint, Parallelize, AttendOverContext, DispatchExperts, Compile,
+                             SetPrefetch, UnitMethod),
                 (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 
@@ -327,7 +339,7 @@ def _cast(tree: Any, dtype: torch.dtype) -> Any:
 
 
 def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None = None, tp: int = 1,
-               repeat: bool = False, cp: int = 1) -> Trace:
+               repeat: bool = False, cp: int = 1, ep: int = 1) -> Trace:
     """Run one forward and backward on fake CPU tensors and record the events of the step.
 
     The step is a training step: `loss(output, example)` (default `default_loss`: the LM
@@ -347,6 +359,9 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
         cp: context-parallel degree: with `AttendOverContext` ops and cp > 1, the step of one
             context rank (`inputs` already its sequence shard with `positions=`; each styled
             attention gathers K/V over cp ranks: `planc/estimate/context_local.py`).
+        ep: expert-parallel degree: with `DispatchExperts` ops and ep > 1, the step of one expert
+            rank (its local experts, the dispatch's allocations, balanced routing:
+            `planc/estimate/expert_local.py`).
 
     Returns:
         The trace: unit hooks and live non-parameter bytes after every op.
@@ -368,6 +383,10 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
     if cp > 1:
         from planc.estimate.context_local import emulate_context
         layout_handles += emulate_context(model, program, cp)
+    ep = ep if any(True for _ in program.of_type(DispatchExperts)) else 1
+    if ep > 1:
+        from planc.estimate.expert_local import emulate_experts
+        layout_handles += emulate_experts(model, program, ep)
     for op in program.of_type(Checkpoint):
         checkpoint_module(model.get_submodule(op.module), context_fn=context_fn(op.mode))
     rec = _Recorder(model, program.units)
@@ -397,9 +416,12 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
     if runs:
         events = repeated.restore(events, runs, program.units) if events is not None else None
         if events is None:
-            return fake_trace(compiled, inputs, loss, tp, cp=cp)
+            return fake_trace(compiled, inputs, loss, tp, cp=cp, ep=ep)
     on = f" (one of {tp} tensor-parallel ranks, its local shapes)" if tp > 1 else ""
     on += f" (one of {cp} context ranks: its sequence shard, K/V gathered)" if cp > 1 else ""
+    if ep > 1:
+        from planc.estimate.expert_local import ROUTING
+        on += f" (one of {ep} expert ranks: its experts, {ROUTING})"
     return Trace(events, input_bytes, f"live tensors of one forward and backward{on} on fake CPU tensors, each "
                  f"unit's precision and checkpointing applied; {loss_name(model, example, loss)}")
 
@@ -570,6 +592,7 @@ def _step_key(compiled) -> tuple:
     checkpointed = tuple(sorted((op.module, op.mode) for op in program.of_type(Checkpoint)))
     styles = tuple((op.module, op.style) for op in program.of_type(Parallelize))
     styles += tuple((op.module, "context") for op in program.of_type(AttendOverContext))
+    styles += tuple((op.module, "expert") for op in program.of_type(DispatchExperts))
     return units, checkpointed, frozenset(compiled.resolution.ignored), styles
 
 
@@ -592,21 +615,21 @@ def _quiet_fake_tensor_logs():
 
 
 def trace_for(compiled, inputs: "tuple | dict | Example | None", loss: LossFn | None = None, tp: int = 1,
-              repeat: bool = False, cp: int = 1) -> Trace:
+              repeat: bool = False, cp: int = 1, ep: int = 1) -> Trace:
     """The (cached) trace of one step of `compiled` with `inputs` and `loss`, on one of `tp` tensor
     ranks and one of `cp` context ranks (`inputs` its shard); `repeat`: see `fake_trace` (the same
     events, so one cache entry serves both)."""
     READER.compiled(compiled)  # before the cache: a job it cannot record is refused every time
     cache = _TRACES.setdefault(compiled.graph, {})
     example = None if inputs is None else Example.of(inputs)
-    key = (_step_key(compiled), None if example is None else example.key(), loss, tp, cp)
+    key = (_step_key(compiled), None if example is None else example.key(), loss, tp, cp, ep)
     if key not in cache:
         if example is None:
             cache[key] = synthetic_trace(compiled)
         else:
             try:
                 with _quiet_fake_tensor_logs():
-                    cache[key] = fake_trace(compiled, example, loss, tp, repeat, cp)
+                    cache[key] = fake_trace(compiled, example, loss, tp, repeat, cp, ep)
             except Exception as err:  # any model code can fail on unexpected inputs
                 shapes = " and ".join("x".join(map(str, t.shape)) for t in example.tensors())
                 rank = f" as one of {tp} tensor-parallel ranks (local shapes)" if tp > 1 and key[0][3] else ""

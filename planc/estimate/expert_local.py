@@ -1,0 +1,138 @@
+"""One expert rank's step on plain tensors: its local experts, and the token dispatch as the runtime allocates it.
+
+Under expert parallelism (`DispatchExperts` ops) each rank of the expert axis keeps `experts /
+expert` whole experts of every styled container, and the rows routed to an expert travel to its
+rank and back by all-to-all with uneven splits (`planc/backends/experts.py`). The activation
+trace (`planc/estimate/trace.py`) runs the model on fake tensors, so the split sizes the runtime
+reads from the data (its one host sync) are not known: the trace assumes **balanced routing**:
+every rank sends `rows / expert` of its `rows = tokens x top_k` routed rows to each expert rank,
+and receives `rows x top_k / experts` rows for each of its local experts from each rank (so
+`rows` in all, as many as it sent). `emulate_experts` gives each styled container its rank's
+`[experts / expert, ...]` parameters and replaces its forward by the runtime's `exchange` with
+local stand-ins for the collectives that allocate what the real ones do on one rank (the
+all-to-all's output, forward and backward; the counts' exchange buffer), and the regrouping
+(`_expert_major`'s index tensors, the two `index_select`s, the `argsort` back) and the
+`1 / expert` gradient scaling as the runtime runs them. The runtime is the reference:
+tests/test_expert_memory_dist.py holds the estimate to FSDPMemTracker on real gloo ranks whose
+routing is made balanced.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from planc.lower.program import DispatchExperts
+from planc.resolve.experts import SORTED, expert_degrees, layout
+
+ROUTING = ("balanced routing: each rank sends tokens x top_k / expert rows to every expert rank "
+           "and receives as many")
+
+
+def expert_degree(program, world: int) -> int:
+    """The expert axis's size at `world` ranks when the program dispatches experts, else 1."""
+    if not program.of_type(DispatchExperts):
+        return 1
+    sizes = program.mesh.sizes(world)
+    degrees = None if sizes is None else expert_degrees(program.mesh, sizes)
+    return 1 if degrees is None else degrees[0]
+
+
+def expert_fsdp_degree(program, world: int) -> int:
+    """efsdp: the ranks the experts' FSDP shards over (`shard x context x tensor / expert`), 1 without experts."""
+    sizes = program.mesh.sizes(world)
+    degrees = None if sizes is None else expert_degrees(program.mesh, sizes)
+    return 1 if degrees is None else degrees[1]
+
+
+def local_expert_shape(shape: tuple[int, ...], ep: int) -> tuple[int, ...]:
+    """An expert parameter `[experts, ...]` as one of `ep` expert ranks keeps it."""
+    return (shape[0] // ep, *shape[1:])
+
+
+class _AllToAll(torch.autograd.Function):
+    """`funcol.all_to_all_single_autograd` on one rank: an output of `sum(out_splits)` rows (its
+    values unknown: the trace records bytes); backward the same with the splits reversed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_rows: int, in_rows: int) -> torch.Tensor:
+        ctx.in_rows = in_rows
+        return x.new_empty((out_rows, *x.shape[1:]))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        return grad.new_empty((ctx.in_rows, *grad.shape[1:])), None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The runtime's `_ScaleGrad`: the identity forward (a view), the gradient scaled (a new tensor)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def _expert_major(received: torch.Tensor, rows: int) -> torch.Tensor:
+    """The runtime's `_expert_major` with its data-dependent sizes given (`rows` received in all)."""
+    flat = received.reshape(-1)
+    starts = flat.cumsum(0) - flat
+    blocks = torch.arange(flat.numel(), device=flat.device).view(received.shape).t().reshape(-1)
+    counts = flat[blocks]
+    base = torch.repeat_interleave(starts[blocks], counts, output_size=rows)
+    within = torch.arange(rows, device=flat.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
+                                                                              output_size=rows)
+    return base + within
+
+
+def _dispatch(module: nn.Module, ep: int, local: int):
+    """The dispatched forward of the sorted layout (`forward(rows, offsets)`) on one rank, balanced."""
+    forward = module.forward
+
+    def exchange(rows: torch.Tensor, counts: torch.Tensor, run) -> torch.Tensor:
+        n = rows.shape[0]
+        send = counts.view(ep, local).contiguous()
+        received = torch.empty_like(send)  # the counts' all-to-all writes into it
+        arrived = _AllToAll.apply(rows, n, n)
+        order = _expert_major(received, n)
+        own = list(module._parameters.items())
+        for key, p in own:
+            module._parameters[key] = _ScaleGrad.apply(p, 1.0 / ep)
+        try:
+            out = run(arrived.index_select(0, order), received.sum(0))
+        finally:
+            for key, p in own:
+                module._parameters[key] = p
+        back = out.index_select(0, torch.argsort(order))
+        return _AllToAll.apply(back, n, n)
+
+    def dispatched(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        return exchange(rows, counts, lambda x, c: forward(x, c.cumsum(0)))
+
+    return dispatched
+
+
+def emulate_experts(model: nn.Module, program, ep: int) -> list:
+    """Give every container a `DispatchExperts` op names its rank's `[experts / ep, ...]` parameters
+    (fake, like the model's) and the dispatched forward on one rank (allocations only, balanced
+    routing); returns nothing to remove (the model is the trace's own copy)."""
+    for op in program.of_type(DispatchExperts):
+        module = model.get_submodule(op.module)
+        if layout(module) != SORTED:
+            raise NotImplementedError(f"{op.module}: only the sorted experts layout (planc.zoo.routed.RoutedExperts) "
+                                      f"is estimated under expert parallelism")
+        local = op.experts // ep
+        for name, p in list(module.named_parameters(recurse=False)):
+            kept = p.detach().new_empty(local_expert_shape(tuple(p.shape), ep))
+            module.register_parameter(name, nn.Parameter(kept, requires_grad=p.requires_grad))
+        module.forward = _dispatch(module, ep, local)
+    return []
+
+
+__all__ = ["ROUTING", "emulate_experts", "expert_degree", "expert_fsdp_degree", "local_expert_shape"]
