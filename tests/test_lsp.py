@@ -259,13 +259,13 @@ expect memory.peak <= 1GiB at world = 2
 
 
 @ASYNC
-async def test_hover_on_the_expert_style_and_an_unestimated_expert_plan(client):
+async def test_hover_on_the_expert_style_and_an_expert_plan_s_memory(client):
     uri, diags = await open_doc(client, EXPERT)
-    assert [d.code for d in diags] == ["P489"]  # the memory bound is not estimated: a warning
+    assert [d.code for d in diags] == []  # the memory bound is estimated (one expert rank's step) and holds
     style = await hover(client, uri, EXPERT, "expert\n")
     assert style.startswith("**expert**: expert parallelism") and "(`expert = 2`)" in style
     exp = await hover(client, uri, EXPERT, "memory.peak")
-    assert "not estimated: expert parallelism is not yet estimated" in exp
+    assert "current estimate:" in exp and "per rank" in exp
 
 
 @ASYNC

@@ -10,7 +10,6 @@ from typing import Iterator
 
 from planc.checks.context import Context, err
 from planc.checks.context_parallel import sequence_problem
-from planc.checks.experts import not_estimated as experts_not_estimated
 from planc.checks.mesh import too_many_ranks
 from planc.diagnostics import Diagnostic, suggestion
 from planc.lang import syntax as st
@@ -132,9 +131,6 @@ def _expect_memory(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
     if ctx.res.pipeline is not None:  # the estimators refuse a job of several parts (planc/lower/job.py)
         from planc.checks.pipeline import not_estimated
         yield not_estimated(ctx.res.pipeline, s.span, f"`expect {s.metric}` was not checked")
-        return
-    if ctx.res.experts:  # the estimators refuse `DispatchExperts` (planc/lower/job.py: Reader)
-        yield experts_not_estimated(ctx.res, f"`expect {s.metric}` was not checked", s.span)
         return
     world = s.world or ctx.world_size
     if world is None:
