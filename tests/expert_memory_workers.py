@@ -41,3 +41,28 @@ def measure(rank: int, world: int, texts: dict[str, str], clip: float | None = N
         m = measure_real(model, (tokens,), nccl_like_reduce_scatter=True, clip=clip)
         out[name] = {"peak": m.peak, "breakdown": m.breakdown, "moment": m.moment, "timeline": m.timeline}
     return out
+
+
+def record(rank: int, world: int) -> list[tuple]:
+    """The collectives of one forward and backward of `PLAN` (balanced routing) on this real gloo
+    rank, as `planc/analysis/comms.py` records them: (kind, unit or "tensor", bytes, ranks, phase).
+    A real process group, not the fake one: the dispatch reads its split sizes from the counts'
+    all-to-all, which a fake group does not fill."""
+    import planc
+    from planc import zoo
+    from planc.analysis.comms import _attributed, _Recorder
+    from planc.zoo import routed
+
+    routed.Router.forward = balanced_route
+    torch.manual_seed(0)
+    model = zoo.routed_moe_tiny()
+    applied = planc.apply(model, planc.loads(PLAN.read_text()))
+    names = {tuple(id(model.get_submodule(p)) if p else id(model) for p in op.modules): op.name
+             for op in applied.compiled.program.units}
+    tokens = torch.randint(0, 128, SHAPE, generator=torch.Generator().manual_seed(1 + rank))
+    recorder = _Recorder()
+    with _attributed(recorder, names), recorder:
+        out = model(tokens)
+        recorder.phase = "backward"
+        out.float().sum().backward()
+    return [(r.kind, r.unit, r.bytes, r.ranks, r.phase) for r in recorder.found]

@@ -19,7 +19,7 @@ from planc.estimate.hardware import Hardware
 from planc.lower.fsdp import compute_dtypes, fsdp_shape, reshard_group, shard_numel
 from planc.lower.job import Schedule
 from planc.lower.lowering import tensor_dims
-from planc.lower.program import AttendOverContext, Checkpoint, FullyShard, Parallelize, Program
+from planc.lower.program import AttendOverContext, Checkpoint, DispatchExperts, FullyShard, Parallelize, Program
 from planc.resolve.styles import IN, OUT, STYLES
 
 
@@ -75,7 +75,10 @@ def unit_collectives(program: Program, graph, world: int, schedule: Schedule | N
         placed = dict(op.placements)
         precision = op.policy.precision
         ag = rs = sharded = sharded_grad = 0
+        experts = dict(op.experts)  # their own parameter group, on the expert view (`_expert_group`)
         for name in op.params:
+            if name in experts:
+                continue
             info = graph.params[name]
             shape = fsdp_shape(info.shape, tp_dims.get(name), tp)
             per_rank = shard_numel(shape, shard, placed.get(name, 0))
@@ -107,7 +110,63 @@ def unit_collectives(program: Program, graph, world: int, schedule: Schedule | N
                                  stride * shard))
         if offload and rs:
             cs.append(Collective("device_to_host", "host", 1, sharded_grad, "backward", "grads"))
+        if experts:
+            cs += _expert_group(program, op, graph, world, replicate)
         out.append([dataclasses.replace(c, times=_times(c, schedule)) for c in cs])
+    return out
+
+
+def _expert_group(program: Program, op: FullyShard, graph, world: int, replicate: int) -> list[Collective]:
+    """The collectives of a unit's expert parameter group (expert parallelism): each rank's
+    `[experts / expert, ...]` experts all-gathered and reduce-scattered over the efsdp ranks of
+    the expert view (none when efsdp is 1: FSDP2 issues no collective on a 1-rank mesh, seen on
+    gloo), all-reduced over replicate. Offload and partial reshard are not modelled here."""
+    from planc.resolve.experts import expert_degrees
+    sizes = program.mesh.sizes(world) or {}
+    degrees = expert_degrees(program.mesh, sizes) if sizes else None
+    if degrees is None:
+        return []
+    ep, efsdp = degrees
+    ag = rs = 0
+    precision = op.policy.precision
+    for name, dim in op.experts:
+        info = graph.params[name]
+        per_rank = shard_numel((info.shape[0] // ep, *info.shape[1:]), efsdp, dim)
+        ag += per_rank * efsdp * _itemsize(precision.compute_dtype(info.dtype))
+        if info.requires_grad:
+            rs += per_rank * efsdp * _itemsize(precision.reduce(info.dtype))
+    cs = []
+    if efsdp > 1:
+        cs.append(Collective("all_gather", "efsdp", efsdp, ag, "forward", "params"))
+        if reshard_group(op.policy.reshard_after_forward, efsdp) == efsdp:
+            cs.append(Collective("all_gather", "efsdp", efsdp, ag, "backward", "params"))
+        if rs:
+            cs.append(Collective("reduce_scatter", "efsdp", efsdp, rs, "backward", "grads"))
+    if rs and replicate > 1:
+        cs.append(Collective("all_reduce", "replicate", replicate, rs // efsdp, "backward", "grads"))
+    return cs
+
+
+def expert_collectives(program: Program, graph, world: int, tokens: int, top_k: int,
+                       dim: int) -> dict[str, list[Collective]]:
+    """Each expert-parallel container's all-to-alls for one microbatch of `tokens` tokens per rank,
+    each routed to `top_k` experts, rows `dim` wide, on the expert axis (balanced routing: a rank
+    sends and receives `tokens x top_k` rows in all): forward the dispatch and the combine, backward
+    their gradients the same way back; bytes the input's (nccl-tests' convention), in the compute
+    dtype of the unit that holds the container. Not counted: the exchange of the per-expert counts
+    (`experts` int64 values, one all-to-all per dispatch, a blocking host sync)."""
+    from planc.resolve.experts import expert_degrees
+    sizes = program.mesh.sizes(world) or {}
+    degrees = expert_degrees(program.mesh, sizes) if sizes else None
+    out: dict[str, list[Collective]] = {}
+    if degrees is None:
+        return out
+    ep = degrees[0]
+    dtypes = compute_dtypes(program, graph)
+    for op in program.of_type(DispatchExperts):
+        nbytes = tokens * top_k * dim * _itemsize(dtypes[op.params[0]])
+        out[op.module] = [Collective("all_to_all", op.axis, ep, nbytes, phase, op.module)
+                          for phase in ("forward", "forward", "backward", "backward")]
     return out
 
 
