@@ -58,3 +58,22 @@ def test_all_to_alls_equal_the_recorded(recorded):
     assert want[("all_to_all", tokens * CONFIG.top_k * CONFIG.dim * 2, 2, "forward")] == 2 * CONFIG.n_layers
     for found in recorded:
         assert Counter((k, b, r, p) for k, u, b, r, p in found if k == "all_to_all") == want
+
+
+def test_step_time_model_schedules_the_recorded_collectives(recorded):
+    """The step-time estimate's collectives (per unit: FSDP's, and its MoE layer's all-to-alls on the
+    expert axis, blocking) are the recorded ones."""
+    from planc.estimate import time
+
+    compiled = _compiled()
+    step = time.estimate_step_time(compiled, world=2, input_shape=workers.SHAPE)
+    for found in recorded:
+        for unit in step.per_unit:
+            fsdp = Counter((c.kind, c.bytes, c.ranks, c.phase) for c in unit.collectives if c.kind != "all_to_all")
+            assert fsdp == Counter((k, b, r, p) for k, u, b, r, p in found if u == unit.name), unit.name
+        a2a = Counter((c.kind, c.bytes, c.ranks, c.phase) for u in step.per_unit for c in u.collectives
+                      if c.kind == "all_to_all" and c.axis == "expert")
+        assert a2a == Counter((k, b, r, p) for k, u, b, r, p in found if k == "all_to_all")
+    assert {u.name: u.bytes("all_to_all") for u in step.per_unit if u.bytes("all_to_all")} == \
+        {f"layers.{i}": 4 * workers.SHAPE[0] * workers.SHAPE[1] * CONFIG.top_k * CONFIG.dim * 2
+         for i in range(CONFIG.n_layers)}

@@ -21,6 +21,7 @@ from planc.lower.program import (
     AttendOverContext,
     Checkpoint,
     Compile,
+    DispatchExperts,
     FullyShard,
     Parallelize,
     Policy,
@@ -198,8 +199,10 @@ def _mesh(compiled, est: Estimate) -> dict[str, Any]:
 # What explain shows: per unit its FSDP settings, prefetch lists and unit methods (from the
 # resolution the ops were lowered from), each parameter's placement per axis (`Parallelize`,
 # `FullyShard`), checkpointing and compile as settings; the one step's estimates (a context plan's
-# `AttendOverContext` and `ShardBatch` are in them: one context rank's step).
-READER = Reader("explain", (FullyShard, Parallelize, AttendOverContext, Checkpoint, Compile, SetPrefetch, UnitMethod),
+# `AttendOverContext` and `ShardBatch` are in them: one context rank's step; `DispatchExperts`: one
+# expert rank's step, balanced routing).
+READER = Reader("explain", (FullyShard, Parallelize, AttendOverContext, DispatchExperts, Checkpoint, Compile, SetPrefetch,
+                            UnitMethod),
                 (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 

@@ -8,8 +8,8 @@ container of a known layout (P484), the experts or the router placed another way
 (P485: `ignore`, `place` or a tensor style), a router that keeps more experts than there are
 (P486), expert parallelism with a tensor, pipeline or context axis (P487, not built or not tested), an expert axis nothing uses
 (P488, warning). `--simulate` of an expert plan does not run a step (P489, warning; the shape
-check and the time model refuse `DispatchExperts`); memory `expect`s are checked (one expert rank's
-step, balanced routing: planc/estimate/expert_local.py).
+check refuses `DispatchExperts`); memory `expect`s are checked (one expert rank's step, balanced
+routing: planc/estimate/expert_local.py).
 """
 
 from __future__ import annotations
@@ -171,8 +171,8 @@ def check_expert_placements(ctx: Context) -> Iterator[Diagnostic]:
 
 
 def not_estimated(res, what: str, span) -> Diagnostic:
-    """P489 (warning): `what` was not checked or run, the shape check and time model refuse `DispatchExperts`."""
+    """P489 (warning): `what` was not run, the shape check refuses `DispatchExperts`."""
     axis = res.mesh.axis(Role.EXPERT)
     return err("P489", f"{what}: expert parallelism is not yet estimated", span, "not estimated",
-               (f"`--simulate` and the step-time model do not run the expert axis (`{axis}`) yet; `planc.apply` "
-                "runs it (tests/test_expert_dist.py), the memory model estimates it",), severity="warning")
+               (f"`--simulate` does not run the expert axis (`{axis}`) yet; `planc.apply` runs it "
+                "(tests/test_expert_dist.py), the memory and step-time models estimate it",), severity="warning")

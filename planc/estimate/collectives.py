@@ -170,6 +170,23 @@ def expert_collectives(program: Program, graph, world: int, tokens: int, top_k: 
     return out
 
 
+def expert_all_to_alls(program: Program, graph, world: int, tokens: int) -> dict[str, list[Collective]]:
+    """`expert_collectives` with each container's routing read from the model: `top_k` from its
+    MoE's router (`router.top_k`, planc.zoo's routed MoE; `top_k` or `gate.top_k` as Hugging Face
+    names it), the rows' width from the sorted layout's `w1` `[experts, hidden, dim]`. Raises
+    ValueError for a container whose routing it cannot read."""
+    out: dict[str, list[Collective]] = {}
+    for op in program.of_type(DispatchExperts):
+        moe = graph.model.get_submodule(op.module.rpartition(".")[0]) if graph.model is not None else None
+        found = [getattr(m, "top_k", None) for m in (getattr(moe, "router", None), moe, getattr(moe, "gate", None))]
+        top_k = next((k for k in found if isinstance(k, int)), None)
+        if top_k is None or not op.module.endswith("experts") or f"{op.module}.w1" not in graph.params:
+            raise ValueError(f"{op.module}: the step-time model reads routing from planc.zoo's routed MoE layout only")
+        one = expert_collectives(program, graph, world, tokens, top_k, graph.params[f"{op.module}.w1"].shape[-1])
+        out[op.module] = one[op.module]
+    return out
+
+
 def _times(c: Collective, schedule: Schedule | None) -> int:
     """How often one step runs `c`: a gradient reduction once per reducing backward, the rest
     once per microbatch."""

@@ -83,6 +83,7 @@ from planc.estimate.collectives import (  # noqa: F401  (re-exported: the step-t
     _Net,
     collective_s,
     context_collectives,
+    expert_all_to_alls,
     recompute_collectives,
     totals,
     tp_collectives,
@@ -99,6 +100,7 @@ from planc.lower.program import (
     AttendOverContext,
     Checkpoint,
     Compile,
+    DispatchExperts,
     FullyShard,
     Parallelize,
     Program,
@@ -213,7 +215,7 @@ def _assumptions(hw: Hardware, eff: float, tp: int) -> list[str]:
     ]
 
 
-BLOCKING_AXES = ("tensor", "context")  # activation collectives: compute waits for them (not FSDP's overlap)
+BLOCKING_AXES = ("tensor", "context", "expert")  # activation collectives: compute waits for them (not FSDP's overlap)
 _CONTEXT_NOTE = ("context parallelism ({cp} ranks): a rank computes 1/{cp} of its batch's FLOPs (the head-tail cut "
                  "balances causal attention; the math attention computes its shard's scores against every key); "
                  "each styled attention's K/V all-gathers and their gradients' all-reduces on the context axis block "
@@ -225,10 +227,12 @@ OPTIMIZER_BYTES = {"adamw": 7, "adam": 7, "adamw_fused": 7, "adam_fused": 7, "sg
 # What the step time plays: the units' collectives and prefetch order, the tensor styles'
 # collectives and FLOP split, the context styles' K/V gathers (`AttendOverContext`) and the
 # sequence cut (`ShardBatch`: a rank computes 1 / context of its batch's FLOPs), checkpointing's
-# recompute, the loss in the traced profile; `compile` and unit methods are not modelled (the
-# efficiency factor stands for kernels).
+# recompute, the loss in the traced profile, the experts' all-to-alls (`DispatchExperts`, blocking,
+# balanced routing: a rank computes the FLOPs of its batch's routed rows, as without the axis);
+# `compile` and unit methods are not modelled (the efficiency factor stands for kernels).
 READER = Reader("the step-time estimate",
-                (FullyShard, Parallelize, AttendOverContext, Checkpoint, Compile, SetPrefetch, UnitMethod),
+                (FullyShard, Parallelize, AttendOverContext, DispatchExperts, Checkpoint, Compile, SetPrefetch,
+                 UnitMethod),
                 (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 
@@ -294,6 +298,8 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
         for path, cs in recompute_collectives(program, profile, tp_cs).items():
             tp_cs[path] = tp_cs[path] + cs
         for path, cs in context_collectives(program, per_rank or profile, world).items():  # blocking, as TP's
+            tp_cs[path] = tp_cs.get(path, []) + cs
+        for path, cs in expert_all_to_alls(program, graph, world, profile.tokens).items():  # blocking (host sync)
             tp_cs[path] = tp_cs.get(path, []) + cs
         tp_cs = {path: [dataclasses.replace(c, times=k) for c in cs] for path, cs in tp_cs.items()}
         for path, cs in tp_cs.items():
