@@ -116,6 +116,11 @@ class UnitMemory:
     param_names: tuple[str, ...] = ()
     shard_dim_copy: int = 0     # Shard(d != 0) parameters: gathered/reduced via an extra copy (param_dtype)
     reduce_of: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # param -> (reduce-scatter, grad)
+    gathered: int | None = None  # all-gather output bytes when not `unsharded` (experts on a 1-rank efsdp: none)
+
+    @property
+    def all_gather(self) -> int:
+        return self.unsharded if self.gathered is None else self.gathered
 
     def reduce_bytes(self, names: Iterable[str]) -> tuple[int, int]:
         """Reduce-scatter input and sharded-gradient bytes of some of the unit's parameters."""
@@ -138,7 +143,7 @@ def unit_memory(program: Program, graph, world: int, optimizer: str = "adamw") -
         orig = infos[0].dtype if infos else torch.float32
         precision = op.policy.precision
         pdt, rdt = precision.compute_dtype(orig), precision.reduce(orig)
-        sharded = unsharded = grad_unsharded = rs = grads = opt = count = dim_copy = 0
+        sharded = unsharded = grad_unsharded = rs = grads = opt = count = dim_copy = local = 0
         reduce_of = {}
         for name, info in zip(names, infos):
             dim = experts.get(name, placed.get(name, 0))
@@ -150,6 +155,8 @@ def unit_memory(program: Program, graph, world: int, optimizer: str = "adamw") -
             per_rank = shard_numel(shape, over, dim)
             sharded += per_rank * _itemsize(info.dtype)
             unsharded += per_rank * over * _itemsize(pdt)
+            if name in experts and over == 1:  # FSDP2 gathers nothing on a 1-rank mesh
+                local += per_rank * _itemsize(pdt)
             if dim and over > 1:  # chunk + cat through a temporary of the full size
                 dim_copy += per_rank * over * _itemsize(pdt)
             count += info.numel
@@ -163,7 +170,8 @@ def unit_memory(program: Program, graph, world: int, optimizer: str = "adamw") -
         group = reshard_group(reshard, shard)
         post = unsharded if group is None else 0 if group == shard else unsharded // group
         out.append(UnitMemory(op.name, i, count, sharded, unsharded, grad_unsharded, rs, grads, opt, post,
-                              op.policy.offload.enabled, reshard, pdt, rdt, tuple(names), dim_copy, reduce_of))
+                              op.policy.offload.enabled, reshard, pdt, rdt, tuple(names), dim_copy, reduce_of,
+                              unsharded - local if local else None))
     return out
 
 
@@ -299,7 +307,7 @@ class _Replay:
             elif s == "post_forward":
                 b["unsharded_params"] += self.mem[i].post_forward
             elif s == "prefetched":
-                b["all_gather"] += self.mem[i].unsharded
+                b["all_gather"] += self.mem[i].all_gather
         for i in self.slices:
             b["unsharded_params"] += self.mem[i].post_forward
         b["all_gather"] += self.ag_kept
@@ -335,7 +343,7 @@ class _Replay:
             self.slices.add(i)
             copy_in = m.post_forward
         else:
-            copy_in = m.unsharded // self.shard
+            copy_in = m.all_gather // self.shard
         self.state[i] = "prefetched"
         self.transient = {"all_gather": copy_in}
         self.snapshot(label)
@@ -350,7 +358,7 @@ class _Replay:
             self.issue(i, label)
         m = self.mem[i]
         # the all-gather output (issued now or by a prefetch) lives until the copy-out is done
-        self.transient = {"all_gather": m.unsharded + m.shard_dim_copy}
+        self.transient = {"all_gather": m.all_gather + m.shard_dim_copy}
         self.state[i] = "unsharded"
         self.snapshot(label)  # copy-out: all-gather output and unsharded parameters both alive
         self.transient = {}
@@ -359,7 +367,7 @@ class _Replay:
         # still holds it until the copy-out returns; in forward this one is kept until the
         # next, the last one until the root's post-forward (without a root unit, until the
         # first all-gather of backward)
-        self.ag_kept = m.unsharded if self.shard > 1 and self.phase == "forward" else 0
+        self.ag_kept = m.all_gather if self.shard > 1 and self.phase == "forward" else 0
 
     def prefetch(self, i: int) -> None:
         if self.state[i] in ("sharded", "post_forward"):
