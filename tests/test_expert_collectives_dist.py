@@ -7,8 +7,9 @@ dispatch: its split sizes come from the counts' all-to-all, which a fake group l
 `collectives.unit_collectives` (the dense parameter group of each unit; the expert group has
 none on a 1-rank efsdp mesh) and `collectives.expert_collectives` (2 all-to-alls per MoE layer
 forward, 2 backward, tokens x top_k x dim bf16 each) equal it per unit, kind, bytes, group size
-and phase. Not yet: the step-time model schedules neither (it refuses `DispatchExperts`); the
-counts' all-to-all (`c10d.alltoall_base_`) is neither recorded nor estimated.
+and phase, and the step-time estimate carries exactly these; at 4 ranks (expert 2 x efsdp 2) the
+experts' own all-gathers and reduce-scatters too. Not counted: the counts' all-to-all
+(`c10d.alltoall_base_`, `experts` int64 values), neither recorded nor estimated.
 """
 
 from __future__ import annotations
@@ -77,3 +78,19 @@ def test_step_time_model_schedules_the_recorded_collectives(recorded):
     assert {u.name: u.bytes("all_to_all") for u in step.per_unit if u.bytes("all_to_all")} == \
         {f"layers.{i}": 4 * workers.SHAPE[0] * workers.SHAPE[1] * CONFIG.top_k * CONFIG.dim * 2
          for i in range(CONFIG.n_layers)}
+
+
+def test_expert_x_efsdp_collectives_equal_the_recorded():
+    """4 ranks: expert 2 x efsdp 2: the experts' own all-gathers and reduce-scatters on 2 ranks too."""
+    from planc.estimate import time
+
+    found = run(workers.record, 4)
+    with torch.device("meta"):
+        model = zoo.routed_moe_tiny()
+    step = time.estimate_step_time(planc.compile(planc.loads(workers.PLAN.read_text()), model, 4), world=4,
+                                   input_shape=workers.SHAPE)
+    want = Counter((c.kind, c.bytes, c.ranks, c.phase) for u in step.per_unit for c in u.collectives)
+    # the experts' group: all-gather forward and backward, reduce-scatter, per layer, over efsdp's 2 ranks
+    assert sum(1 for u in step.per_unit for c in u.collectives if c.axis == "efsdp") == 3 * CONFIG.n_layers
+    for rank in found:
+        assert Counter((k, b, r, p) for k, u, b, r, p in rank) == want

@@ -81,3 +81,16 @@ def test_expert_state_equals_the_tracker(real, monkeypatch):
     # an expert rank gathers 2 of 4 experts: the unsharded layer is smaller than without the axis
     layers = {u.name: u for u in est.units}, {u.name: u for u in base.units}
     assert layers[0]["layers.0"].unsharded < layers[1]["layers.0"].unsharded
+
+
+def test_expert_x_efsdp_peak_equals_the_tracker(monkeypatch):
+    """4 ranks: expert 2 x efsdp 2 (each expert rank's 2 experts FSDP-sharded over 2 ranks, dim 0)."""
+    real = run(workers.measure, 4, {"expert": TEXT})
+    monkeypatch.setattr(routed.Router, "forward", workers.balanced_route)
+    with torch.device("meta"):
+        model = zoo.routed_moe_tiny()
+    est = memory.estimate(planc.compile(planc.loads(TEXT), model, 4), 4, input_shape=workers.SHAPE)
+    for rank in real:
+        assert est.peak.total == rank["expert"]["peak"], (est.peak.label, rank["expert"]["moment"])
+        for key in STATE:
+            assert est.peak.bytes[key] == rank["expert"]["breakdown"][key], key
