@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from planc.analysis.stages import _runs
 from planc.estimate.memory import CATEGORIES, Estimate
 from planc.lower.pipeline import inside
 
@@ -69,7 +70,7 @@ def render_text(data: dict[str, Any], color: bool = False) -> str:
     timed = "busy_s" in pp["stages"][0]
     rows = []
     for s in pp["stages"]:
-        row = [str(s["stage"]), str(s["rank"]), ", ".join(s["modules"]), count(s["params"]),
+        row = [str(s["stage"]), str(s["rank"]), ", ".join(_runs(tuple(s["modules"]))), count(s["params"]),
                gib(s["sharded_state_bytes"]), gib(s["peak_bytes"])]
         if timed:
             row += [seconds(s["busy_s"]), f"{s['bubble']:.1%}"]
