@@ -46,7 +46,7 @@ def test_every_shipped_plan_trains_like_one_process(path):
     assert verdict.ok, [d.message for d in verify.diagnostics(compiled, verdict)]
     assert verdict.compared > 10
     ones = {a.role.value for a in compiled.mesh.axes if a.size == 1}  # axes the plan itself sets to 1
-    if compiled.resolution.pipeline is not None and 2 * verdict.world > verify.MAX_PROCESSES:
+    if 2 * verdict.world > verify.MAX_PROCESSES:
         ones |= {a.role.value for a in compiled.mesh.axes if a.size is None}  # `*` at 1: 2 needs too many ranks
     assert all(size > 1 for axis, size in verdict.sizes.items() if axis not in ones), verdict.sizes
 

@@ -5,7 +5,7 @@ the function the model computes. A small twin of the model (`twin_reference`: th
 tiny variant, the Hugging Face config's tiny sibling, or a factory the user names) is built
 with one seed on every rank and in the reference; the plan is applied for real on local gloo
 processes at the smallest world that keeps every axis of its mesh > 1 (`simulation_world`:
-the fixed axes, 2 ranks for the `*` one); every rank trains `STEPS` AdamW steps on its slice
+the fixed axes, 2 ranks for the `*` one, 1 when 2 do not fit); every rank trains `STEPS` AdamW steps on its slice
 of the same global batches (ranks of one tensor group take the same slice), through the
 plan's own step (`applied.accumulate`, `applied.loss_parallel`), and the losses, every
 gradient (before each optimizer step) and the updated parameters are compared with one
@@ -46,6 +46,7 @@ from torch import nn
 
 from planc.analysis.launch import LaunchError, launch
 from planc.diagnostics import Diagnostic
+from planc.resolve.mesh import Role
 from planc.resolve.styles import STYLES
 
 STEPS = 2
@@ -537,6 +538,9 @@ def _verify(compiled, base: str | None, twin: str | None, timeout: float, allow:
     if compiled.resolution.pipeline is not None:
         return _verify_pipeline(compiled, base, twin, allow, timeout, start)
     world = simulation_world(compiled.mesh)
+    if world > MAX_PROCESSES and compiled.mesh.axis(Role.EXPERT) is None:
+        from planc.analysis.verify_pipeline import pipeline_world
+        world = pipeline_world(compiled.mesh, MAX_PROCESSES)  # the `*` axis at 1 when 2 does not fit
     if world > MAX_PROCESSES:
         raise VerifyError(f"the mesh needs {world} processes at its smallest ({compiled.mesh}); this machine runs "
                           f"at most {MAX_PROCESSES} at once")
@@ -557,8 +561,11 @@ def _verify(compiled, base: str | None, twin: str | None, timeout: float, allow:
     first_output = _first_wrong_output(got["outputs"], ref_out["outputs"]) if mismatches else None
     if twin.startswith(f"hf:{folder}"):  # say what it is, not where it was written
         twin = f"{ref} shrunk to {TWIN_LAYERS} layers, heads of {TWIN_HEAD_DIM}, a vocabulary of {TWIN_VOCAB}"
+    star = [a for a in compiled.mesh.axes if a.size is None]
+    notes = [f"the `*` axis ({star[0].name}) at 1 rank: 2 would need {2 * world} processes"] \
+        if star and sizes.get(star[0].role) == 1 else []
     return Verdict(world, {str(getattr(r, "value", r)): v for r, v in sizes.items()}, twin, compared, mismatches,
-                   time.monotonic() - start, first_output=first_output)
+                   time.monotonic() - start, first_output=first_output, notes=notes)
 
 
 def _verify_pipeline(compiled, base: str | None, twin: str, allow: frozenset[str], timeout: float,
