@@ -87,7 +87,7 @@ def test_a_mesh_too_large_for_this_machine_is_not_verified(capsys):
     path = ROOT / "tests" / "ui" / "verify_too_many_ranks.plan"
     assert planc_main(["check", str(path.relative_to(ROOT)), "--verify"]) == 1
     out = capsys.readouterr().out
-    assert "error[P426]: the plan was not verified: the mesh needs 16 processes" in out
+    assert "error[P426]: the plan was not verified: the mesh needs 8 processes" in out
 
 
 def test_verify_model_needs_verify(capsys):
