@@ -319,18 +319,7 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
     model_flops *= k
     total_s += tp_s
     compute_s_all = compute_s
-    on_device = on_host = 0
-    shard = sizes.get("shard", 1) * sizes.get("context", 1)  # FSDP's group: shard x context, flattened
-    split = tensor_dims(program, graph) if tp > 1 else {}  # a parameter no rule splits is whole on every tensor rank
-    for u in units:
-        n = sum(shard_numel(fsdp_shape(graph.params[name].shape, split.get(name), tp), shard)
-                * _itemsize(graph.params[name].dtype)
-                for name in u.params if graph.params[name].requires_grad) * OPTIMIZER_BYTES.get(optimizer, 7)
-        if u.policy.offload.enabled:
-            on_host += n
-        else:
-            on_device += n
-    optimizer_s = on_device / hw.hbm_bw + on_host / hw.host_optimizer_bw
+    optimizer_s = _optimizer_s(program, graph, sizes, optimizer, hw)
     total_s += optimizer_s
     exposed = max(0.0, total_s - compute_s_all - optimizer_s)
     tokens = None
@@ -338,6 +327,24 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
         tokens = profile.tokens * k * (world // (tp * cp))
     return StepTime(world, hw, per_unit, compute_s_all, net.busy + tp_s, exposed, optimizer_s, total_s, tokens,
                     model_flops, _assumptions(hw, eff, tp) + notes, efficiency=eff, tp=tp, order=order)
+
+
+def _optimizer_s(program: Program, graph, sizes: dict, optimizer: str, hw: Hardware) -> float:
+    """The optimizer step: memory-bound, each unit's local trainable bytes read and written (HBM, or
+    the host for offloaded units), FSDP's shard over shard x context, a tensor split's local share."""
+    tp = sizes.get("tensor", 1)
+    shard = sizes.get("shard", 1) * sizes.get("context", 1)  # FSDP's group: shard x context, flattened
+    split = tensor_dims(program, graph) if tp > 1 else {}  # a parameter no rule splits is whole on every tensor rank
+    on_device = on_host = 0
+    for u in program.units:
+        n = sum(shard_numel(fsdp_shape(graph.params[name].shape, split.get(name), tp), shard)
+                * _itemsize(graph.params[name].dtype)
+                for name in u.params if graph.params[name].requires_grad) * OPTIMIZER_BYTES.get(optimizer, 7)
+        if u.policy.offload.enabled:
+            on_host += n
+        else:
+            on_device += n
+    return on_device / hw.hbm_bw + on_host / hw.host_optimizer_bw
 
 
 def _tensor_rank(program: Program, graph, profile, inputs, input_shape, loss, tp: int):
