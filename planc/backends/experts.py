@@ -25,7 +25,7 @@ HSDP) through `shard_placement_fn` returning torch 2.13's `ShardPlacementResult`
 An expert's gradient already sums the contributions of every rank of its expert group, and
 FSDP averages it over the experts' FSDP ranks only (`replicate x efsdp`, `expert` times fewer
 than the dense ranks): the dispatched forward scales the experts' weight gradients by
-`1 / expert` (`_ScaleGrad`), so the average is the one-process gradient. (FSDP's own divide
+`1 / expert` (`ScaleGrad`), so the average is the one-process gradient. (FSDP's own divide
 factor is not used: it is per `fully_shard` call, both meshes at once; on a 1-rank mesh torch
 2.13 with `set_force_sum_reduction_for_comms` divides twice, and without it reduces with
 `ReduceOp.PREMUL_SUM`, which gloo refuses.)
@@ -48,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from planc.lower.job import View
+from planc.model.scale_grad import ScaleGrad
 from planc.resolve.experts import EFSDP, SORTED, layout
 
 __all__ = ["build_expert_mesh", "clip_grad_norm_", "dispatch_experts", "expert_mesh_of", "expert_placement_fn",
@@ -81,19 +82,6 @@ def _expert_major(received: torch.Tensor) -> torch.Tensor:
     within = torch.arange(int(counts.sum()), device=flat.device) - torch.repeat_interleave(counts.cumsum(0) - counts,
                                                                                             counts)
     return base + within
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """The identity forward; the gradient scaled by `scale` on its way back."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
 
 
 def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str) -> nn.Module:
@@ -132,7 +120,7 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str) -> n
         # place; their gradients scaled by 1 / expert (see the module docstring), put back however forward ends
         own = list(module._parameters.items())
         for key, p in own:
-            module._parameters[key] = _ScaleGrad.apply(p, 1.0 / ep)
+            module._parameters[key] = ScaleGrad.apply(p, 1.0 / ep)
         try:
             out = run(arrived.index_select(0, order), received.sum(0))
         finally:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from planc.lower.program import DispatchExperts
+from planc.model.scale_grad import ScaleGrad
 from planc.resolve.experts import SORTED, expert_degrees, layout
 
 ROUTING = ("balanced routing: each rank sends tokens x top_k / expert rows to every expert rank "
@@ -65,19 +66,6 @@ class _AllToAll(torch.autograd.Function):
         return grad.new_empty((ctx.in_rows, *grad.shape[1:])), None, None
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """The runtime's `_ScaleGrad`: the identity forward (a view), the gradient scaled (a new tensor)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
-
-
 def _expert_major(received: torch.Tensor, rows: int) -> torch.Tensor:
     """The runtime's `_expert_major` with its data-dependent sizes given (`rows` received in all)."""
     flat = received.reshape(-1)
@@ -102,7 +90,7 @@ def _dispatch(module: nn.Module, ep: int, local: int):
         order = _expert_major(received, n)
         own = list(module._parameters.items())
         for key, p in own:
-            module._parameters[key] = _ScaleGrad.apply(p, 1.0 / ep)
+            module._parameters[key] = ScaleGrad.apply(p, 1.0 / ep)
         try:
             out = run(arrived.index_select(0, order), received.sum(0))
         finally:
