@@ -13,17 +13,17 @@ from dataclasses import dataclass
 
 from planc.analysis.explain import count
 from planc.checks.validate import METRICS
+from planc.lang import vocabulary as vocab
 from planc.lsp.hover import values_of
 from planc.model.graph import ModelGraph
 from planc.resolve.options import DTYPES, FSDP1_MESH, OPTIONS
 from planc.resolve.pipeline import PIPELINE_OPTIONS, SCHEDULES
 from planc.resolve.step import STEP_OPTIONS
 
-STATEMENTS = ("model", "include", "mesh", "defaults", "unit", "root", "checkpoint", "parallel", "compile", "ignore",
-              "place", "step", "pipeline", "stage", "expect", "optional")
+STATEMENTS = (*vocab.STATEMENTS, "optional")
 # the options of a block opened on a line that starts with this statement (the others: unit options)
 BLOCK_OPTIONS = {"pipeline": PIPELINE_OPTIONS, "step": STEP_OPTIONS}
-OPTIONALS = ("unit", "checkpoint", "parallel", "compile", "ignore", "place")
+OPTIONALS = vocab.OPTIONAL_STATEMENTS
 MAX_INDICES = 32  # indices offered inside `name[`
 
 
