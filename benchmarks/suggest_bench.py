@@ -22,7 +22,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from _llama405b import Llama, Llama405BConfig
+from _llama405b import llama405b
 
 from planc.lang.transform import parse_quantity
 from planc.model.graph import ModelGraph
@@ -38,7 +38,7 @@ def main() -> None:
     warnings.simplefilter("ignore")
     layers = 16 if args.quick else 126
     with torch.device("meta"):
-        model = Llama(Llama405BConfig(n_layers=layers))
+        model = llama405b(layers)
     graph = ModelGraph.from_module(model)
     budget = int(parse_quantity(args.budget)[0])
     wall, cpu = time.perf_counter(), time.process_time()
