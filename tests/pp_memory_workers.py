@@ -45,21 +45,12 @@ def pipeline_peaks(rank: int, world: int, names: tuple[str, ...], microbatches: 
 
 
 def pipeline_peak(rank: int, world: int, name: str, microbatches: int, batch: int, seq: int) -> dict:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
-    from planc.analysis.simulate import _CATEGORY, _skip_sharding_propagation, _tracker_class
-    from planc.zoo import llama_tiny
-
-    torch.manual_seed(0)
-    _skip_sharding_propagation()
-    dist.barrier()
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    mesh, model = _start(world)
     pp = mesh["pp"].get_local_rank()
-    model = llama_tiny()
     stage_mod = First(model) if pp == 0 else Last(model)
     del model
     units = [stage_mod.tok_embeddings, stage_mod.layers["0"]] if pp == 0 else [stage_mod.layers["1"],
@@ -77,24 +68,7 @@ def pipeline_peak(rank: int, world: int, name: str, microbatches: int, batch: in
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    # NOTE: the first step infers the stages' shapes with `autograd.grad` on the stage's inputs,
-    # which the tracker's module hooks do not support: it runs untracked (it also allocates the
-    # optimizer state and the stage's receive buffers, which the tracker sees as they are)
-    step()
-    tracker = _tracker_class()(stage_mod, opt)
-    tracker.track_inputs((tokens,))
-    with tracker:
-        tracker.recording = True
-        step()
-    total, snap, where = tracker.best
-    breakdown: dict[str, int] = {}
-    for key, value in snap.items():
-        label = getattr(key, "value", key)
-        if label != "Total" and value:
-            cat = _CATEGORY.get(label, str(label))
-            breakdown[cat] = breakdown.get(cat, 0) + value
-    dist.barrier()
-    return {"rank": pp, "peak": total, "breakdown": breakdown, "where": where}
+    return _measure(stage_mod, opt, tokens, step, pp)
 
 
 class Embed(nn.Module):
@@ -144,21 +118,12 @@ def looped_peaks(rank: int, world: int, names: tuple[str, ...], microbatches: in
 
 
 def looped_peak(rank: int, world: int, name: str, microbatches: int, batch: int, seq: int) -> dict:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
-    from planc.analysis.simulate import _CATEGORY, _skip_sharding_propagation, _tracker_class
-    from planc.zoo import llama_tiny
-
-    torch.manual_seed(0)
-    _skip_sharding_propagation()
-    dist.barrier()
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+    mesh, model = _start(world)
     pp = mesh["pp"].get_local_rank()
-    model = llama_tiny()
     held = (pp, 3 - pp) if name in ("ZBVZeroBubble", "DualPipeV") else (pp, pp + 2)
     mods, stages = [], []
     for s in held:
@@ -184,7 +149,34 @@ def looped_peak(rank: int, world: int, name: str, microbatches: int, batch: int,
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()  # untracked: the stages infer their shapes (see pipeline_peak)
+    return _measure(root, opt, tokens, step, pp)
+
+
+def _start(world: int):
+    """The ("pp", "dp") mesh (pipeline 2) and llama_tiny seeded alike on every rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from planc.analysis.simulate import _skip_sharding_propagation
+    from planc.zoo import llama_tiny
+
+    torch.manual_seed(0)
+    _skip_sharding_propagation()
+    dist.barrier()
+    return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp")), llama_tiny()
+
+
+def _measure(root: nn.Module, opt, tokens, step, pp: int) -> dict:
+    """This rank's peak of the second `step()` under FSDPMemTracker on `root`, with its categories.
+
+    NOTE: the first step infers the stages' shapes with `autograd.grad` on the stage's inputs,
+    which the tracker's module hooks do not support: it runs untracked (it also allocates the
+    optimizer state and the stage's receive buffers, which the tracker sees as they are)."""
+    import torch.distributed as dist
+
+    from planc.analysis.simulate import _CATEGORY, _tracker_class
+
+    step()
     tracker = _tracker_class()(root, opt)
     tracker.track_inputs((tokens,))
     with tracker:
