@@ -582,6 +582,15 @@ CODES: dict[str, Code] = {
                  "degree 1 (the 1-D search) or degrees the rules hold at.\n\n"
                  "    planc suggest --model planc.zoo:llama_tiny --world-size 8 --budget 1MiB --input-shape 2x16 \\\n"
                  "        --tensor-parallel plans/zoo-llama-tp.plan --tensor 1,2"),
+    "P960": Code("no combination of degrees can be searched", "`planc suggest --context-parallel RULES` or "
+                 "`--expert-parallel RULES` (with or without `--tensor-parallel`) searches every combination of the "
+                 "degrees asked for, each with its axes' `parallel` rules, and every combination was skipped: planc's "
+                 "checks reject it (P482 experts not dividing, P487 experts with a tensor or context axis, P495 a "
+                 "sequence that does not cut into 2 x context chunks, ...), its axes do not divide the world, or the "
+                 "model did not run as one rank of it. The message says why per combination; include degree 1 (the "
+                 "plan without that axis) or degrees the rules hold at.\n\n"
+                 "    planc suggest --model planc.zoo:routed_moe_tiny --world-size 8 --budget 1MiB --input-shape 2x16 \\\n"
+                 "        --expert-parallel auto --expert 1,2"),
     "P953": Code("model does not run on the search's inputs", "`planc suggest` runs one training step of the model "
                  "(on fake tensors) to count activations and FLOPs, and the model did not run on the inputs given. "
                  "`--input-shape BxS` feeds token ids of batch B and sequence S, as a decoder language model takes "

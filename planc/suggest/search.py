@@ -17,7 +17,6 @@ from planc.suggest.cost import context as cost_context
 from planc.suggest.cost import cost
 from planc.suggest.degrees import (
     AXES,
-    CONTEXT_RULE,
     Degrees,
     axis_lines,
     combinations,
@@ -60,6 +59,7 @@ class Suggestion:
     degrees: list = field(default_factory=list)  # (Degrees, Option | None, what happened) per combination searched
     evaluator: Evaluator | None = field(default=None, repr=False)
     combo: Degrees = field(default_factory=Degrees)  # the winner's degrees (tensor, context, expert)
+    axes: tuple = ()                                 # the axes searched beside FSDP (`planc.suggest.degrees.AXES`)
 
 
 def exact_peak(ev: Evaluator, c: Candidate) -> tuple[int, str]:
@@ -168,6 +168,7 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
     else:  # compared per world x batch sequences (a context group trains 1 / context of them a step)
         out = min((r for _, r in fitting), key=lambda r: r.combo.per_sequences(r.best.seconds))
     out.degrees = [(d, r.best if r is not None else None, why) for d, r, why in results]
+    out.axes = axes
     out.searched = sum(r.searched for _, r, _ in results if r is not None)
     out.pruned = sum(r.pruned for _, r, _ in results if r is not None)
     if out.best is not None:

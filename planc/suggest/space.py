@@ -256,12 +256,20 @@ def plan_statements(chain: Chain, model_ref: str | None, c: Candidate, tensor: i
     return groups
 
 
-def parallel_rules(text: str, file: str) -> tuple[tuple[str, ...], list]:
-    """The `parallel` statements of a plan's text, each printed as one statement, and the parse errors."""
+AXIS_STYLES = {"context": "context", "expert": "expert"}  # the axes whose rules are one style word each
+
+
+def parallel_rules(text: str, file: str, axis: str = "tensor") -> tuple[tuple[str, ...], list]:
+    """The `parallel` statements of a plan's text for `axis`, each printed as one statement, and the
+    parse errors: `context` / `expert` the statements of that style, `tensor` all the others."""
     from planc.lang.parse import parse_text
     stmts, _, diags = parse_text(text, file)
     errors = [d for d in diags if d.severity == "error"]
-    return tuple(printer.statement(s) for s in stmts if isinstance(s, st.ParallelStmt)), errors
+
+    def mine(s) -> bool:
+        style = s.style.value
+        return style == AXIS_STYLES[axis] if axis in AXIS_STYLES else style not in AXIS_STYLES.values()
+    return tuple(printer.statement(s) for s in stmts if isinstance(s, st.ParallelStmt) and mine(s)), errors
 
 
 def expect_line(budget_text: str, budget: float, world: int, shape: tuple[int, ...] | None) -> str:
