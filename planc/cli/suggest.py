@@ -186,7 +186,8 @@ def main(args) -> int:
                 f.write(rewrite_model_line(result.text, args.model, args.output))
         except OSError as err:
             raise UsageError(f"-o {args.output}: cannot write: {err.strerror}") from err
-        print(f"{args.output}: {result.best.candidate.describe()}", file=sys.stderr)
+        degrees = f"{result.combo.describe(result.axes)}, " if result.axes else ""
+        print(f"{args.output}: {degrees}{result.best.candidate.describe()}", file=sys.stderr)
     else:
         sys.stdout.write(result.text)
     return EXIT_OK

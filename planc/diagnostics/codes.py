@@ -582,6 +582,13 @@ CODES: dict[str, Code] = {
                  "degree 1 (the 1-D search) or degrees the rules hold at.\n\n"
                  "    planc suggest --model planc.zoo:llama_tiny --world-size 8 --budget 1MiB --input-shape 2x16 \\\n"
                  "        --tensor-parallel plans/zoo-llama-tp.plan --tensor 1,2"),
+    "P953": Code("model does not run on the search's inputs", "`planc suggest` runs one training step of the model "
+                 "(on fake tensors) to count activations and FLOPs, and the model did not run on the inputs given. "
+                 "`--input-shape BxS` feeds token ids of batch B and sequence S, as a decoder language model takes "
+                 "them; a model that takes other inputs (an encoder-decoder's decoder ids, images, a mask) needs "
+                 "`--inputs MODULE:FN`, a factory called with the model that returns its inputs per rank (a tuple, "
+                 "a dict of keywords or an `Example`), as `planc explain --inputs` takes it.\n\n"
+                 "    planc suggest --model hf:t5-tiny --world-size 8 --budget 4MiB --inputs tests.step_inputs:t5_inputs"),
     "P960": Code("no combination of degrees can be searched", "`planc suggest --context-parallel RULES` or "
                  "`--expert-parallel RULES` (with or without `--tensor-parallel`) searches every combination of the "
                  "degrees asked for, each with its axes' `parallel` rules, and every combination was skipped: planc's "
@@ -591,13 +598,6 @@ CODES: dict[str, Code] = {
                  "plan without that axis) or degrees the rules hold at.\n\n"
                  "    planc suggest --model planc.zoo:routed_moe_tiny --world-size 8 --budget 1MiB --input-shape 2x16 \\\n"
                  "        --expert-parallel auto --expert 1,2"),
-    "P953": Code("model does not run on the search's inputs", "`planc suggest` runs one training step of the model "
-                 "(on fake tensors) to count activations and FLOPs, and the model did not run on the inputs given. "
-                 "`--input-shape BxS` feeds token ids of batch B and sequence S, as a decoder language model takes "
-                 "them; a model that takes other inputs (an encoder-decoder's decoder ids, images, a mask) needs "
-                 "`--inputs MODULE:FN`, a factory called with the model that returns its inputs per rank (a tuple, "
-                 "a dict of keywords or an `Example`), as `planc explain --inputs` takes it.\n\n"
-                 "    planc suggest --model hf:t5-tiny --world-size 8 --budget 4MiB --inputs tests.step_inputs:t5_inputs"),
     # --- notes (P9xx)
     "P902": Code("root reshards after forward by default", "`defaults` apply to the root unit too. "
                  "`reshard after_forward = true` there frees the root's parameters after forward, although "
