@@ -17,7 +17,7 @@ world trains world·B/C sequences a step and combinations are compared per world
 (`per_sequences`: the step time x C); the expert axis borrows shard ranks and changes no input.
 
 By default context degrees are tried only when the sequence is long enough to matter: when no
-combination without a context axis fits the budget (`CONTEXT_RULE`); `--context C,...` given
+combination without a context axis fits the budget (else they are skipped as `NOT_TRIED`); `--context C,...` given
 explicitly tries them always.
 """
 
@@ -27,8 +27,7 @@ import itertools
 from dataclasses import dataclass
 
 AXES = ("tensor", "context", "expert")
-CONTEXT_RULE = ("context degrees are tried when no plan without a context axis fits the budget (the sequence is too "
-                "long for one rank), or when --context names them")
+NOT_TRIED = "not tried: a plan without a context axis fits (docs/suggest.md)"  # the default rule's skip
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,7 @@ def does_not_fill(d: Degrees, world: int) -> str | None:
     return None
 
 
-def fits(graph, style: str):
+def fits(style: str):
     """The predicate of the modules a `parallel ... STYLE` statement fits, as planc's checks decide it."""
     if style == "expert":
         from planc.resolve.experts import layout
@@ -102,13 +101,13 @@ def fits(graph, style: str):
 def auto_rules(graph, style: str) -> tuple[str, ...]:
     """`parallel SELECTOR STYLE` for every module of `graph`'s model the style fits, one statement per
     path with list indices as `*` (`layers.*.moe.experts`); empty when none fits."""
-    ok = fits(graph, style)
+    ok = fits(style)
     paths = [path for path, module in graph.model.named_modules() if path and ok(module)]
     selectors = dict.fromkeys(".".join("*" if part.isdigit() else part for part in p.split(".")) for p in paths)
     return tuple(f"parallel {s} {style}" for s in selectors)
 
 
-def input_text(ev, shown: str, base: tuple[int, ...] | None, optimizer: str) -> str:
+def input_text(ev, shown: str, base: tuple[int, ...], optimizer: str) -> str:
     """The header's input sentence for a search at `ev`'s degrees (`base`: the BxS per rank asked for)."""
     b, s = base
     if ev.context > 1:

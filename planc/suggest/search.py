@@ -17,6 +17,7 @@ from planc.suggest.cost import context as cost_context
 from planc.suggest.cost import cost
 from planc.suggest.degrees import (
     AXES,
+    NOT_TRIED,
     Degrees,
     axis_lines,
     combinations,
@@ -127,7 +128,7 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
             the tokens per rank: the data-parallel input is batch x t (a tensor group shares
             it), so every degree trains world x batch sequences per step.
         context_rules, contexts: `parallel ... context` statements and the context degrees (default
-            `default_context`, tried only when nothing without a context axis fits: `CONTEXT_RULE`;
+            `default_context`, tried only when nothing without a context axis fits: degrees.py's rule;
             given, always). A context group of c ranks shares the batch x sequence input, each rank
             holding sequence / c of it; combinations are compared per world x batch sequences.
         expert_rules, experts: `parallel ... expert` statements and the expert degrees (default
@@ -151,11 +152,11 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
                           (experts or default_expert(world)) if rules["expert"] else [1])
     kw = dict(hardware=hardware, optimizer=optimizer, budget_text=budget_text, progress=progress,
               alternatives=alternatives, cost_fn=cost_fn)
-    deferred = [d for d in combos if d.context > 1 and contexts is None]  # the default rule: CONTEXT_RULE
+    deferred = [d for d in combos if d.context > 1 and contexts is None]  # the default rule (planc/suggest/degrees.py)
     results = [_search_degrees(graph, model_ref, world, budget, shape, d, d.rules(rules), **kw)
                for d in combos if d not in deferred]
     if deferred and any(r is not None and r.best is not None for _, r, _ in results):
-        results += [(d, None, "not tried: a plan without a context axis fits (docs/suggest.md)") for d in deferred]
+        results += [(d, None, NOT_TRIED) for d in deferred]
     else:
         results += [_search_degrees(graph, model_ref, world, budget, shape, d, d.rules(rules), **kw) for d in deferred]
     fitting = [(d, r) for d, r, _ in results if r is not None and r.best is not None]
