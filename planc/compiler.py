@@ -82,8 +82,12 @@ class CompiledPlan:
         world = world or self.world_size or 1
         key = (world, None if input_shape is None else tuple(input_shape))
         if key not in self._estimates:
+            # lowered at `world`: what the job places depends on it (the experts' FSDP dim, 0 or 1, on
+            # efsdp x expert against the experts count), and a plan checked without a world size
+            # (an `expect ... at world = N` line) was lowered without one
+            at = self if world == self.world_size else CompiledPlan(self.plan, self.graph, world, check_memory=False)
             try:
-                self._estimates[key] = estimate(self, world, input_shape=key[1])
+                self._estimates[key] = estimate(at, world, input_shape=key[1])
             except TraceError as err:  # remembered too: each expect with this input reports it
                 self._estimates[key] = err
         found = self._estimates[key]

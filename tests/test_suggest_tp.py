@@ -75,7 +75,7 @@ def test_default_degrees_divide_the_world_within_a_node():
 
 def test_degrees_the_checks_reject_are_skipped_with_their_code():
     r = searched(LOOSE, True)
-    by_degree = {t: (o, why) for t, o, why in r.degrees}
+    by_degree = {d.tensor: (o, why) for d, o, why in r.degrees}
     assert sorted(by_degree) == [1, 2, 4, 8]
     assert by_degree[1][0] is not None and by_degree[2][0] is not None
     assert by_degree[4][0] is None and "P412" in by_degree[4][1]   # 2 key/value heads
@@ -93,7 +93,7 @@ def test_winner_checks_clean_fits_and_is_not_slower_than_1d(tmp_path):
     assert peak == r.best.peak
     assert r.best.seconds <= one_d.best.seconds * (1 + 1e-9)
     # degree 1 of the tensor search is the 1-D search
-    d1 = next(o for t, o, _ in r.degrees if t == 1)
+    d1 = next(o for d, o, _ in r.degrees if d.tensor == 1)
     assert d1.seconds == pytest.approx(one_d.best.seconds, rel=1e-12) and d1.candidate == one_d.best.candidate
     # the header's figure is the step-time model's on the plan as written
     compiled = CompiledPlan(planc.loads(r.text), graph(), WORLD, check_memory=False)
@@ -103,7 +103,7 @@ def test_winner_checks_clean_fits_and_is_not_slower_than_1d(tmp_path):
 def test_the_2d_alternative_checks_clean_too(tmp_path):
     """Degree 2 alone (`--tensor 2`): a 2-D plan with the rules, the mesh's tensor axis, and a doubled batch per group."""
     r = searched(LOOSE, True, (2,))
-    assert r.tensor == 2 and [t for t, _, _ in r.degrees] == [2]
+    assert r.tensor == 2 and [d.tensor for d, _, _ in r.degrees] == [2]
     assert "mesh (replicate = 1, shard = *, tensor = 2)" in r.text
     assert all(line.split("{")[0].strip() in r.text for line in rules())
     assert "expect memory.peak <= 64MiB at world = 8, input = 4x16" in r.text

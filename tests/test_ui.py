@@ -32,8 +32,8 @@ WORLD = re.compile(r"#\s*world-size:\s*([0-9 ]+)")
 
 # Codes `planc check` cannot produce: P6xx are raised by `planc.apply` on a live model in a
 # process group, P7xx by `planc import` on accelerate configs, P457-P459 by `planc import
-# --hf-tp-plan` (tests/test_import_hf_tp.py), P95x by `planc suggest` (tests/test_suggest.py,
-# golden in tests/golden/suggest/); each is covered by that command's own tests.
+# --hf-tp-plan` (tests/test_import_hf_tp.py), P95x and P96x by `planc suggest` (tests/test_suggest.py,
+# tests/test_suggest_ep.py, goldens in tests/golden/suggest/); each is covered by that command's own tests.
 # P442 / P443 (a style torch refuses, parameters on different meshes in the simulated step)
 # are reported by `planc check --simulate` only when the static checks let the plan through,
 # and every case of them known is caught first by P420 / P418; tests/test_shapecheck.py
@@ -42,7 +42,7 @@ WORLD = re.compile(r"#\s*world-size:\s*([0-9 ]+)")
 # P408 (a mesh axis planc does not build) has no plan since every role is built (the expert
 # axis last); tests/test_mesh_roles.py reaches it with a row flipped back to unbuilt.
 # Every other code needs a golden here.
-OTHER_COMMANDS = ("P6", "P7", "P457", "P458", "P459", "P442", "P443", "P95", "P425", "P426", "P408")
+OTHER_COMMANDS = ("P6", "P7", "P457", "P458", "P459", "P442", "P443", "P95", "P96", "P425", "P426", "P408")
 
 
 def reachable_from_check(code: str) -> bool:

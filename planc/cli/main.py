@@ -98,6 +98,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor", metavar="T,T,...",
                    help="tensor-parallel degrees to search with --tensor-parallel (default: 1, 2, 4, 8 "
                         "dividing the world, at most the GPUs per node)")
+    g.add_argument("--context-parallel", metavar="PLAN|auto",
+                   help="also search context-parallel degrees with these `parallel ... context` rules: those of a "
+                        "plan file, or `auto` for every attention the context style fits (docs/suggest.md)")
+    g.add_argument("--context", metavar="C,C,...",
+                   help="context degrees to search with --context-parallel (default: 1, 2, 4, 8 dividing the world, "
+                        "the ones above 1 tried only when nothing without a context axis fits)")
+    g.add_argument("--expert-parallel", metavar="PLAN|auto",
+                   help="also search expert-parallel degrees with these `parallel ... expert` rules: those of a plan "
+                        "file, or `auto` for every experts container the expert style fits (docs/suggest.md)")
+    g.add_argument("--expert", metavar="E,E,...",
+                   help="expert degrees to search with --expert-parallel (default: 1, 2, 4, 8 dividing the world)")
     g.add_argument("-o", "--output", metavar="FILE", help="write the plan here (default: stdout)")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=suggest.main)

@@ -43,7 +43,7 @@ class _Progress:
             self.bar.close()
 
 
-def _degrees(text: str | None) -> list[int] | None:
+def _degrees(text: str | None, axis: str = "tensor") -> list[int] | None:
     if text is None:
         return None
     try:
@@ -51,13 +51,23 @@ def _degrees(text: str | None) -> list[int] | None:
     except ValueError:
         out = []
     if not out or any(t < 1 for t in out):
-        raise UsageError(f"--tensor {text}: expected tensor-parallel degrees such as 1,2,4,8")
+        raise UsageError(f"--{axis} {text}: expected {axis} degrees such as 1,2,4,8")
     return out
 
 
-def _rules(source: str, graph) -> tuple[str, ...]:
-    """The `parallel` statements of `--tensor-parallel`: a plan file's, or `hf` (the model's Hugging Face plan)."""
-    if source == "hf":
+def _rules(source: str, graph, axis: str = "tensor") -> tuple[str, ...]:
+    """The `parallel` statements of `--tensor-parallel` (a plan file's, or `hf`: the model's Hugging Face
+    plan), `--context-parallel` or `--expert-parallel` (a plan file's statements of that style, or `auto`)."""
+    flag = f"--{axis}-parallel"
+    if axis != "tensor" and source == "auto":
+        from planc.suggest.degrees import auto_rules
+        found = auto_rules(graph, axis) if graph.model is not None else ()
+        if not found:
+            what = "attention the `context` style fits" if axis == "context" else "experts container the `expert` style fits"
+            raise UsageError(f"{flag} auto: the model has no {what} (docs/language.md); pass a plan file with "
+                             f"`parallel ... {axis}` statements")
+        return found
+    if source == "hf" and axis == "tensor":
         from planc.importers.hf_tp import tensor_statements
         found = tensor_statements(graph.model) if graph.model is not None else None
         if found is None or not [line for line in found.lines if not line.startswith("#")]:
@@ -69,14 +79,29 @@ def _rules(source: str, graph) -> tuple[str, ...]:
         with open(source, encoding="utf-8") as f:
             text = f.read()
     except OSError as err:
-        raise UsageError(f"--tensor-parallel {source}: cannot read: {err.strerror}") from err
-    rules, errors = parallel_rules(text, source)
+        raise UsageError(f"{flag} {source}: cannot read: {err.strerror}") from err
+    rules, errors = parallel_rules(text, source, axis)
     if errors:
-        raise UsageError(f"--tensor-parallel {source}: the plan does not parse: {errors[0].message} "
+        raise UsageError(f"{flag} {source}: the plan does not parse: {errors[0].message} "
                          f"(`planc check {source}` says where)")
     if not rules:
-        raise UsageError(f"--tensor-parallel {source}: the plan has no `parallel` statements")
+        raise UsageError(f"{flag} {source}: the plan has no `parallel` statements"
+                         + (f" of the `{axis}` style" if axis != "tensor" else ""))
     return rules
+
+
+def _axes(args, graph) -> dict:
+    """The degrees and rules per axis the flags ask for (`suggest`'s keywords)."""
+    out = {}
+    for axis, rules_kw, degrees_kw in (("tensor", "parallel", "tensors"), ("context", "context_rules", "contexts"),
+                                       ("expert", "expert_rules", "experts")):
+        source, degrees = getattr(args, f"{axis}_parallel"), _degrees(getattr(args, axis), axis)
+        if degrees is not None and source is None:
+            how = "PLAN|hf" if axis == "tensor" else "PLAN|auto"
+            raise UsageError(f"--{axis} needs --{axis}-parallel {how}: the `parallel` rules to apply at each degree")
+        out[rules_kw] = _rules(source, graph, axis) if source is not None else None
+        out[degrees_kw] = degrees
+    return out
 
 
 def main(args) -> int:
@@ -102,20 +127,18 @@ def main(args) -> int:
         graph = ModelCache().graph(args.model)
     except ModelLoadError as err:
         raise UsageError(f"--model {args.model}: {err}") from err
-    tensors = _degrees(args.tensor)
-    if tensors is not None and args.tensor_parallel is None:
-        raise UsageError("--tensor needs --tensor-parallel PLAN|hf: the `parallel` rules to apply at each degree")
-    rules = _rules(args.tensor_parallel, graph) if args.tensor_parallel is not None else None
-    if rules is not None and factory is not None:
-        raise UsageError("--tensor-parallel takes --input-shape: each degree scales the batch of token ids (its tensor "
-                         "group shares one input); an --inputs factory's inputs cannot be scaled")
+    axes = _axes(args, graph)
+    if factory is not None and any(axes[k] is not None for k in ("parallel", "context_rules", "expert_rules")):
+        raise UsageError("--tensor-parallel, --context-parallel and --expert-parallel take --input-shape: each degree "
+                         "scales or cuts the batch of token ids (a tensor or context group shares one input); an "
+                         "--inputs factory's inputs cannot be")
     example = _call(factory, graph.model, "--inputs") if factory is not None else None
     given = f"--inputs {args.inputs}" if factory is not None else f"--input-shape {args.input_shape}"
     progress = _Progress(not args.quiet and sys.stderr.isatty())  # a bar only where someone watches
     try:
         result = suggest(graph, args.model, args.world_size, budget, shape, hardware=hw,
                          optimizer=args.optimizer, budget_text=args.budget.strip(), progress=progress,
-                         parallel=rules, tensors=tensors, inputs=example, inputs_name=args.inputs)
+                         inputs=example, inputs_name=args.inputs, **axes)
     except TraceError as err:
         why = str(err).splitlines()[0] if str(err) else type(err).__name__
         fix = ("check that the factory returns what the model's forward takes (a tuple of positional arguments, "
@@ -127,6 +150,9 @@ def main(args) -> int:
                             f"`{given}`: {why}", span=None, help=(fix,))])
         return EXIT_ERRORS
     except NoDegree as err:
+        if err.axes != ("tensor",):
+            _report([_no_combination(args.model, err)])
+            return EXIT_ERRORS
         _report([Diagnostic(code="P952", severity="error", message=f"cannot search tensor-parallel plans for `{args.model}`: "
                             f"{err}", span=None,
                             help=("pass degrees the rules hold at (`--tensor 1,2`), or fix the `parallel` rules: "
@@ -150,7 +176,7 @@ def main(args) -> int:
             f"on {args.world_size} ranks with {f'input {args.input_shape}' if factory is None else given}",
             span=None,
             help=(f"the smallest estimated peak planc found is {show_bytes(s.peak)} "
-                  f"({f'tensor {result.tensor}, ' if result.degrees else ''}{s.candidate.describe()}); "
+                  f"({f'{result.combo.describe(result.axes)}, ' if result.degrees else ''}{s.candidate.describe()}); "
                   "raise --budget to at least that, add ranks, or shorten the input",),
             notes=tuple(result.notes))])
         return EXIT_ERRORS
@@ -160,10 +186,23 @@ def main(args) -> int:
                 f.write(rewrite_model_line(result.text, args.model, args.output))
         except OSError as err:
             raise UsageError(f"-o {args.output}: cannot write: {err.strerror}") from err
-        print(f"{args.output}: {result.best.candidate.describe()}", file=sys.stderr)
+        degrees = f"{result.combo.describe(result.axes)}, " if result.axes else ""
+        print(f"{args.output}: {degrees}{result.best.candidate.describe()}", file=sys.stderr)
     else:
         sys.stdout.write(result.text)
     return EXIT_OK
+
+
+def _no_combination(model: str, err) -> Diagnostic:
+    """P960: every combination of degrees asked for was skipped (the message says why, per combination)."""
+    return Diagnostic(code="P960", severity="error", message=f"cannot search plans with {' x '.join(err.axes)} degrees "
+                      f"for `{model}`: {err}", span=None,
+                      help=("pass degrees the rules hold at, with 1 among them (`--context 1,2`, `--expert 1,2`: the "
+                            "plan without that axis), or fix the `parallel` rules: `planc check` on a plan with them at "
+                            "this world size says which rule fails and why",
+                            "a combination the model does not run at as one rank (its local shapes, sequence shard or "
+                            "experts) is the search's one-rank model at fault, not the plan: write the plan by hand "
+                            "(`planc explain` estimates it) and report it"))
 
 
 def _report(diags) -> None:

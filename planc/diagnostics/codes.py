@@ -589,6 +589,15 @@ CODES: dict[str, Code] = {
                  "`--inputs MODULE:FN`, a factory called with the model that returns its inputs per rank (a tuple, "
                  "a dict of keywords or an `Example`), as `planc explain --inputs` takes it.\n\n"
                  "    planc suggest --model hf:t5-tiny --world-size 8 --budget 4MiB --inputs tests.step_inputs:t5_inputs"),
+    "P960": Code("no combination of degrees can be searched", "`planc suggest --context-parallel RULES` or "
+                 "`--expert-parallel RULES` (with or without `--tensor-parallel`) searches every combination of the "
+                 "degrees asked for, each with its axes' `parallel` rules, and every combination was skipped: planc's "
+                 "checks reject it (P482 experts not dividing, P487 experts with a tensor or context axis, P495 a "
+                 "sequence that does not cut into 2 x context chunks, ...), its axes do not divide the world, or the "
+                 "model did not run as one rank of it. The message says why per combination; include degree 1 (the "
+                 "plan without that axis) or degrees the rules hold at.\n\n"
+                 "    planc suggest --model planc.zoo:routed_moe_tiny --world-size 8 --budget 1MiB --input-shape 2x16 \\\n"
+                 "        --expert-parallel auto --expert 1,2"),
     # --- notes (P9xx)
     "P902": Code("root reshards after forward by default", "`defaults` apply to the root unit too. "
                  "`reshard after_forward = true` there frees the root's parameters after forward, although "

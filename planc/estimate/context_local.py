@@ -123,12 +123,15 @@ class _ContextSDPA(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def emulate_context(model: torch.nn.Module, program, cp: int) -> list:
+def emulate_context(model: torch.nn.Module, program, cp: int, prefix: str = "") -> list:
     """Hook every module an `AttendOverContext` op names so that its causal SDPA gathers K/V
-    over `cp` ranks (allocations only); the hook handles."""
+    over `cp` ranks (allocations only); the hook handles. With `prefix`, `model` is the module at
+    that path (one block run alone, as `planc suggest` profiles it): only the ops inside it."""
     handles = []
     for op in program.of_type(AttendOverContext):
-        module = model.get_submodule(op.module)
+        if prefix and op.module != prefix and not op.module.startswith(prefix + "."):
+            continue
+        module = model.get_submodule(op.module[len(prefix) + 1:] if prefix else op.module)
         modes: list[_ContextSDPA] = []
 
         def enter(_module, args, kwargs, modes=modes):

@@ -562,12 +562,9 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
         inputs = default_input(graph.model, input_shape)
     step = None if inputs is None else Example.of(inputs)
     example = None if step is None else step.microbatch(job.schedule.microbatches)
-    cp = context_degree(job, world)
-    if step is not None and cp > 1:  # one context rank's share of the sequence, with its positions
-        op = job.step_op(ShardBatch)[0]
-        step, example = shard_example(step, op, cp), shard_example(example, op, cp)
-    trace = trace_for(compiled, example, loss, (program.mesh.sizes(world) or {}).get("tensor", 1), cp=cp,
-                      ep=expert_degree(program, world))
+    step, (tp, cp, ep) = rank_step(compiled, world, step)
+    example, _ = rank_step(compiled, world, example)
+    trace = trace_for(compiled, example, loss, tp, cp=cp, ep=ep)
     mem = unit_memory(program, graph, world, optimizer)
     replicated = sum(graph.params[n].nbytes for n in _replicated_params(program, graph))
     buffers = buffer_bytes(graph)
@@ -591,6 +588,19 @@ def estimate(compiled, world: int | None = None, *, optimizer: str = "adamw",
         est.notes.append(f"{job.schedule.origin.value.show()}: activations are one microbatch's, "
                          f"the input is the step's batch")
     return est
+
+
+def rank_step(compiled, world: int, example: Example | None) -> tuple[Example | None, tuple[int, int, int]]:
+    """What one rank traces of a step of `compiled` at `world` ranks: `example` as one context rank's
+    sequence shard with its positions under context parallelism (as `AppliedPlan.shard_batch` cuts
+    it), and the (tensor, context, expert) degrees its trace emulates. `estimate` and `planc
+    suggest` (planc/suggest/evaluate.py) trace one rank's step through it."""
+    job = READER.compiled(compiled)
+    program = job.program
+    cp = context_degree(job, world)
+    if example is not None and cp > 1:
+        example = shard_example(example, job.step_op(ShardBatch)[0], cp)
+    return example, ((program.mesh.sizes(world) or {}).get("tensor", 1), cp, expert_degree(program, world))
 
 
 def buffer_bytes(graph) -> int:

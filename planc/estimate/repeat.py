@@ -28,13 +28,23 @@ from torch import nn
 
 from planc.estimate.trace import Event
 from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, ShardBatch
-from planc.lower.program import AttendOverContext, Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
+from planc.lower.program import (
+    AttendOverContext,
+    Checkpoint,
+    Compile,
+    DispatchExperts,
+    FullyShard,
+    Parallelize,
+    SetPrefetch,
+    UnitMethod,
+)
 
-# What makes blocks' traced events equal: their units, checkpointing, tensor and context styles
-# (in `_signature`); compile, prefetch lists and unit methods change no traced byte, nor does the
-# sequence cut (every block sees the same shard).
+# What makes blocks' traced events equal: their units, checkpointing, tensor, context and expert
+# styles (in `_signature`); compile, prefetch lists and unit methods change no traced byte, nor
+# does the sequence cut (every block sees the same shard), nor the experts' dispatch (routing is
+# assumed balanced, so every block's all-to-all moves the same rows; `restore` checks it).
 READER = Reader("the repeated-block trace",
-                (FullyShard, Parallelize, AttendOverContext, Checkpoint, Compile, SetPrefetch, UnitMethod),
+                (FullyShard, Parallelize, AttendOverContext, DispatchExperts, Checkpoint, Compile, SetPrefetch, UnitMethod),
                 (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 MIN_RUN = 5  # blocks: the two first, the two last, and at least one written out
@@ -73,6 +83,7 @@ def _signature(compiled, path: str, unit) -> tuple | None:
     checkpoints = tuple(sorted((rel(op.module), op.mode) for op in program.of_type(Checkpoint) if inside(op.module)))
     styles = tuple(sorted((rel(op.module), repr(op.style)) for op in program.of_type(Parallelize) if inside(op.module)))
     styles += tuple(sorted((rel(op.module), "context") for op in program.of_type(AttendOverContext) if inside(op.module)))
+    styles += tuple(sorted((rel(op.module), "expert") for op in program.of_type(DispatchExperts) if inside(op.module)))
     ignored = tuple(sorted(rel(p) for p in compiled.resolution.ignored if inside(p)))
     return type(mod), params, buffers, unit.policy.precision, checkpoints, styles, ignored
 

@@ -36,7 +36,16 @@ from torch.utils._pytree import tree_flatten
 import planc
 from planc.compiler import CompiledPlan
 from planc.estimate import memory as mem_model
-from planc.estimate.trace import Event, Trace, _LiveBytes, _quiet_fake_tensor_logs, default_input, fake_trace, trace_for
+from planc.estimate.trace import (
+    Event,
+    Example,
+    Trace,
+    _LiveBytes,
+    _quiet_fake_tensor_logs,
+    default_input,
+    fake_trace,
+    trace_for,
+)
 from planc.lower.checkpointing import context_fn
 from planc.model.graph import ModelGraph
 from planc.suggest.space import CHECKPOINT_MODES, Candidate, Chain, find_chain, plan_text, unit_blocks
@@ -176,8 +185,10 @@ class Evaluator:
     shape: tuple[int, ...]
     optimizer: str = "adamw"
     tensor: int = 1                    # tensor-parallel degree (1: 1-D plans)
-    parallel: tuple[str, ...] = ()     # the `parallel` statements added when tensor > 1 (plan text)
+    parallel: tuple[str, ...] = ()     # the `parallel` statements of the axes > 1 (plan text)
     inputs: object = None              # the step's inputs (tuple, dict or Example); None: token ids of `shape`
+    context: int = 1                   # context-parallel degree: `shape` is a context group's (one rank traces 1 / context)
+    expert: int = 1                    # expert-parallel degree (the expert axis borrows shard ranks)
     chain: Chain = field(init=False)
     _compiled: dict = field(default_factory=dict, init=False)
     _windows: dict = field(default_factory=dict, init=False)
@@ -189,9 +200,14 @@ class Evaluator:
             self.inputs = default_input(self.graph.model, self.shape)
         base = self.compiled(Candidate(checkpoint=("none",) * self.chain.n, reshard=(True,) * self.chain.n))
         errors = [d for d in base.diagnostics if d.severity == "error"]
-        if errors:  # the `parallel` rules do not hold at this degree (heads not divisible, ...)
+        if not errors and self.context > 1 and self.shape is not None:  # what an `expect ... input =` line checks
+            from planc.checks.context_parallel import sequence_problem
+            errors = [d for d in [sequence_problem(base.mesh, self.world, self.shape, None)] if d is not None]
+        if errors:  # the `parallel` rules do not hold at these degrees (heads not divisible, ...)
             raise RulesRejected(errors)
         self.atom_program = base.program
+        # one rank's step, as the memory model traces it (a context rank's sequence shard, ...)
+        self.local_inputs, self.rank_degrees = mem_model.rank_step(base, self.world, Example.of(self.inputs))
         captured: dict = {}
         handles = []
         signatures: dict[str, tuple] = {}
@@ -207,7 +223,8 @@ class Evaluator:
         try:
             with _quiet_fake_tensor_logs(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                trace = fake_trace(base, self.inputs, tp=self.tensor, repeat=True)
+                trace = fake_trace(base, self.local_inputs, tp=self.rank_degrees[0], repeat=True, cp=self.rank_degrees[1],
+                                   ep=self.rank_degrees[2])
         finally:
             for h in handles:
                 h.remove()
@@ -226,6 +243,9 @@ class Evaluator:
         if self.tensor > 1:
             from planc.estimate.tensor_local import emulate_layouts
             handles = emulate_layouts(module, self.atom_program, self.graph, self.tensor, prefix=path)
+        if self.context > 1:  # the experts need nothing here: `emulate_experts` changed the trace's copy for good
+            from planc.estimate.context_local import emulate_context
+            handles += emulate_context(module, self.atom_program, self.context, prefix=path)
         try:
             with _quiet_fake_tensor_logs():  # a failing op's fake-tensor traceback is not for the user
                 return _profile(module, spec, fake_mode)
@@ -236,11 +256,18 @@ class Evaluator:
     # ----------------------------------------------------------------- candidates
     @property
     def dp_world(self) -> int:
-        """Data-parallel ranks: the world over the tensor-parallel degree."""
+        """FSDP's ranks: the world over the tensor-parallel degree (replicate x shard x context)."""
         return self.world // self.tensor
 
+    @property
+    def borrowed(self) -> int:
+        """What a shard group must divide by besides: the context axis (FSDP shards over shard x context)
+        and the expert axis (it borrows shard ranks)."""
+        return self.context * self.expert
+
     def text(self, c: Candidate, header=(), expects=()) -> str:
-        return plan_text(self.chain, self.model_ref, c, list(header), list(expects), self.tensor, self.parallel)
+        return plan_text(self.chain, self.model_ref, c, list(header), list(expects), self.tensor, self.parallel,
+                         self.context, self.expert)
 
     def compiled(self, c: Candidate) -> CompiledPlan:
         key = (c.merge, c.replicate, c.prefetch, c.offload, c.checkpoint, c.reshard)

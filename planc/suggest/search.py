@@ -13,7 +13,19 @@ from planc.estimate import memory as mem_model
 from planc.estimate.hardware import hardware as hardware_of
 from planc.estimate.trace import Example, TraceError, default_input, trace_for
 from planc.quantities import show_bytes as format_bytes
-from planc.suggest.cost import context, cost
+from planc.suggest.cost import context as cost_context
+from planc.suggest.cost import cost
+from planc.suggest.degrees import (
+    AXES,
+    NOT_TRIED,
+    Degrees,
+    axis_lines,
+    combinations,
+    default_context,
+    default_expert,
+    does_not_fill,
+    input_text,
+)
 from planc.suggest.evaluate import Evaluator, RulesRejected, compress
 from planc.suggest.solve import Subproblem, build, globals_for, lower_bound, min_peak_choice, solve, surely_infeasible
 from planc.suggest.space import Candidate, expect_line, find_chain
@@ -45,8 +57,10 @@ class Suggestion:
     stats: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)   # what the search left out, and why
     tensor: int = 1                              # the winner's tensor-parallel degree
-    degrees: list = field(default_factory=list)  # (degree, Option | None, what happened) per degree searched
+    degrees: list = field(default_factory=list)  # (Degrees, Option | None, what happened) per combination searched
     evaluator: Evaluator | None = field(default=None, repr=False)
+    combo: Degrees = field(default_factory=Degrees)  # the winner's degrees (tensor, context, expert)
+    axes: tuple = ()                                 # the axes searched beside FSDP (`planc.suggest.degrees.AXES`)
 
 
 def exact_peak(ev: Evaluator, c: Candidate) -> tuple[int, str]:
@@ -58,7 +72,8 @@ def exact_peak(ev: Evaluator, c: Candidate) -> tuple[int, str]:
     else:
         with warnings.catch_warnings():  # torch's, on the model's own code (the Evaluator's trace mutes them too)
             warnings.simplefilter("ignore")
-            trace = compress(trace_for(compiled, ev.inputs, None, ev.tensor, repeat=True))
+            tp, cp, ep = ev.rank_degrees
+            trace = compress(trace_for(compiled, ev.local_inputs, None, tp, repeat=True, cp=cp, ep=ep))
     if trace is None:
         from planc.suggest.evaluate import remap
         program = compiled.program
@@ -72,7 +87,11 @@ ALTERNATIVE_S = 1.0  # seconds HiGHS may take on a global choice that cannot win
 
 
 class NoDegree(Exception):
-    """Every tensor-parallel degree asked for was skipped (the message says why, per degree)."""
+    """Every combination of degrees asked for was skipped (the message says why, per combination)."""
+
+    def __init__(self, message: str, axes: tuple[str, ...] = ("tensor",)):
+        super().__init__(message)
+        self.axes = axes  # the axes searched beside FSDP
 
 
 def default_degrees(world: int, hardware) -> list[int]:
@@ -85,7 +104,9 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
             hardware: str = "h100", optimizer: str = "adamw", budget_text: str | None = None,
             progress: Callable[[int, int], None] | None = None, alternatives: int = 3,
             cost_fn=cost, parallel: tuple[str, ...] | None = None, tensors: list[int] | None = None,
-            inputs=None, inputs_name: str | None = None) -> Suggestion:
+            inputs=None, inputs_name: str | None = None, context_rules: tuple[str, ...] | None = None,
+            contexts: list[int] | None = None, expert_rules: tuple[str, ...] | None = None,
+            experts: list[int] | None = None) -> Suggestion:
     """Search the space of planc/suggest/space.py for `graph` at `world` ranks.
 
     Args:
@@ -106,63 +127,83 @@ def suggest(graph, model_ref: str | None, world: int, budget: int, shape: tuple[
             degree the rules fail planc's checks at is skipped with a note. Each degree keeps
             the tokens per rank: the data-parallel input is batch x t (a tensor group shares
             it), so every degree trains world x batch sequences per step.
+        context_rules, contexts: `parallel ... context` statements and the context degrees (default
+            `default_context`, tried only when nothing without a context axis fits: degrees.py's rule;
+            given, always). A context group of c ranks shares the batch x sequence input, each rank
+            holding sequence / c of it; combinations are compared per world x batch sequences.
+        expert_rules, experts: `parallel ... expert` statements and the expert degrees (default
+            `default_expert`). Every (tensor, context, expert) combination of the lists is one search
+            (planc/suggest/degrees.py); one planc's checks reject is skipped with its code.
     """
     if budget_text is None:  # a size the `expect` line can spell exactly (whole KiB at least)
         budget, budget_text = budget_spelling(budget)
     if (shape is None) == (inputs is None):
         raise TypeError("suggest: give `shape` (token ids) or `inputs`, not both")
-    if not parallel:
+    rules = {"tensor": tuple(parallel or ()), "context": tuple(context_rules or ()), "expert": tuple(expert_rules or ())}
+    axes = tuple(a for a in AXES if rules[a])
+    if not axes:
         return _suggest_one(graph, model_ref, world, budget, shape, hardware=hardware, optimizer=optimizer,
                             budget_text=budget_text, progress=progress, alternatives=alternatives, cost_fn=cost_fn,
                             inputs=inputs, inputs_name=inputs_name)
     if inputs is not None:  # each degree scales the batch of token ids (below); arbitrary inputs cannot be
-        raise TypeError("suggest: the tensor-parallel search takes `shape` (token ids), not `inputs`")
-    degrees = sorted(set(tensors or default_degrees(world, hardware)))
-    results: list[tuple[int, Suggestion | None, str]] = []
-    for t in degrees:
-        if world % t:
-            results.append((t, None, f"does not divide {world} ranks"))
-            continue
-        t_shape = (shape[0] * t, *shape[1:])
-        try:
-            r = _suggest_one(graph, model_ref, world, budget, t_shape, hardware=hardware, optimizer=optimizer,
-                             budget_text=budget_text, progress=progress, alternatives=alternatives, cost_fn=cost_fn,
-                             tensor=t, parallel=tuple(parallel) if t > 1 else ())
-        except RulesRejected as err:
-            first = err.errors[0]
-            results.append((t, None, f"rejected by planc's checks: {first.code} {first.message}"))
-            continue
-        except TraceError as err:
-            if t == 1:
-                raise
-            results.append((t, None, f"the model did not run as one tensor rank: {str(err).splitlines()[0][:160]}"))
-            continue
-        results.append((t, r, "" if r.best is not None else
-                        f"nothing fits the budget (smallest peak found {format_bytes(r.smallest.peak)})"))
-    fitting = [(t, r) for t, r, _ in results if r is not None and r.best is not None]
+        raise TypeError("suggest: the search over degrees takes `shape` (token ids), not `inputs`")
+    combos = combinations((tensors or default_degrees(world, hardware)) if rules["tensor"] else [1],
+                          (contexts or default_context(world)) if rules["context"] else [1],
+                          (experts or default_expert(world)) if rules["expert"] else [1])
+    kw = dict(hardware=hardware, optimizer=optimizer, budget_text=budget_text, progress=progress,
+              alternatives=alternatives, cost_fn=cost_fn)
+    deferred = [d for d in combos if d.context > 1 and contexts is None]  # the default rule (planc/suggest/degrees.py)
+    results = [_search_degrees(graph, model_ref, world, budget, shape, d, d.rules(rules), **kw)
+               for d in combos if d not in deferred]
+    if deferred and any(r is not None and r.best is not None for _, r, _ in results):
+        results += [(d, None, NOT_TRIED) for d in deferred]
+    else:
+        results += [_search_degrees(graph, model_ref, world, budget, shape, d, d.rules(rules), **kw) for d in deferred]
+    fitting = [(d, r) for d, r, _ in results if r is not None and r.best is not None]
     if not fitting:  # the smallest peak over the degrees, for P950
         tried = [r for _, r, _ in results if r is not None]
         if not tried:
-            raise NoDegree("no tensor-parallel degree could be searched: "
-                             + "; ".join(f"tensor {t}: {why}" for t, _, why in results))
+            raise NoDegree("no combination of degrees could be searched: "
+                           + "; ".join(f"{d.describe(axes)}: {why}" for d, _, why in results), axes)
         out = min(tried, key=lambda r: r.smallest.peak)
-    else:
-        out = min((r for _, r in fitting), key=lambda r: r.best.seconds)
-    out.degrees = [(t, r.best if r is not None else None, why) for t, r, why in results]
+    else:  # compared per world x batch sequences (a context group trains 1 / context of them a step)
+        out = min((r for _, r in fitting), key=lambda r: r.combo.per_sequences(r.best.seconds))
+    out.degrees = [(d, r.best if r is not None else None, why) for d, r, why in results]
+    out.axes = axes
     out.searched = sum(r.searched for _, r, _ in results if r is not None)
     out.pruned = sum(r.pruned for _, r, _ in results if r is not None)
     if out.best is not None:
         ev = out.evaluator
         out.text = render(ev, out.best, out.alternatives, out.budget, budget_text, ev.shape, hardware, optimizer,
-                          degrees=out.degrees, shape_1d=shape)
+                          degrees=out.degrees, shape_1d=shape, axes=axes)
     return out
+
+
+def _search_degrees(graph, model_ref, world, budget, shape, d: Degrees, rules: tuple[str, ...], **kw):
+    """(d, the search at degrees `d`, "") or (d, None, why it was skipped: the code of the check that
+    rejects it, or the model not running as one rank of them)."""
+    why = does_not_fill(d, world)
+    if why:
+        return d, None, why
+    try:
+        r = _suggest_one(graph, model_ref, world, budget, d.group_shape(shape), tensor=d.tensor, context=d.context,
+                         expert=d.expert, parallel=rules, **kw)
+    except RulesRejected as err:
+        first = err.errors[0]
+        return d, None, f"rejected by planc's checks: {first.code} {first.message}"
+    except TraceError as err:
+        if d == Degrees():
+            raise
+        return d, None, f"the model did not run as one rank of these degrees: {str(err).splitlines()[0][:160]}"
+    return d, r, "" if r.best is not None else f"nothing fits the budget (smallest peak found {format_bytes(r.smallest.peak)})"
 
 
 def _suggest_one(graph, model_ref: str | None, world: int, budget: int, shape: tuple[int, ...] | None, *,
                  hardware, optimizer: str, budget_text: str, progress, alternatives: int, cost_fn,
-                 tensor: int = 1, parallel: tuple[str, ...] = (), inputs=None, inputs_name: str | None = None
-                 ) -> Suggestion:
-    """The search at one tensor-parallel degree (1: 1-D plans); `shape` (or `inputs`) is the data-parallel input."""
+                 tensor: int = 1, parallel: tuple[str, ...] = (), inputs=None, inputs_name: str | None = None,
+                 context: int = 1, expert: int = 1) -> Suggestion:
+    """The search at one combination of degrees (all 1: 1-D plans); `shape` (or `inputs`) is the input of one
+    tensor x context group (a data-parallel rank's at degree 1)."""
     t0, c0 = time.perf_counter(), time.process_time()
     hw = hardware_of(hardware)
     shape = None if shape is None else tuple(shape)
@@ -170,14 +211,14 @@ def _suggest_one(graph, model_ref: str | None, world: int, budget: int, shape: t
         inputs = Example.of(inputs)
     find_chain(graph)  # ValueError (no block chain) before the model runs
     try:
-        ev = Evaluator(graph, model_ref, world, shape, optimizer, tensor, tuple(parallel), inputs)
+        ev = Evaluator(graph, model_ref, world, shape, optimizer, tensor, tuple(parallel), inputs, context, expert)
     except (RulesRejected, TraceError):
         raise
     except Exception as err:  # the model's own code, run on fake tensors, can fail on these inputs
         example = Example.of(inputs if inputs is not None else default_input(graph.model, shape))
         raise TraceError(f"the model did not run on inputs of shape {describe_inputs(example)}: "
                          f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from err
-    ctx = context(graph, world, shape, hw, optimizer, inputs=inputs)
+    ctx = cost_context(graph, world, shape, hw, optimizer, inputs=inputs)
     t_trace, c_trace = time.perf_counter() - t0, time.process_time() - c0
     subs: list[Subproblem] = [build(ev, g, ctx, cost_fn) for g in globals_for(ev, hw)]
     t_build = time.perf_counter() - t0 - t_trace
@@ -254,7 +295,7 @@ def _suggest_one(graph, model_ref: str | None, world: int, budget: int, shape: t
              "verify_s": total - t_trace - t_build - t_solve, "total_s": total,
              "trace_cpu_s": c_trace, "search_cpu_s": c_search, "total_cpu_s": time.process_time() - c0}
     return Suggestion(best, others, smallest, text, budget, searched, pruned, time.perf_counter() - t0, stats,
-                      list(dict.fromkeys(ev.notes)), tensor, [], ev)
+                      list(dict.fromkeys(ev.notes)), tensor, [], ev, Degrees(tensor, context, expert))
 
 
 def _canonical(sp, choice: list[int], bound: float) -> list[int]:
@@ -320,6 +361,24 @@ def _solve_fitting(ev, sp, budget, ctx, cost_fn, *, verify: bool, tries: int = 6
     return None
 
 
+def _degree_lines(ev: Evaluator, best: Option, degrees, axes, batch: int) -> list[str]:
+    """Each combination's best (or why it has none), compared per world x batch sequences."""
+    mine = Degrees(ev.tensor, ev.context, ev.expert)
+    per = any(d.context > 1 for d, o, _ in degrees if o is not None)
+    lines = ["Degrees searched (each combination's best, costed as a whole program"
+             + (f"; compared per {ev.world * batch} sequences, the step time x context" if per else "") + "):"]
+    for d, o, why in degrees:
+        if o is None:
+            lines.append(f"  {d.describe(axes)}: skipped, {why}")
+            continue
+        mark = " (this plan)" if d == mine else \
+            f" (+{(d.per_sequences(o.seconds) / mine.per_sequences(best.seconds) - 1) * 100:.1f}%)"
+        scaled = f" ({d.per_sequences(o.seconds) * 1e3:.3g} ms per {ev.world * batch} sequences)" if d.context > 1 else ""
+        lines.append(f"  {d.describe(axes)}: {o.seconds * 1e3:.3g} ms{scaled}{mark}, peak {format_bytes(o.peak)}: "
+                     f"{o.candidate.describe()}")
+    return lines
+
+
 def hw_text(hardware) -> str:
     """The profile and its stated efficiency, as the header names them."""
     hw = hardware_of(hardware)
@@ -336,41 +395,31 @@ def describe_inputs(example: Example) -> str:
 
 
 def render(ev: Evaluator, best: Option, others: list[Option], budget: int, budget_text: str, shape, hardware: str,
-           optimizer: str, degrees=(), shape_1d=None, inputs_name: str | None = None) -> str:
-    """The plan text with its header; `degrees` (tensor-parallel searches) lists each degree's best."""
+           optimizer: str, degrees=(), shape_1d=None, inputs_name: str | None = None, axes=("tensor",)) -> str:
+    """The plan text with its header; `degrees` (searches over degrees) lists each combination's best."""
     c = best.candidate
     given = shape is None  # the step's inputs came from an input factory, not `input = BxS` token ids
     shown = "x".join(map(str, shape)) if not given else describe_inputs(Example.of(ev.inputs))
     if given:
         inp = f"inputs {f'`{inputs_name}` ' if inputs_name else ''}({shown}) per rank, {optimizer},"
-    elif ev.tensor > 1:
-        base = shape_1d or (shape[0] // ev.tensor, *shape[1:])
-        inp = (f"input {shown} per tensor group of {ev.tensor} ranks (the {'x'.join(map(str, base))} per rank asked for: "
-               f"every degree trains {ev.world * base[0]} sequences a step), {optimizer},")
+    elif ev.tensor > 1 or ev.context > 1:
+        inp = input_text(ev, shown, shape_1d or (shape[0] // ev.tensor, *shape[1:]), optimizer)
     else:
         inp = f"input {shown} per rank, {optimizer},"
-    tp_line = [f"  tensor parallelism: tensor = {ev.tensor}, the `parallel` statements below"] if ev.tensor > 1 else []
     first = f"Suggested by `planc suggest` for {ev.model_ref or 'the model'} on {ev.world} ranks ({hardware_of(hardware).name}),"
     header = [
-        *([f"{first} {inp}"] if ev.tensor == 1 else [first, inp]),
+        *([f"{first} {inp}"] if ev.tensor == 1 and ev.context == 1 else [first, inp]),
         f"per-rank budget {budget_text}. Estimates (planc's models, not measurements):",
         f"  peak {format_bytes(best.peak)} per rank at {best.where}: the binding constraint, "
         f"{format_bytes(budget - best.peak)} under the budget",
         f"  step time {best.seconds * 1e3:.3g} ms (planc's step-time model, docs/time-model.md; "
         f"{hw_text(hardware)})",
         f"  choice: {c.describe()}",
-        *tp_line,
+        *axis_lines(ev),
         *[f"Note: {n}" for n in dict.fromkeys(ev.notes)],
     ]
     if degrees:
-        header.append("Tensor-parallel degrees searched (each degree's best, costed as a whole program):")
-        for t, o, why in degrees:
-            if o is None:
-                header.append(f"  tensor {t}: skipped, {why}")
-            else:
-                mark = " (this plan)" if t == ev.tensor else f" (+{(o.seconds / best.seconds - 1) * 100:.1f}%)"
-                header.append(f"  tensor {t}: {o.seconds * 1e3:.3g} ms{mark}, peak {format_bytes(o.peak)}: "
-                              f"{o.candidate.describe()}")
+        header += _degree_lines(ev, best, degrees, axes, (shape_1d or shape)[0])
     header.append("Next best (linear-model peaks):")
     for o in others:
         header.append(f"  {o.seconds * 1e3:.3g} ms (+{(o.seconds / best.seconds - 1) * 100:.1f}%), "

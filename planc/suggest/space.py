@@ -189,17 +189,19 @@ def _reshard_value(r: bool | int):
 
 
 def plan_statements(chain: Chain, model_ref: str | None, c: Candidate, tensor: int = 1,
-                    parallel: tuple[str, ...] = ()) -> list[list[str]]:
+                    parallel: tuple[str, ...] = (), context: int = 1, expert: int = 1) -> list[list[str]]:
     """The plan's statements as groups of lines (a blank line between groups), no header, no expects.
 
-    With `tensor` > 1 the mesh gains a tensor axis of that size and the `parallel` statements
-    (plan text, one statement each) follow the units."""
+    Each of `context`, `expert` and `tensor` > 1 adds a mesh axis of that size (in that order,
+    after replicate and shard, as the shipped plans write them); the `parallel` statements
+    (plan text, one statement each: the rules of those axes) follow the units."""
     groups: list[list[str]] = []
     if model_ref:
         groups.append([printer.head(st.ModelStmt(span=_NOWHERE, ref=model_ref))])
+    extra = [st.MeshAxis(span=_NOWHERE, name=name, size=size)
+             for name, size in (("context", context), ("expert", expert), ("tensor", tensor)) if size > 1]
     mesh = st.MeshStmt(span=_NOWHERE, axes=(st.MeshAxis(span=_NOWHERE, name="replicate", size=c.replicate),
-                                            st.MeshAxis(span=_NOWHERE, name="shard", size=None),
-                                            *([st.MeshAxis(span=_NOWHERE, name="tensor", size=tensor)] if tensor > 1 else [])))
+                                            st.MeshAxis(span=_NOWHERE, name="shard", size=None), *extra))
     groups.append([printer.head(mesh)])
     defaults = [_option("precision", param="bf16", reduce="fp32", cast_inputs=False), _option("reshard", after_forward=True)]
     if c.prefetch:  # every unit gathers the next N as it starts (the root the first block units)
@@ -249,17 +251,25 @@ def plan_statements(chain: Chain, model_ref: str | None, c: Candidate, tensor: i
         b += n_run
     if checkpoints:
         groups.append([printer.statement(s) for s in checkpoints])
-    if tensor > 1 and parallel:
+    if parallel:
         groups.append(list(parallel))
     return groups
 
 
-def parallel_rules(text: str, file: str) -> tuple[tuple[str, ...], list]:
-    """The `parallel` statements of a plan's text, each printed as one statement, and the parse errors."""
+AXIS_STYLES = {"context": "context", "expert": "expert"}  # the axes whose rules are one style word each
+
+
+def parallel_rules(text: str, file: str, axis: str = "tensor") -> tuple[tuple[str, ...], list]:
+    """The `parallel` statements of a plan's text for `axis`, each printed as one statement, and the
+    parse errors: `context` / `expert` the statements of that style, `tensor` all the others."""
     from planc.lang.parse import parse_text
     stmts, _, diags = parse_text(text, file)
     errors = [d for d in diags if d.severity == "error"]
-    return tuple(printer.statement(s) for s in stmts if isinstance(s, st.ParallelStmt)), errors
+
+    def mine(s) -> bool:
+        style = s.style.value
+        return style == AXIS_STYLES[axis] if axis in AXIS_STYLES else style not in AXIS_STYLES.values()
+    return tuple(printer.statement(s) for s in stmts if isinstance(s, st.ParallelStmt) and mine(s)), errors
 
 
 def expect_line(budget_text: str, budget: float, world: int, shape: tuple[int, ...] | None) -> str:
@@ -270,9 +280,10 @@ def expect_line(budget_text: str, budget: float, world: int, shape: tuple[int, .
 
 
 def plan_text(chain: Chain, model_ref: str | None, c: Candidate, header: list[str] = (),
-              expects: list[str] = (), tensor: int = 1, parallel: tuple[str, ...] = ()) -> str:
+              expects: list[str] = (), tensor: int = 1, parallel: tuple[str, ...] = (), context: int = 1,
+              expert: int = 1) -> str:
     """The candidate as plan text in `planc fmt`'s layout (header lines are comments)."""
-    groups = plan_statements(chain, model_ref, c, tensor, parallel)
+    groups = plan_statements(chain, model_ref, c, tensor, parallel, context, expert)
     if header:
         groups[0] = [f"# {h}" if h else "#" for h in header] + groups[0]
     if expects:
