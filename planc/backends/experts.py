@@ -25,7 +25,10 @@ HSDP) through `shard_placement_fn` returning torch 2.13's `ShardPlacementResult`
 An expert's gradient already sums the contributions of every rank of its expert group, and
 FSDP averages it over the experts' FSDP ranks only (`replicate x efsdp`, `expert` times fewer
 than the dense ranks): the dispatched forward scales the experts' weight gradients by
-`1 / expert` (`ScaleGrad`), so the average is the one-process gradient. (FSDP's own divide
+`1 / expert` (`ScaleGrad`), so the average is the one-process gradient. A unit with a
+`reduction divide_factor` (torchtitan's convention: the loss over the global token count, FSDP
+sums) divides both groups' sums by the same factor: nothing to scale (`averaged=False`;
+tests/test_expert_torchtitan_dist.py caught the 1/expert there: AdamW hid it until step 3). (FSDP's own divide
 factor is not used: it is per `fully_shard` call, both meshes at once; on a 1-rank mesh torch
 2.13 with `set_force_sum_reduction_for_comms` divides twice, and without it reduces with
 `ReduceOp.PREMUL_SUM`, which gloo refuses.)
@@ -84,7 +87,7 @@ def _expert_major(received: torch.Tensor) -> torch.Tensor:
     return base + within
 
 
-def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str) -> nn.Module:
+def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str, averaged: bool = True) -> nn.Module:
     """Keep this expert rank's experts in `module` and route its forward's rows by all-to-all.
 
     `expert_mesh` is the expert view, `axis` its expert axis. Each 3-D parameter `[E, ...]` of
@@ -93,9 +96,14 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str) -> n
     returns their outputs in the same order, as before. `module.state_dict()` gives the
     experts whole-shaped (`_whole`), so a DCP checkpoint saved with expert parallelism loads
     without it and back (`whole_optimizer_state` does the same for the optimizer's moments).
+    `averaged`: FSDP averages the experts' gradients (the default): they are scaled by `1 /
+    expert` (the module docstring); False when the unit sets a divide factor (torchtitan's
+    `set_gradient_divide_factor(1.0)` with the loss over the global token count): FSDP then
+    divides dense and expert sums alike and the gradients are left as they are.
     """
     mesh = expert_mesh[axis]
     group, ep, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    scale = 1.0 / ep if averaged else 1.0
     params = list(module.named_parameters(recurse=False))
     total = params[0][1].shape[0]
     local = total // ep
@@ -120,7 +128,7 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str) -> n
         # place; their gradients scaled by 1 / expert (see the module docstring), put back however forward ends
         own = list(module._parameters.items())
         for key, p in own:
-            module._parameters[key] = ScaleGrad.apply(p, 1.0 / ep)
+            module._parameters[key] = ScaleGrad.apply(p, scale)
         try:
             out = run(arrived.index_select(0, order), received.sum(0))
         finally:
