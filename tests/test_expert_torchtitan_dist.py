@@ -46,4 +46,5 @@ def test_placements_gradients_and_losses_equal_torchtitans(world):
         assert f"Shard(dim={dim})" in placed["layers.0.moe.experts.w1"][1]
         assert placed["layers.0.moe.experts.w1"][0] != placed["layers.0.moe.router.gate.weight"][0]  # two meshes
         rows = [r[k]["torchtitan"]["rows"] for r in ranks]
-        assert len({tuple(r) for r in rows}) > 1  # uneven: expert ranks received different row counts
+        if experts > 2:  # (top-2 of 2 experts sends every token to both: even by construction)
+            assert len({tuple(r) for r in rows}) > 1  # uneven: expert ranks received different row counts

@@ -162,7 +162,7 @@ def test_context_kinds_are_run_by_runtime_and_emit_and_refused_by_the_estimators
         run()
 
 
-EXPERT_READERS = {"runtime", "emit", "fake trace", "cached trace", "synthetic trace", "memory", "time",
+EXPERT_READERS = {"runtime", "emit", "fake trace", "cached trace", "synthetic trace", "memory", "time", "shape check",
                   "time of a program", "explain"}
 EXPERT_PLAN = ("model planc.zoo:routed_moe_tiny\nmesh (shard = *, expert = 2)\nunit layers.*\n"
                "parallel layers.*.moe.experts expert\n")
@@ -172,7 +172,7 @@ EXPERT_PLAN = ("model planc.zoo:routed_moe_tiny\nmesh (shard = *, expert = 2)\nu
 def test_expert_kind_is_run_by_runtime_and_emit_and_refused_by_the_estimators(name):
     """`DispatchExperts` (expert parallelism): the runtime, emit, the trace, the memory estimate (one
     expert rank's step: planc/estimate/expert_local.py) and the step time (its all-to-alls) run it; every other one refuses
-    it (the CLI says "expert parallelism is not yet estimated", P489 on `--simulate`)."""
+    it; the shape check (`--simulate`) runs it with balanced routing."""
     from planc.zoo import routed_moe_tiny
 
     with torch.device("meta"):

@@ -239,13 +239,14 @@ class AppliedPlan:
     unit_of_module: dict[str, Unit] = field(default_factory=dict)
     expert_mesh: DeviceMesh | None = None  # the expert view (`efsdp`, `expert`), with expert parallelism
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`, which torch 2.13 refuses
-        when experts live on their own mesh: then planc's recipe (`planc.backends.experts`)."""
+    def clip_grad_norm_(self, max_norm: float, parameters=None) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_(parameters or model.parameters(), max_norm)`, which torch
+        2.13 refuses when experts live on their own mesh: then planc's recipe (`planc.backends.experts`)."""
+        params = self.model.parameters() if parameters is None else parameters
         if self.expert_mesh is None:
-            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
         axis = self.compiled.job.view(EXPERT).axes[-1].name
-        return experts.clip_grad_norm_(self.model.parameters(), max_norm, self.expert_mesh[axis])
+        return experts.clip_grad_norm_(params, max_norm, self.expert_mesh[axis])
 
     def loss_parallel(self):
         """The context the loss and its backward run in: torch's `loss_parallel()` when the plan
