@@ -101,3 +101,20 @@ def test_a_fake_group_step_issues_the_collectives_the_time_model_predicts():
                       if c.kind == "all_to_all")
         assert Counter((r.kind, r.bytes, r.ranks, r.phase) for r in found if r.kind == "all_to_all") == a2a
         assert sum(a2a.values()) == 4 * CONFIG.n_layers
+
+
+def test_a_divide_factor_turns_the_experts_gradient_scaling_off():
+    """FSDP averages by default: the dispatch scales the experts' gradients by 1 / expert
+    (`averaged`); a unit with `reduction divide_factor` divides dense and expert sums alike, so
+    nothing is scaled, and the emitted code says so (tests/test_expert_torchtitan_dist.py holds
+    that to torchtitan bit for bit)."""
+    from planc.backends.emit import emit_python
+
+    averaged = _compiled("shard = *, expert = 2", 4)
+    assert all(op.averaged for op in averaged.program.of_type(DispatchExperts))
+    assert "averaged=False" not in emit_python(averaged)
+    text = PLAN.format(mesh="shard = *, expert = 2") + "defaults { reduction divide_factor = 1.0, force_sum = true }\n"
+    with torch.device("meta"):
+        summed = planc.compile(planc.loads(text), routed_moe_tiny(), 4)
+    assert not any(op.averaged for op in summed.program.of_type(DispatchExperts))
+    assert "dispatch_experts(block.moe.experts, expert_mesh, 'expert', averaged=False)" in emit_python(summed)
