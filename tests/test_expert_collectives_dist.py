@@ -2,8 +2,9 @@
 
 `plans/routed-moe-ep.plan` (expert 2, efsdp 1) on the zoo's routed MoE tiny, 2 ranks, balanced
 routing (`expert_memory_workers.balanced_route`), one forward and backward recorded by
-`planc/analysis/comms.py`'s recorder on a real process group (a fake one cannot run the
-dispatch: its split sizes come from the counts' all-to-all, which a fake group leaves unfilled).
+`planc/analysis/comms.py`'s recorder on a real process group (the dispatch's split sizes from
+the counts' all-to-all; on a fake group the recorder runs it under balanced routing instead:
+tests/test_expert_plan.py).
 `collectives.unit_collectives` (the dense parameter group of each unit; the expert group has
 none on a 1-rank efsdp mesh) and `collectives.expert_collectives` (2 all-to-alls per MoE layer
 forward, 2 backward, tokens x top_k x dim bf16 each) equal it per unit, kind, bytes, group size

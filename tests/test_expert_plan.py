@@ -9,6 +9,8 @@ a plan's own `prefetch` winning; fmt keeps the style.
 
 from __future__ import annotations
 
+import pathlib
+
 import torch
 
 import planc
@@ -17,6 +19,7 @@ from planc.lower.job import EXPERT
 from planc.lower.program import DispatchExperts
 from planc.zoo import routed_moe_tiny
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 PLAN = """model planc.zoo:routed_moe_tiny
 mesh ({mesh})
 unit layers.*
@@ -69,3 +72,49 @@ def test_the_expert_axis_borrows_its_ranks_and_fmt_keeps_the_style():
     assert c.job.view(EXPERT).axes[-1].name == "ep"
     text = "model planc.zoo:routed_moe_tiny\nmesh (shard=*,ep=2)\nparallel   layers.*.moe.experts    expert\n"
     assert "parallel layers.*.moe.experts expert" in format_plan(text)
+
+
+def test_a_fake_group_step_issues_the_collectives_the_time_model_predicts():
+    """`planc/analysis/comms.py` records one step of plans/routed-moe-ep.plan on a fake process
+    group (the dispatch under balanced routing: `experts.balanced_routing`) at 2 ranks (efsdp 1)
+    and 4 (efsdp 2): FSDP's collectives per unit, and the all-to-alls (4 per MoE layer: dispatch
+    and combine, forward and backward, on the expert axis), equal the step-time model's. The
+    recorder does not attribute an all-to-all to its layer (it files it under "tensor"), so those
+    are compared as a multiset; the count is the layers' 4 each."""
+    from collections import Counter
+
+    from planc.analysis import comms
+    from planc.analysis.simulate import zoo_inputs
+    from planc.estimate import time
+    from planc.zoo import ROUTED_MOE_TINY_CONFIG as CONFIG
+
+    text = (ROOT / "plans" / "routed-moe-ep.plan").read_text()
+    for world in (2, 4):
+        found = comms.record_collectives(planc.loads(text), routed_moe_tiny, world, inputs=zoo_inputs((2, 16)))
+        with torch.device("meta"):
+            model = routed_moe_tiny()
+        step = time.estimate_step_time(planc.compile(planc.loads(text), model, world), world=world, input_shape=(2, 16))
+        fsdp = Counter((u.name, c.kind, c.bytes, c.ranks, c.phase) for u in step.per_unit for c in u.collectives
+                       if c.kind != "all_to_all")
+        assert Counter((r.unit, r.kind, r.bytes, r.ranks, r.phase) for r in found if r.kind != "all_to_all") == fsdp
+        a2a = Counter((c.kind, c.bytes, c.ranks, c.phase) for u in step.per_unit for c in u.collectives
+                      if c.kind == "all_to_all")
+        assert Counter((r.kind, r.bytes, r.ranks, r.phase) for r in found if r.kind == "all_to_all") == a2a
+        assert sum(a2a.values()) == 4 * CONFIG.n_layers
+
+
+def test_a_divide_factor_turns_the_experts_gradient_scaling_off():
+    """FSDP averages by default: the dispatch scales the experts' gradients by 1 / expert
+    (`averaged`); a unit with `reduction divide_factor` divides dense and expert sums alike, so
+    nothing is scaled, and the emitted code says so (tests/test_expert_torchtitan_dist.py holds
+    that to torchtitan bit for bit)."""
+    from planc.backends.emit import emit_python
+
+    averaged = _compiled("shard = *, expert = 2", 4)
+    assert all(op.averaged for op in averaged.program.of_type(DispatchExperts))
+    assert "averaged=False" not in emit_python(averaged)
+    text = PLAN.format(mesh="shard = *, expert = 2") + "defaults { reduction divide_factor = 1.0, force_sum = true }\n"
+    with torch.device("meta"):
+        summed = planc.compile(planc.loads(text), routed_moe_tiny(), 4)
+    assert not any(op.averaged for op in summed.program.of_type(DispatchExperts))
+    assert "dispatch_experts(block.moe.experts, expert_mesh, 'expert', averaged=False)" in emit_python(summed)

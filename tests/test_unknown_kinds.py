@@ -66,8 +66,9 @@ def _compiled(model=None):
     return planc.compile(PLAN, model if model is not None else llama_tiny(), WORLD)
 
 
-def _interpreters(compiled):
-    """Each interpreter, as a call on `compiled` (its job possibly injected)."""
+def _interpreters(compiled, build=llama_tiny):
+    """Each interpreter, as a call on `compiled` (its job possibly injected; the recorder builds its
+    model with `build`)."""
     shape = (2, 16)
 
     def apply():
@@ -86,7 +87,7 @@ def _interpreters(compiled):
 
     def recorder():
         try:
-            return comms.record_collectives(compiled, llama_tiny, WORLD, inputs=zoo_inputs(shape))
+            return comms.record_collectives(compiled, build, WORLD, inputs=zoo_inputs(shape))
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -162,7 +163,7 @@ def test_context_kinds_are_run_by_runtime_and_emit_and_refused_by_the_estimators
         run()
 
 
-EXPERT_READERS = {"runtime", "emit", "fake trace", "cached trace", "synthetic trace", "memory", "time",
+EXPERT_READERS = {"runtime", "emit", "fake trace", "cached trace", "synthetic trace", "memory", "time", "shape check", "comms",
                   "time of a program", "explain"}
 EXPERT_PLAN = ("model planc.zoo:routed_moe_tiny\nmesh (shard = *, expert = 2)\nunit layers.*\n"
                "parallel layers.*.moe.experts expert\n")
@@ -172,13 +173,13 @@ EXPERT_PLAN = ("model planc.zoo:routed_moe_tiny\nmesh (shard = *, expert = 2)\nu
 def test_expert_kind_is_run_by_runtime_and_emit_and_refused_by_the_estimators(name):
     """`DispatchExperts` (expert parallelism): the runtime, emit, the trace, the memory estimate (one
     expert rank's step: planc/estimate/expert_local.py) and the step time (its all-to-alls) run it; every other one refuses
-    it (the CLI says "expert parallelism is not yet estimated", P489 on `--simulate`)."""
+    it; the shape check (`--simulate`) and the collective recorder run it with balanced routing."""
     from planc.zoo import routed_moe_tiny
 
     with torch.device("meta"):
         model = routed_moe_tiny()
     compiled = planc.compile(planc.loads(EXPERT_PLAN), model, WORLD)
-    run = _interpreters(compiled)[name]
+    run = _interpreters(compiled, routed_moe_tiny)[name]
     if name in EXPERT_READERS:
         run()
         return

@@ -24,13 +24,25 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from planc.estimate.trace import LossFn, default_loss
 from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, ShardBatch
-from planc.lower.program import AttendOverContext, Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
+from planc.lower.program import (
+    AttendOverContext,
+    Checkpoint,
+    Compile,
+    DispatchExperts,
+    FullyShard,
+    Parallelize,
+    SetPrefetch,
+    UnitMethod,
+)
 
 # What the recorder runs: the applied plan (the runtime's reader refuses what it cannot
 # apply) and one forward, loss (in `loss_parallel()`) and backward, attributed to the units;
-# with a context axis each microbatch cut by `applied.shard_batch` as a training loop cuts it.
+# with a context axis each microbatch cut by `applied.shard_batch` as a training loop cuts it;
+# expert parallelism's dispatch with balanced routing (`experts.balanced_routing`: a fake process
+# group cannot fill the split sizes, so the counts' all-to-all is not issued).
 READER = Reader("the collective recorder",
-                (FullyShard, Parallelize, AttendOverContext, Checkpoint, Compile, SetPrefetch, UnitMethod),
+                (FullyShard, Parallelize, AttendOverContext, DispatchExperts, Checkpoint, Compile, SetPrefetch,
+                 UnitMethod),
                 (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 # c10d op -> (kind, index of the tensor whose bytes are the nccl-tests size)
@@ -147,6 +159,7 @@ def record_collectives(plan, build: Callable[[], nn.Module], world: int, *,
 
     import planc
     from planc.analysis.simulate import _skip_sharding_propagation, fake_step_inputs, init_fake, sequence_shard
+    from planc.backends.experts import balanced_routing
     from planc.backends.runtime import apply, build_mesh
 
     _skip_sharding_propagation()
@@ -161,7 +174,7 @@ def record_collectives(plan, build: Callable[[], nn.Module], world: int, *,
         names = {tuple(id(model.get_submodule(p)) if p else id(model) for p in op.modules): op.name
                  for op in compiled.program.units}
         recorder = _Recorder()
-        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake, balanced_routing():
             example = fake_step_inputs(model, inputs, fake)
             step_loss = loss or default_loss(model)
             with _attributed(recorder, names), recorder:

@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from planc.estimate.memory import CATEGORIES, Estimate
-from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, ShardBatch
+from planc.lower.job import EXPERT, FORWARD, FULL_BACKWARD, LossParallel, Reader, ShardBatch
 from planc.lower.program import (
     AttendOverContext,
     Checkpoint,
@@ -28,6 +28,7 @@ from planc.lower.program import (
     SetPrefetch,
     UnitMethod,
 )
+from planc.resolve.experts import expert_degrees
 from planc.resolve.ir import Unit
 from planc.resolve.mesh import Role
 from planc.resolve.options import show_value
@@ -186,6 +187,10 @@ def _mesh(compiled, est: Estimate) -> dict[str, Any]:
         out["tensor"] = sizes.get("tensor")
     if compiled.mesh.axis(Role.CONTEXT) is not None:
         out["context"] = sizes.get("context")
+    degrees = expert_degrees(compiled.mesh, sizes) if compiled.mesh.axis(Role.EXPERT) is not None else None
+    if degrees is not None:  # the expert view: expert ranks x the experts' FSDP ranks (efsdp)
+        view = [a for v in compiled.job.views if v.name == EXPERT for a in v.axes]
+        out["expert"] = {"expert": degrees[0], "efsdp": degrees[1], "mesh": [{"axis": a.name, "size": a.size} for a in view]}
     out["axes"] = [{"axis": a.name, "role": a.role, "size": sizes.get(a.role)} for a in compiled.mesh.device_axes]
     for name, (shard, context) in compiled.mesh.flattened.items():  # FSDP's one axis: shard x context
         joined = [a for a in out["axes"] if a["axis"] in (shard, context)]
@@ -214,14 +219,15 @@ def report(compiled, est: Estimate, measured=None, model_ref: str | None = None,
     READER.compiled(compiled)
     res = compiled.resolution
     table = parameter_placements(compiled, est.world)
-    units = []
+    prefetch = {(op.unit, op.direction): list(op.targets) for op in compiled.program.of_type(SetPrefetch)}  # expert
+    units = []  # plans' automatic prefetch lists included
     for u, m in zip(compiled.units, est.units):
         units.append({
             "name": u.name, "modules": list(u.modules) if not u.is_root else [""], "root": u.is_root,
             "params": m.params, "sharded_bytes": m.sharded, "unsharded_bytes": m.unsharded,
             "grad_bytes": m.grads, "optimizer_bytes": m.optimizer, "offload": m.offload,
-            "prefetch_forward": list(res.prefetch_forward.get(u.name, ())),
-            "prefetch_backward": list(res.prefetch_backward.get(u.name, ())),
+            "prefetch_forward": prefetch.get((u.name, "forward"), []),
+            "prefetch_backward": prefetch.get((u.name, "backward"), []),
             "settings": {k: _setting(u, k, compiled.program.unit(u.name).policy) for k in SHOWN_SETTINGS},
             "defined_by": u.rule or None, "line": f"{u.span.file}:{u.span.line}" if u.span else None,
             "placements": _unit_placements(u, table),
@@ -350,6 +356,16 @@ def _own_settings(u: dict) -> list[str]:
             f"{k}={s['value']}" for k, s in u["settings"].items() if s["line"] and s["set_by"] != "defaults"]
 
 
+def _prefetch_cell(group: list[dict], key: str) -> str:
+    """A run's prefetch list: the list when every unit has the same, else `N each` (each unit its
+    own N targets: `per unit (N)`; expert parallelism's explicit prefetch)."""
+    lists = {tuple(u[key]) for u in group}
+    if len(lists) == 1:
+        return ",".join(lists.pop()) or "-"
+    sizes = {len(t) for t in lists}
+    return f"per unit ({sizes.pop()})" if len(sizes) == 1 else "per unit"
+
+
 def _row_key(u: dict) -> tuple:
     return (u["defined_by"], u["params"], u["sharded_bytes"], u["unsharded_bytes"], u["offload"],
             json.dumps(u["settings"], sort_keys=True), tuple(u["prefetch_backward"]) == ())
@@ -398,6 +414,11 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
     tensor = f" x tensor {mesh['tensor']}" if mesh.get("tensor") is not None else ""
     if mesh.get("context") is not None:  # FSDP shards over shard x context, flattened
         tensor = f" (shard x context {mesh['context']}, flattened; one context rank's step)" + tensor
+    if mesh.get("expert") is not None:
+        e = mesh["expert"]
+        view = " x ".join(f"{a['axis']} {a['size']}" for a in e["mesh"])
+        tensor += (f"; experts: expert {e['expert']} x efsdp {e['efsdp']} on the expert mesh ({view}), "
+                   f"one expert rank's step")
     out = [style.bold(f"plan {data['plan']}") + f"  model {data['model'] or '(given)'}  "
            f"world {data['world_size']} (replicate {mesh['replicate']} x shard {mesh['shard']}{tensor})  "
            f"optimizer {data['optimizer']}", ""]
@@ -408,8 +429,7 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
     for group in _runs(data["units"], _row_key):
         u = group[0]
         s = u["settings"]
-        pf = ",".join(u["prefetch_forward"]) or "-"
-        pb = ",".join(u["prefetch_backward"]) or "-"
+        pf, pb = _prefetch_cell(group, "prefetch_forward"), _prefetch_cell(group, "prefetch_backward")
         each = " each" if len(group) > 1 else ""
         rows.append([_run_name(group), count(u["params"]) + each, gib(u["sharded_bytes"]), gib(u["unsharded_bytes"]),
                      f"{s['param_dtype']['value']}/{s['reduce_dtype']['value']}", s["reshard_after_forward"]["value"],

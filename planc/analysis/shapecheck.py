@@ -43,7 +43,7 @@ from planc.checks.tensor_holes import HOLE_CODES
 from planc.diagnostics import Diagnostic, PlanError, Span
 from planc.estimate.trace import Example, LossFn, default_loss, known_cause
 from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
-from planc.lower.program import Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
+from planc.lower.program import Checkpoint, Compile, DispatchExperts, FullyShard, Parallelize, SetPrefetch, UnitMethod
 from planc.resolve.mesh import Role
 from planc.resolve.styles import OUT, STYLES
 
@@ -153,8 +153,10 @@ def _op_text(op) -> str:
 
 
 # What the shape check runs: the applied plan and one forward, loss (in `loss_parallel()`),
-# backward and optimizer step on fake tensors.
-READER = Reader("the shape check", (FullyShard, Parallelize, Checkpoint, Compile, SetPrefetch, UnitMethod),
+# backward and optimizer step on fake tensors; expert parallelism's dispatch with balanced
+# routing (a fake process group cannot fill the split sizes: `experts.balanced_routing`).
+READER = Reader("the shape check", (FullyShard, Parallelize, DispatchExperts, Checkpoint, Compile, SetPrefetch,
+                                    UnitMethod),
                 (FORWARD, FULL_BACKWARD), (LossParallel,))
 
 
@@ -413,6 +415,7 @@ def _check_as(plan, build, world: int, rank: int, input_shape, inputs, loss, opt
 
     import planc
     from planc.analysis.simulate import fake_step_inputs, init_fake, zoo_inputs
+    from planc.backends.experts import balanced_routing
     from planc.backends.runtime import apply, build_mesh, run
     from planc.lower.lowering import tensor_dims
 
@@ -449,7 +452,7 @@ def _check_as(plan, build, world: int, rank: int, input_shape, inputs, loss, opt
         except Exception as err:  # torch refused an op of the program: locate it
             return [_safely(step.apply_failure, err)], uneven
         paths = {id(m): p for p, m in model.named_modules()}
-        with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        with FakeTensorMode(allow_non_fake_inputs=True) as fake, balanced_routing():
             example = fake_step_inputs(model, inputs or zoo_inputs(input_shape or default_input_shape(tp)), fake)
             return _run(step, applied, example, loss, optimizer, paths), uneven
     finally:
@@ -481,7 +484,7 @@ def _run(step: _Step, applied, example: Example, loss: LossFn | None, optimizer:
                 value.backward()
     except Exception as err:
         return [_safely(step.forward_failure, err, phase, _failing_module(phase, mods, tracker), tracker)]
-    return _after_backward(step, params, optimizer)
+    return _after_backward(step, params, optimizer, applied)
 
 
 def _failing_module(phase: str, mods, tracker: _Tracker) -> str | None:
@@ -493,8 +496,9 @@ def _failing_module(phase: str, mods, tracker: _Tracker) -> str | None:
     return tracker.stack[-1] if tracker.stack else None
 
 
-def _after_backward(step: _Step, params: list, optimizer: str) -> list[Diagnostic]:
-    """Clipping and the optimizer step, on one parameter of each layout.
+def _after_backward(step: _Step, params: list, optimizer: str, applied) -> list[Diagnostic]:
+    """Clipping (with experts on their own mesh: `applied.clip_grad_norm_`) and the optimizer step,
+    on one parameter of each layout.
 
     DTensor's foreach ops cost a sharding propagation per parameter (most of a 126-block
     model's step), and what can fail there -- parameters on different meshes in one call --
@@ -505,7 +509,9 @@ def _after_backward(step: _Step, params: list, optimizer: str) -> list[Diagnosti
     phase = "gradient clipping (clip_grad_norm_)"
     try:
         grads = [p for p in params if p.grad is not None]
-        if grads:
+        if grads and applied.expert_mesh is not None:  # torch's refuses two meshes: what the user calls
+            applied.clip_grad_norm_(1.0, grads)
+        elif grads:
             torch.nn.utils.clip_grad_norm_(grads, 1.0, foreach=True)
         phase = f"optimizer step ({optimizer})"
         if optimizer in ("adamw", "adam"):

@@ -609,8 +609,10 @@ def _experts_section(program, ops, model, ind: str) -> list[str]:
              f"{ind}# keeps experts / {expert} whole experts, their rows arrive and leave by all-to-all",
              f"{ind}expert_mesh = expert_mesh_of(mesh, {expert}, {names!r})",
              f"{ind}expert_fsdp_mesh = expert_mesh[{fsdp_index}]"]
-    return lines + _emit_calls([_Call((op.module,), lambda e, op=op: f"dispatch_experts({e(op.module)}, "
-                                      f"expert_mesh, {op.axis!r})", (_where(op.origin.span, op.origin.rule),))
+
+    def call(e, op) -> str:
+        return f"dispatch_experts({e(op.module)}, expert_mesh, {op.axis!r}{'' if op.averaged else ', averaged=False'})"
+    return lines + _emit_calls([_Call((op.module,), lambda e, op=op: call(e, op), (_where(op.origin.span, op.origin.rule),))
                                 for op in ops], model, ind)
 
 

@@ -25,7 +25,10 @@ HSDP) through `shard_placement_fn` returning torch 2.13's `ShardPlacementResult`
 An expert's gradient already sums the contributions of every rank of its expert group, and
 FSDP averages it over the experts' FSDP ranks only (`replicate x efsdp`, `expert` times fewer
 than the dense ranks): the dispatched forward scales the experts' weight gradients by
-`1 / expert` (`ScaleGrad`), so the average is the one-process gradient. (FSDP's own divide
+`1 / expert` (`ScaleGrad`), so the average is the one-process gradient. A unit with a
+`reduction divide_factor` (torchtitan's convention: the loss over the global token count, FSDP
+sums) divides both groups' sums by the same factor: nothing to scale (`averaged=False`;
+tests/test_expert_torchtitan_dist.py caught the 1/expert there: AdamW hid it until step 3). (FSDP's own divide
 factor is not used: it is per `fully_shard` call, both meshes at once; on a 1-rank mesh torch
 2.13 with `set_force_sum_reduction_for_comms` divides twice, and without it reduces with
 `ReduceOp.PREMUL_SUM`, which gloo refuses.)
@@ -38,6 +41,7 @@ expert axis). The foreach AdamW steps parameters on two meshes as they are.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable
 
 import torch
@@ -51,8 +55,8 @@ from planc.lower.job import View
 from planc.model.scale_grad import ScaleGrad
 from planc.resolve.experts import EFSDP, SORTED, layout
 
-__all__ = ["build_expert_mesh", "clip_grad_norm_", "dispatch_experts", "expert_mesh_of", "expert_placement_fn",
-           "whole_optimizer_state"]
+__all__ = ["balanced_routing", "build_expert_mesh", "clip_grad_norm_", "dispatch_experts", "expert_mesh_of",
+           "expert_placement_fn", "whole_optimizer_state"]
 
 
 def build_expert_mesh(view: View, device: str) -> DeviceMesh:
@@ -71,20 +75,49 @@ def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) ->
     return funcol.wait_tensor(y)
 
 
-def _expert_major(received: torch.Tensor) -> torch.Tensor:
-    """Indices that reorder rows received source-rank-major ([ranks, local experts] counts) to
-    expert-major, each expert's rows from rank 0 first."""
+def _expert_major(received: torch.Tensor, rows: int) -> torch.Tensor:
+    """Indices that reorder the `rows` rows received source-rank-major ([ranks, local experts]
+    counts) to expert-major, each expert's rows from rank 0 first."""
     flat = received.reshape(-1)
     starts = flat.cumsum(0) - flat
     blocks = torch.arange(flat.numel(), device=flat.device).view(received.shape).t().reshape(-1)
     counts = flat[blocks]
-    base = torch.repeat_interleave(starts[blocks], counts)
-    within = torch.arange(int(counts.sum()), device=flat.device) - torch.repeat_interleave(counts.cumsum(0) - counts,
-                                                                                            counts)
+    base = torch.repeat_interleave(starts[blocks], counts, output_size=rows)
+    within = torch.arange(rows, device=flat.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
+                                                                              output_size=rows)
     return base + within
 
 
-def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str) -> nn.Module:
+_BALANCED: list[bool] = []  # non-empty inside `balanced_routing()`
+
+
+@contextlib.contextmanager
+def balanced_routing():
+    """Inside, the dispatch does not exchange the counts per expert (a fake process group cannot
+    fill them: `planc check --simulate`) and assumes balanced routing, as the memory estimate does
+    (`planc/estimate/expert_local.py`): this rank sends `rows / expert` rows to each expert rank and
+    receives as many from each, spread evenly over its local experts."""
+    _BALANCED.append(True)
+    try:
+        yield
+    finally:
+        _BALANCED.pop()
+
+
+def _split_sizes(send: torch.Tensor, rows: int, group) -> tuple[torch.Tensor, list[int], list[int]]:
+    """(received counts [ranks, local experts], rows sent to each rank, rows received from each):
+    the counts' all-to-all and the one host sync, or the balanced assumption (`balanced_routing`)."""
+    if not _BALANCED:
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)  # received[j]: what rank j sends me, per local expert
+        return received, send.sum(1).tolist(), received.sum(1).tolist()  # the host sync
+    ep, local = send.shape
+    splits = [rows // ep + (j < rows % ep) for j in range(ep)]
+    per_expert = [[n // local + (e < n % local) for e in range(local)] for n in splits]
+    return torch.tensor(per_expert, dtype=send.dtype, device=send.device), splits, splits
+
+
+def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str, averaged: bool = True) -> nn.Module:
     """Keep this expert rank's experts in `module` and route its forward's rows by all-to-all.
 
     `expert_mesh` is the expert view, `axis` its expert axis. Each 3-D parameter `[E, ...]` of
@@ -93,9 +126,14 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str) -> n
     returns their outputs in the same order, as before. `module.state_dict()` gives the
     experts whole-shaped (`_whole`), so a DCP checkpoint saved with expert parallelism loads
     without it and back (`whole_optimizer_state` does the same for the optimizer's moments).
+    `averaged`: FSDP averages the experts' gradients (the default): they are scaled by `1 /
+    expert` (the module docstring); False when the unit sets a divide factor (torchtitan's
+    `set_gradient_divide_factor(1.0)` with the loss over the global token count): FSDP then
+    divides dense and expert sums alike and the gradients are left as they are.
     """
     mesh = expert_mesh[axis]
     group, ep, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    scale = 1.0 / ep if averaged else 1.0
     params = list(module.named_parameters(recurse=False))
     total = params[0][1].shape[0]
     local = total // ep
@@ -111,16 +149,14 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str) -> n
         """Rows sorted by global expert (`counts` per expert) to their experts' ranks, `run(rows,
         local counts)` there on the rows regrouped expert-major, the outputs back in the same order."""
         send = counts.view(ep, local).contiguous()  # to rank j: the counts of its experts
-        received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=group)  # received[j]: what rank j sends me, per local expert
-        in_splits, out_splits = send.sum(1).tolist(), received.sum(1).tolist()  # the host sync
+        received, in_splits, out_splits = _split_sizes(send, rows.shape[0], group)
         arrived = _a2a(rows, out_splits, in_splits, group)
-        order = _expert_major(received)
+        order = _expert_major(received, sum(out_splits))
         # NOTE: the parameters are read here, after FSDP's pre-forward put the unsharded ones in
         # place; their gradients scaled by 1 / expert (see the module docstring), put back however forward ends
         own = list(module._parameters.items())
         for key, p in own:
-            module._parameters[key] = ScaleGrad.apply(p, 1.0 / ep)
+            module._parameters[key] = ScaleGrad.apply(p, scale)
         try:
             out = run(arrived.index_select(0, order), received.sum(0))
         finally:
@@ -139,10 +175,10 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str) -> n
         k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=total)
+        counts = torch.zeros(total, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
         def run(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-            ids = torch.repeat_interleave(torch.arange(local, device=x.device), c).unsqueeze(1)
+            ids = torch.repeat_interleave(torch.arange(local, device=x.device), c, output_size=x.shape[0]).unsqueeze(1)
             return forward(x, ids, torch.ones(ids.shape, dtype=top_k_weights.dtype, device=x.device))
 
         pairs = exchange(hidden.index_select(0, order // k), counts, run)
@@ -237,7 +273,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, expert_
 
     The norm of each mesh's gradients (a DTensor reduction over that mesh), the expert meshes'
     part summed over `expert_axis` (each expert rank holds other experts), then every gradient
-    scaled by `max_norm / (norm + 1e-6)` when that is below 1. Returns the total norm.
+    scaled by `max_norm / (norm + 1e-6)` clamped to 1 (torch's arithmetic). Returns the total norm.
     """
     if norm_type != 2.0:
         raise ValueError("planc's clip_grad_norm_ for expert parallelism computes the 2-norm only")
@@ -257,8 +293,8 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, expert_
             dense = dense + square.cpu()
     dist.all_reduce(spread, group=expert_axis.get_group())
     total = torch.sqrt(dense + spread)
-    coef = max_norm / (float(total) + 1e-6)
-    if coef < 1:
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # as torch's: no host sync (runs on fake tensors too)
+    with torch.no_grad():
         for g in grads:
-            g.mul_(coef)
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
     return total

@@ -239,13 +239,14 @@ class AppliedPlan:
     unit_of_module: dict[str, Unit] = field(default_factory=dict)
     expert_mesh: DeviceMesh | None = None  # the expert view (`efsdp`, `expert`), with expert parallelism
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`, which torch 2.13 refuses
-        when experts live on their own mesh: then planc's recipe (`planc.backends.experts`)."""
+    def clip_grad_norm_(self, max_norm: float, parameters=None) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_(parameters or model.parameters(), max_norm)`, which torch
+        2.13 refuses when experts live on their own mesh: then planc's recipe (`planc.backends.experts`)."""
+        params = self.model.parameters() if parameters is None else parameters
         if self.expert_mesh is None:
-            return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
         axis = self.compiled.job.view(EXPERT).axes[-1].name
-        return experts.clip_grad_norm_(self.model.parameters(), max_norm, self.expert_mesh[axis])
+        return experts.clip_grad_norm_(params, max_norm, self.expert_mesh[axis])
 
     def loss_parallel(self):
         """The context the loss and its backward run in: torch's `loss_parallel()` when the plan
@@ -373,8 +374,21 @@ class AppliedPlan:
         """Bytes of the local shards of the parameters `unit` manages."""
         return sum(_local_bytes(self.model.get_parameter(name)) for name in unit.params)
 
+    def _expert_slices(self, unit: Unit) -> str:
+        """`; experts 2..3 of 4 here (layers.0.moe.experts)`: the whole experts this rank keeps of
+        each expert-parallel container `unit` holds (its `/rank` bytes count only these)."""
+        out = []
+        for part in self.compiled.job.parts:
+            for op in part.program.of_type(DispatchExperts):
+                if op.params and op.params[0] in unit.params:
+                    rank, ep = getattr(self.model.get_submodule(op.module), experts.EXPERT_SLICE)
+                    local = op.experts // ep
+                    out.append(f"experts {rank * local}..{(rank + 1) * local - 1} of {op.experts} here ({op.module})")
+        return "".join(f"; {s}" for s in out)
+
     def summary(self) -> str:
-        """A short human text: mesh, units, parameters and bytes held on this rank."""
+        """A short human text: mesh, units, parameters (whole: all experts counted) and bytes held on
+        this rank (its shards; of the experts, its own); each unit's local expert slice."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         ep = 1 if self.expert_mesh is None else self.expert_mesh[self.compiled.job.view(EXPERT).axes[-1].name].size()
         experts_ = {n for part in self.compiled.job.parts for op in part.program.of_type(DispatchExperts)
@@ -387,9 +401,9 @@ class AppliedPlan:
         width = max((len(u.name) for u in self.units), default=0)
         for applied in self.units:
             u = applied.unit
-            numel = sum(self.model.get_parameter(n).numel() for n in u.params)
+            numel = sum(self.model.get_parameter(n).numel() * (ep if n in experts_ else 1) for n in u.params)
             lines.append(f"  {u.name:<{width}}  {_count(numel):>7} params  {_bytes(self.unit_local_bytes(u)):>10}/rank  "
-                         f"{_describe(applied.op.policy)}")
+                         f"{_describe(applied.op.policy)}{self._expert_slices(u)}")
         if self.expert_mesh is not None:
             lines.append(f"  experts: {len(experts_)} parameters on the expert mesh "
                          f"{dict(zip(self.expert_mesh.mesh_dim_names or (), self.expert_mesh.shape))}, each rank "
@@ -710,7 +724,7 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
     expert_mesh = (experts.build_expert_mesh(compiled.job.view(EXPERT), mesh.device_type)
                    if program.of_type(DispatchExperts) else None)
     for op in program.of_type(DispatchExperts):
-        experts.dispatch_experts(model.get_submodule(op.module), expert_mesh, op.axis)
+        experts.dispatch_experts(model.get_submodule(op.module), expert_mesh, op.axis, averaged=op.averaged)
     expert_axes = next((u.expert_axes for u in program.units if u.expert_axes), ())
     expert_fsdp = _submesh(expert_mesh, expert_axes) if expert_mesh is not None and expert_axes else None
     calls = {id(op): (unit_modules(op, model), fully_shard_kwargs(op, model, submesh(op.axes), expert_fsdp))

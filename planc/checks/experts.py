@@ -1,4 +1,4 @@
-"""Expert parallelism, statically (P482-P489): sizes, the experts' layout, the router, estimates.
+"""Expert parallelism, statically (P482-P488): sizes, the experts' layout, the router.
 
 What would fail late or train wrong is caught here, at the plan line: an expert count that
 does not divide by the expert degree or experts that do not shard evenly on dim 1 (P482),
@@ -7,9 +7,10 @@ it borrows, shard x context x tensor (P483), the style on a module that is not a
 container of a known layout (P484), the experts or the router placed another way by the plan
 (P485: `ignore`, `place` or a tensor style), a router that keeps more experts than there are
 (P486), expert parallelism with a tensor, pipeline or context axis (P487, not built or not tested), an expert axis nothing uses
-(P488, warning). `--simulate` of an expert plan does not run a step (P489, warning; the shape
-check refuses `DispatchExperts`); memory `expect`s are checked (one expert rank's step, balanced
-routing: planc/estimate/expert_local.py).
+(P488, warning). `--simulate` runs an expert plan's step with balanced routing
+(`planc.backends.experts.balanced_routing`: a fake process group cannot fill the split sizes);
+memory `expect`s are checked (one expert rank's step, balanced routing:
+planc/estimate/expert_local.py).
 """
 
 from __future__ import annotations
@@ -168,11 +169,3 @@ def check_expert_placements(ctx: Context) -> Iterator[Diagnostic]:
             yield err("P485", f"`{styled[0]}` gets a tensor-parallel style beside expert-parallel `{paths[0]}`", s.span,
                       "the router must stay replicated", related=[(res.parallel[styled[0]].span, "styled here")],
                       help_=("remove the `parallel` tensor style from the experts and their router",))
-
-
-def not_estimated(res, what: str, span) -> Diagnostic:
-    """P489 (warning): `what` was not run, the shape check refuses `DispatchExperts`."""
-    axis = res.mesh.axis(Role.EXPERT)
-    return err("P489", f"{what}: expert parallelism is not yet estimated", span, "not estimated",
-               (f"`--simulate` does not run the expert axis (`{axis}`) yet; `planc.apply` runs it "
-                "(tests/test_expert_dist.py), the memory and step-time models estimate it",), severity="warning")

@@ -88,11 +88,6 @@ def simulate_plan(path: str, args, compiled) -> tuple[list[Diagnostic], list[int
         from planc.checks.context_parallel import not_simulated
 
         return not_simulated(c.resolution, worlds, shape), []
-    if c.resolution.experts:  # the shape check refuses `DispatchExperts`
-        from planc.checks.experts import not_estimated
-
-        origin = next(iter(c.resolution.experts.values()))
-        return [not_estimated(c.resolution, "`--simulate` did not run a step", origin.span)], []
     out: list[Diagnostic] = []
     seen = set()
     for world in worlds:

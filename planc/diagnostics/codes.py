@@ -422,10 +422,6 @@ CODES: dict[str, Code] = {
                  "and routed experts) and refused the same way; with a pipeline axis too."),
     "P488": Code("expert axis without an expert style", "The mesh has an expert axis but no module is "
                  "expert-parallel: the axis does nothing. Mark the experts containers, or remove the axis.", "warning"),
-    "P489": Code("expert parallelism is not yet estimated", "`--simulate` does not run expert parallelism yet (its "
-                 "fake process group cannot fill the dispatch's split sizes): `--simulate` of a plan with "
-                 "expert-parallel experts does not run a step. (The memory and step-time models do: one expert "
-                 "rank's step, routing assumed balanced.)", "warning"),
     # --- context parallelism (P49x; planc/resolve/context.py, planc/checks/context_parallel.py)
     "P490": Code("context style without a context axis", "`parallel SELECTOR context` makes attention gather keys "
                  "and values over the mesh's context axis, and the mesh has none. Add one.\n\n"

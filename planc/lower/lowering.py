@@ -165,7 +165,9 @@ def _experts(res: Resolution, graph: ModelGraph, world: int | None) -> tuple[lis
     for path in sorted(res.experts, key=graph.pre):
         params = tuple(canonical for _, canonical in graph.own_params(path))
         count = graph.params[params[0]].shape[0] if params else 0
-        ops.append(DispatchExperts(path, axis, count, params, res.experts[path]))
+        unit = next((u for u in res.units if params and params[0] in u.params), None)
+        averaged = unit is None or unit["gradient_divide_factor"] is None
+        ops.append(DispatchExperts(path, axis, count, params, res.experts[path], averaged))
         dim = 1 if degrees is not None and degrees[0] * degrees[1] > count else 0
         dims.update((p, dim) for p in params)
     return ops, dims

@@ -130,6 +130,9 @@ class DispatchExperts:
 
     `axis` is the expert axis's name on the expert view (`planc/lower/job.py::EXPERT`);
     `experts` the container's expert count (dim 0 of its 3-D weights); `params` its parameters.
+    `averaged`: FSDP averages the gradients of the unit that holds them (no `reduction
+    divide_factor`), so the dispatch scales the experts' gradients by `1 / expert`; with a divide
+    factor FSDP divides dense and expert sums by the same number and the dispatch scales nothing.
     """
 
     module: str
@@ -137,6 +140,7 @@ class DispatchExperts:
     experts: int
     params: tuple[str, ...]
     origin: Setting
+    averaged: bool = True
 
 
 @dataclass(frozen=True, slots=True)
