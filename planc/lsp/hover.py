@@ -135,10 +135,13 @@ def _stage_peaks(analysis: Analysis) -> tuple[list[int], str]:
     if world is None:
         return [], "memory per stage: no world size: write `at world = N` on the `expect` line"
     from planc.estimate.trace import TraceError
+    from planc.lower.job import UnknownKind
     try:
         est = compiled.memory_at(world, line.input_shape)
     except TraceError as err:  # a model that does not run on the input, a stage with no unit (RoleError)
         return [], f"memory per stage: cannot estimate: {err}"
+    except UnknownKind as err:  # what the memory per pipeline rank does not model (context, experts)
+        return [], f"memory per stage: not estimated: no rule for `{type(err.what).__name__}`"
     r = est.binding()
     shape = "x".join(map(str, line.input_shape))
     return [role.peak.total for role in est.roles], (
