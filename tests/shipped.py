@@ -16,7 +16,9 @@ def not_estimated(path: pathlib.Path, world: int | None = None) -> str | None:
     the test's world (`plans/llama3-8b-long-context.plan` needs 64 ranks) is left to its own tests."""
     mesh = planc.compile(planc.load(path), None, strict=False).mesh
     if mesh.axis(Role.PIPELINE) is not None:
-        return "pipeline plans are not yet estimated (P476: the estimators refuse a job of several parts)"
+        return ("a pipeline plan: the one-part estimators and the fake-process-group step these tests compare with "
+                "do not run a schedule; its memory per pipeline rank is held against FSDPMemTracker on each rank "
+                "in tests/test_roles_memory_dist.py, its time in tests/test_roles_time.py")
     if mesh.axis(Role.EXPERT) is not None:
         # estimated with balanced routing (tests/test_expert_memory_dist.py, test_expert_collectives_dist.py); the
         # shipped-plan comparisons run the router as trained, whose uneven splits the estimate does not model

@@ -281,6 +281,28 @@ async def test_hover_on_the_pipeline_and_stage_lines(client):
     assert "microbatches per optimizer step" in await hover(client, uri, text, "microbatches")
     # under a pipeline FSDP does not reshard after forward: the unit's lowered policy, from its stage
     assert re.search(r"reshard_after_forward +false", await hover(client, uri, text, "layers.*"))
+    assert "write `expect memory.peak <= ... at world = N, input = BxS`" in whole  # no input: no peaks
+
+
+@ASYNC
+async def test_hover_on_the_pipeline_shows_each_rank_s_peak(client):
+    text = ("model planc.zoo:llama_tiny\nmesh (pipeline = 2, shard = *)\npipeline 1F1B { microbatches 4 }\n"
+            "unit tok_embeddings\nunit layers.*\nunit [norm, output]\n"
+            "expect memory.peak <= 1GiB at world = 4, input = 8x16\n")
+    uri, diags = await open_doc(client, text)
+    assert diags == []
+    from planc import zoo
+    from planc.estimate.role_memory import estimate_pipeline_memory
+    compiled = planc.compile(planc.loads(text), zoo.llama_tiny(), 4)
+    peaks = [e.peak.total for e in estimate_pipeline_memory(compiled, 4, input_shape=(8, 16))]
+    whole = await hover(client, uri, text, "pipeline 1F1B")
+    assert "| units | peak/rank | modules |" in whole
+    for rank in (0, 1):  # stage, rank, parameters, units, the rank's peak
+        assert re.search(rf"\| {rank} \| {rank} \| [^|]+ \| 2 \| {re.escape(gib(peaks[rank]))} \|", whole)
+    binding = max(range(2), key=lambda r: peaks[r])
+    assert f"peak per rank at world 4, input 8x16 (line 7); binding rank {binding}: {gib(peaks[binding])}" in whole
+    exp = await hover(client, uri, text, "memory.peak")
+    assert f"current estimate: **{gib(peaks[binding])}** per rank on pipeline rank {binding} of 2 at" in exp
 
 
 @ASYNC

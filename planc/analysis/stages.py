@@ -3,9 +3,9 @@
 One row per stage of the lowered job (`Job.parts`): the pipeline rank that holds it (the
 schedule's placement, loop or V), its modules as the `stage` lines or the automatic split
 named them (runs of blocks shortened to `layers[0:4]`), its parameter count and its FSDP
-units. `planc explain` prints the table for a pipeline plan (the memory and time models do not
-estimate pipelines yet, P476) and the language server's hover on a `pipeline` or `stage` line
-shows the same rows.
+units. `planc explain` prints the table for a pipeline plan (before the estimates per pipeline
+rank, planc/analysis/role_report.py) and the language server's hover on a `pipeline` or `stage`
+line shows the same rows (with each rank's estimated peak when an `expect` line gives an input).
 """
 
 from __future__ import annotations

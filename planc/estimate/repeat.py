@@ -22,7 +22,7 @@ range(config.n_layers)`) fails on the short container, and the caller traces in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -150,10 +150,10 @@ def _shift(segment: list[Event], base: list[Event], names: dict, unit_map: dict)
 
 def _copy(segment: list[Event], names: dict, unit_map: dict, live: int) -> list[Event]:
     out = []
-    for e in segment:
+    for e in segment:  # built directly: `dataclasses.replace` was most of a 126-block restore's time
         params = None if e.params is None else tuple(names.get(p, p) for p in e.params)
-        out.append(replace(e, unit=unit_map.get(e.unit, e.unit), live=e.live + live, where=names.get(e.where, e.where),
-                           params=params))
+        out.append(Event(e.kind, unit_map.get(e.unit, e.unit), e.live + live, e.grads, names.get(e.where, e.where),
+                         params))
     return out
 
 
@@ -180,7 +180,7 @@ def restore(events: list[Event], runs: list[Run], units) -> list[Event] | None:
         out = events[:b]
         for k in range(n_out):  # positions 2 .. len-3, each holding k + 1 more blocks' state than the second
             out += _copy(fwd, *renaming(u[1], u[2 + k]), live=(k + 1) * delta)
-        out += [replace(e, live=e.live + extra) for e in events[b:q]]
+        out += [Event(e.kind, e.unit, e.live + extra, e.grads, e.where, e.params) for e in events[b:q]]
         for k in reversed(range(n_out)):
             out += _copy(bwd, *renaming(u[1], u[2 + k]), live=(k + 1) * delta)
         out += events[q:]

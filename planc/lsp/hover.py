@@ -97,7 +97,8 @@ def _node_hover(analysis: Analysis, chain: list[Any], line: int, column: int) ->
 
 def _pipeline_hover(analysis: Analysis, stmt) -> str:
     """The pipeline as resolved: the schedule and each stage's rank, modules, parameters and units
-    (on a `stage` line, that stage's); memory per stage is not estimated yet (P476)."""
+    (on a `stage` line, that stage's), and the peak of the rank holding each stage when an `expect
+    memory...` line gives an input (`_stage_peaks`)."""
     from planc.analysis.stages import pipeline_summary
     compiled = analysis.compiled
     if compiled is None or compiled.graph is None or compiled.resolution.pipeline is None:
@@ -112,10 +113,40 @@ def _pipeline_hover(analysis: Analysis, stmt) -> str:
         rows = [r for r in rows if r["stage"] == stmt.index]
     head = (f"**pipeline {summary['schedule']}**: {summary['pipeline']} ranks x {summary['stages_per_rank']} "
             f"stages per rank ({summary['placement']}), {summary['microbatches']} microbatches")
-    lines = [head, "", "| stage | rank | parameters | units | modules |", "|---|---|---|---|---|"]
+    peaks, note = _stage_peaks(analysis)
+    peak_head, peak_rule = ("| peak/rank ", "|---") if peaks else ("", "")
+    lines = [head, "", f"| stage | rank | parameters | units {peak_head}| modules |", f"|---|---|---|---{peak_rule}|---|"]
     lines += [f"| {r['stage']} | {r['pipeline_rank']} | {count(r['params'])} | {len(r['units'])} | "
-              f"{', '.join(r['modules'])} |" for r in rows]
-    return "\n".join(lines + ["", "memory per stage: not estimated yet (P476)"])
+              + (f"{gib(peaks[r['pipeline_rank']])} | " if peaks else "") + f"{', '.join(r['modules'])} |" for r in rows]
+    return "\n".join(lines + ["", note])
+
+
+def _stage_peaks(analysis: Analysis) -> tuple[list[int], str]:
+    """Each pipeline rank's estimated peak (`CompiledPlan.memory_at`, the estimate the plan's `expect`
+    lines are checked with) at the world and input of the first `expect memory...` line with an
+    input, and a line saying so; no peaks (and what to write) without such a line."""
+    plan, compiled = analysis.plan, analysis.compiled
+    line = next((s for s in plan.statements if isinstance(s, st.ExpectMetric) and s.metric.startswith("memory.")
+                 and s.input_shape is not None), None) if plan is not None else None
+    if line is None:
+        return [], ("memory per stage: write `expect memory.peak <= ... at world = N, input = BxS` to see each "
+                    "rank's estimated peak")
+    world = line.world or compiled.world_size
+    if world is None:
+        return [], "memory per stage: no world size: write `at world = N` on the `expect` line"
+    from planc.estimate.trace import TraceError
+    from planc.lower.job import UnknownKind
+    try:
+        est = compiled.memory_at(world, line.input_shape)
+    except TraceError as err:  # a model that does not run on the input, a stage with no unit (RoleError)
+        return [], f"memory per stage: cannot estimate: {err}"
+    except UnknownKind as err:  # what the memory per pipeline rank does not model (context, experts)
+        return [], f"memory per stage: not estimated: no rule for `{type(err.what).__name__}`"
+    r = est.binding()
+    shape = "x".join(map(str, line.input_shape))
+    return [role.peak.total for role in est.roles], (
+        f"peak per rank at world {world}, input {shape} (line {line.span.line}); binding rank {r}: "
+        f"{gib(est.roles[r].peak.total)} at {est.roles[r].peak.label}")
 
 
 def _step_hover(analysis: Analysis) -> str:
@@ -267,8 +298,6 @@ def _expect_hover(analysis: Analysis, s: st.ExpectMetric) -> str:
         return text + f"\n\ncurrently **{len(compiled.units)}** units"
     if s.metric not in METRICS:
         return text
-    if compiled.resolution.pipeline is not None:
-        return text + "\n\nnot estimated: pipeline plans are not yet estimated (P476)"
     world = s.world or compiled.world_size
     if world is None:
         return text + "\n\nno world size: write `at world = N` to estimate it"
@@ -285,7 +314,10 @@ def _expect_hover(analysis: Analysis, s: st.ExpectMetric) -> str:
     value = est.metric(s.metric)
     if value is None:
         return text + "\n\nnot estimated: " + "; ".join(est.notes or ["give `input = BxS`"])
-    where = f" at {est.peak.label}" if s.metric == "memory.peak" else ""
+    role = est.roles[est.binding(s.metric)] if est.roles else est
+    where = f" at {role.peak.label}" if s.metric == "memory.peak" else ""
+    if est.roles:  # a pipeline: the largest of its ranks'
+        where = f" on pipeline rank {est.roles.index(role)} of {len(est.roles)}{where}"
     shape = "x".join(map(str, s.input_shape)) if s.input_shape else None
     return (text + f"\n\ncurrent estimate: **{gib(value)}** per rank{where} (world {world}"
             + (f", input {shape}" if shape else ", activations not counted") + ")")
