@@ -43,7 +43,8 @@ class _Progress:
             self.bar.close()
 
 
-def _degrees(text: str | None) -> list[int] | None:
+def _degrees(text: str | None, flag: str = "--tensor", what: str = "tensor-parallel degrees such as 1,2,4,8"
+             ) -> list[int] | None:
     if text is None:
         return None
     try:
@@ -51,7 +52,7 @@ def _degrees(text: str | None) -> list[int] | None:
     except ValueError:
         out = []
     if not out or any(t < 1 for t in out):
-        raise UsageError(f"--tensor {text}: expected tensor-parallel degrees such as 1,2,4,8")
+        raise UsageError(f"{flag} {text}: expected {what}")
     return out
 
 
@@ -109,6 +110,10 @@ def main(args) -> int:
     if rules is not None and factory is not None:
         raise UsageError("--tensor-parallel takes --input-shape: each degree scales the batch of token ids (its tensor "
                          "group shares one input); an --inputs factory's inputs cannot be scaled")
+    if args.pipeline is not None or args.schedules is not None or args.global_batch is not None:
+        if factory is not None:
+            raise UsageError("--pipeline takes --input-shape: each degree cuts the batch of token ids into microbatches")
+        return _pipeline(args, graph, budget, shape, hw, rules, tensors)
     example = _call(factory, graph.model, "--inputs") if factory is not None else None
     given = f"--inputs {args.inputs}" if factory is not None else f"--input-shape {args.input_shape}"
     progress = _Progress(not args.quiet and sys.stderr.isatty())  # a bar only where someone watches
@@ -161,6 +166,61 @@ def main(args) -> int:
         except OSError as err:
             raise UsageError(f"-o {args.output}: cannot write: {err.strerror}") from err
         print(f"{args.output}: {result.best.candidate.describe()}", file=sys.stderr)
+    else:
+        sys.stdout.write(result.text)
+    return EXIT_OK
+
+
+def _pipeline(args, graph, budget: int, shape, hw, rules, tensors) -> int:
+    """`planc suggest --pipeline`: planc/suggest/pipeline.py."""
+    from planc.estimate.trace import TraceError
+    from planc.suggest.pipeline import DEFAULT_SCHEDULES, SCHEDULES, NoPipeline, suggest_all
+    pipelines = _degrees(args.pipeline, "--pipeline", "pipeline degrees such as 1,2,4,8") if args.pipeline else None
+    names = tuple(x for x in (args.schedules or ",".join(DEFAULT_SCHEDULES)).replace(" ", "").split(",") if x)
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown or not names:
+        raise UsageError(f"--schedules {args.schedules}: torch's schedules are {', '.join(SCHEDULES)}")
+    if args.global_batch is not None and args.global_batch < 1:
+        raise UsageError(f"--global-batch {args.global_batch}: expected sequences per step, at least 1")
+    try:
+        result = suggest_all(graph, args.model, args.world_size, budget, shape, hardware=hw, optimizer=args.optimizer,
+                             budget_text=args.budget.strip(), parallel=rules, tensors=tensors, pipelines=pipelines,
+                             schedules=names, global_batch=args.global_batch)
+    except NoPipeline as err:
+        _report([Diagnostic(code="P954", severity="error", message=f"cannot search pipeline plans for `{args.model}` "
+                            f"on {args.world_size} ranks: {err}", span=None,
+                            help=("pass pipeline degrees that divide the world with the tensor degrees, a "
+                                  "`--global-batch` that divides among the data-parallel ranks with at least one "
+                                  "sequence per stage, or fewer stages than the model has blocks",))])
+        return EXIT_ERRORS
+    except TraceError as err:
+        _report([Diagnostic(code="P953", severity="error", message=f"cannot search plans for `{args.model}` with "
+                            f"`--input-shape {args.input_shape}`: {str(err).splitlines()[0]}", span=None,
+                            help=("a sequence the model refuses needs a shorter S",))])
+        return EXIT_ERRORS
+    except ValueError as err:
+        _report([Diagnostic(code="P951", severity="error", message=f"cannot search plans for `{args.model}`: {err}",
+                            span=None, help=("write the plan by hand; `planc tree --model ...` shows the module tree",))])
+        return EXIT_ERRORS
+    if result.best is None:
+        from planc.quantities import show_bytes
+        s = result.smallest
+        what = s.choice.describe() if hasattr(s, "choice") else s.candidate.describe()
+        _report([Diagnostic(
+            code="P950", severity="error", message=f"no plan in the search space fits {show_bytes(budget)} per rank "
+            f"on {args.world_size} ranks with input {args.input_shape}", span=None,
+            help=(f"the smallest estimated peak planc found is {show_bytes(s.peak)} ({what}); raise --budget to at "
+                  "least that, add ranks, or a smaller --global-batch",), notes=tuple(result.notes))])
+        return EXIT_ERRORS
+    best = result.best
+    what = best.choice.describe() if hasattr(best, "choice") else best.candidate.describe()
+    if args.output:
+        try:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(rewrite_model_line(result.text, args.model, args.output))
+        except OSError as err:
+            raise UsageError(f"-o {args.output}: cannot write: {err.strerror}") from err
+        print(f"{args.output}: {what}", file=sys.stderr)
     else:
         sys.stdout.write(result.text)
     return EXIT_OK

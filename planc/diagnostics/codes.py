@@ -589,6 +589,14 @@ CODES: dict[str, Code] = {
                  "`--inputs MODULE:FN`, a factory called with the model that returns its inputs per rank (a tuple, "
                  "a dict of keywords or an `Example`), as `planc explain --inputs` takes it.\n\n"
                  "    planc suggest --model hf:t5-tiny --world-size 8 --budget 4MiB --inputs tests.step_inputs:t5_inputs"),
+    "P954": Code("no pipeline degree can be searched", "`planc suggest --pipeline P,...` searches each pipeline "
+                 "degree P with the tensor degrees asked for, and every degree was skipped: P x T does not divide "
+                 "the world, the global batch (`--global-batch`, default world x B) does not divide among the "
+                 "data-parallel ranks or gives fewer sequences per data-parallel rank than pipeline ranks, or the "
+                 "model cuts into fewer stages than P (its blocks, the modules before them and after them). The "
+                 "message says why per degree.\n\n"
+                 "    planc suggest --model planc.zoo:llama_tiny --world-size 8 --budget 1MiB --input-shape 2x16 \\\n"
+                 "        --pipeline 2,4"),
     # --- notes (P9xx)
     "P902": Code("root reshards after forward by default", "`defaults` apply to the root unit too. "
                  "`reshard after_forward = true` there frees the root's parameters after forward, although "

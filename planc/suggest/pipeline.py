@@ -384,10 +384,10 @@ _ = time
 def plan_text(chain, model_ref: str | None, c: PipeChoice, parallel: tuple[str, ...], header=(), expects=()) -> str:
     """The choice as a formatted plan: the pipeline, one unit per block (FSDP within each stage, no
     `reshard`: under a pipeline unset is false, torchtitan's default and P465-safe), checkpointing."""
-    from planc.lang.fmt import format_plan
-    from planc.resolve.pipeline import default_stages_per_rank
     from planc.lang import printer
     from planc.lang import syntax as st
+    from planc.lang.fmt import format_plan
+    from planc.resolve.pipeline import default_stages_per_rank
     from planc.suggest.space import _NOWHERE, _slice, _target
     lines = [f"# {h}" if h else "#" for h in header]
     if model_ref:
@@ -478,17 +478,16 @@ def _distinct(options: list[PipeOption], best: PipeOption, k: int) -> list[PipeO
 def suggest_pipeline(graph, model_ref: str | None, world: int, budget: int, seq: int, global_batch: int, *,
                      hardware="h100", optimizer: str = "adamw", budget_text: str, parallel: tuple[str, ...] = (),
                      tensors=(1,), pipelines=(2, 4, 8), schedules=DEFAULT_SCHEDULES, alternatives: int = 3,
-                     verify: bool = True, flat=None) -> PipeSuggestion:
+                     verify: bool = True, flat=None, notes=()) -> PipeSuggestion:
     """The fastest pipeline plan that fits `budget` per rank (module docstring). `flat`: a line for
     the header saying what the search without a pipeline found (the caller's)."""
     from planc.estimate.trace import TraceError
     from planc.suggest.evaluate import RulesRejected
     t0, c0 = time.perf_counter(), time.process_time()
     hw = hardware_of(hardware)
-    notes, models = [], {}
+    notes, models = list(notes), {}
     for t in tensors:
-        if world % t:
-            notes.append(f"tensor {t}: does not divide {world} ranks")
+        if not any(world % (p * t) == 0 for p in pipelines):
             continue
         try:
             models[t] = Model(profile(graph, model_ref, world, seq, optimizer, t, parallel), graph, world, hw, optimizer)
@@ -536,3 +535,78 @@ def suggest_pipeline(graph, model_ref: str | None, world: int, budget: int, seq:
     text = plan_text(chain, model_ref, c, parallel, header, expects)
     stats.update(total_s=time.perf_counter() - t0, total_cpu_s=time.process_time() - c0)
     return PipeSuggestion(best, others, None, text, budget, searched, pruned, stats, notes)
+
+
+class NoPipeline(Exception):
+    """No pipeline degree asked for can be searched (the message says why, per degree)."""
+
+
+def why_not(world: int, global_batch: int, pp: int, tensors, pieces: int) -> str | None:
+    """Why degree `pp` has no choice at any tensor degree (None when it has one, given the schedules)."""
+    whys = []
+    for t in tensors:
+        if world % (pp * t):
+            whys.append(f"pipeline {pp} x tensor {t} does not divide {world} ranks")
+        elif global_batch % (world // (pp * t)):
+            whys.append(f"{global_batch} sequences do not divide among {world // (pp * t)} data-parallel ranks "
+                        f"(tensor {t})")
+        elif global_batch // (world // (pp * t)) < pp:
+            whys.append(f"{global_batch // (world // (pp * t))} sequences per data-parallel rank (tensor {t}) are "
+                        f"fewer than the {pp} stages")
+        else:
+            return None if pp <= pieces else f"the model cuts into at most {pieces} stages"
+    return "; ".join(whys)
+
+
+def default_pipelines(world: int) -> tuple[int, ...]:
+    return tuple(p for p in (1, 2, 4, 8, 16) if world % p == 0)
+
+
+def suggest_all(graph, model_ref: str | None, world: int, budget: int, shape: tuple[int, int], *, hardware="h100",
+                optimizer: str = "adamw", budget_text: str, parallel: tuple[str, ...] | None = None, tensors=None,
+                pipelines=None, schedules=DEFAULT_SCHEDULES, global_batch: int | None = None):
+    """`planc suggest --pipeline`: the pipeline search over `pipelines` (degree 1 is the search without
+    a pipeline, `planc.suggest.search.suggest`, run when the global batch divides among the world) and the
+    fastest of them. Returns the `PipeSuggestion` or, when no pipeline wins, the flat `Suggestion`."""
+    from planc.resolve.split import block_list, split_items
+    from planc.suggest.search import default_degrees, suggest
+    seq = shape[1]
+    gb = global_batch or world * shape[0]
+    pipelines = tuple(sorted(set(pipelines or default_pipelines(world))))
+    tensors = tuple(sorted(set(tensors or (default_degrees(world, hardware) if parallel else (1,)))))
+    blocks = block_list(graph)
+    if blocks is None:
+        raise ValueError("the model has no list of repeated blocks to cut into stages")
+    before, items, after = split_items(graph, blocks)
+    pieces = len(items) + bool(before) + bool(after)
+    skipped = {p: why_not(world, gb, p, tensors, pieces) for p in pipelines if p > 1}
+    degrees = [p for p, why in skipped.items() if why is None]
+    flat = None
+    if 1 in pipelines:
+        if gb % world:
+            skipped[1] = f"{gb} sequences do not divide among {world} ranks"
+        else:
+            flat = suggest(graph, model_ref, world, budget, (gb // world, seq), hardware=hardware, optimizer=optimizer,
+                           budget_text=budget_text, parallel=parallel, tensors=list(tensors) if parallel else None)
+    if not degrees and flat is None:
+        raise NoPipeline("; ".join(f"pipeline {p}: {why}" for p, why in skipped.items()))
+    notes = [f"pipeline {p} not searched: {why}" for p, why in skipped.items() if why]
+    flat_line = None
+    if flat is not None:
+        flat_line = (f"{flat.best.seconds * 1e3:.4g} ms, peak {show_bytes(flat.best.peak)} ({flat.best.candidate.describe()}"
+                     f"{f', tensor {flat.tensor}' if flat.tensor > 1 else ''})" if flat.best is not None
+                     else "nothing fits the budget")
+    if not degrees:
+        return flat
+    piped = suggest_pipeline(graph, model_ref, world, budget, seq, gb, hardware=hardware, optimizer=optimizer,
+                             budget_text=budget_text, parallel=tuple(parallel or ()), tensors=tensors,
+                             pipelines=tuple(degrees), schedules=tuple(schedules), flat=flat_line, notes=notes)
+    if flat is not None and flat.best is not None and (piped.best is None or flat.best.seconds < piped.best.seconds):
+        if piped.best is not None:
+            flat.text = (f"# Note: no pipeline is faster: the pipeline search's best is {piped.best.seconds * 1e3:.4g} ms "
+                         f"({piped.best.choice.describe()})\n" + flat.text)
+        return flat
+    if piped.best is None and flat is not None and flat.smallest is not None \
+            and (piped.smallest is None or flat.smallest.peak < piped.smallest.peak):
+        return flat
+    return piped
