@@ -153,36 +153,57 @@ class Stage:
     side_kept: int                # bytes the side modules keep per sequence (embedding output; head: the logits)
 
 
-def _inside(path: str, top: str) -> bool:
-    return top == "" or path == top or path.startswith(top + ".")
+def _owner(path: str, stage_of: dict[str, int], last: int) -> int | None:
+    """The stage whose module subtree holds `path` (`""`, the loss: the last stage)."""
+    if path == "":
+        return last
+    while True:
+        if path in stage_of:
+            return stage_of[path]
+        if "." not in path:
+            return None
+        path = path.rsplit(".", 1)[0]
+
+
+_SPLITS: dict = {}
+
+
+def split(graph, n: int) -> list[tuple[str, ...]]:
+    """`auto_split(graph, n)` (`split = parameters`), cached per model graph."""
+    key = (id(graph), n)
+    if key not in _SPLITS:
+        _SPLITS[key] = (graph, auto_split(graph, n))
+    return _SPLITS[key][1]
 
 
 def stages_of(prof: Profile, graph, n: int) -> list[Stage]:
     """The automatic split into `n` stages (`split = parameters`), each stage's figures."""
     f = prof.flops
-    out = []
-    cut = auto_split(graph, n)
+    cut = split(graph, n)
+    last = len(cut) - 1
+    stage_of = {m: s for s, modules in enumerate(cut) for m in modules}
+    sums = {key: [0] * len(cut) for key in ("forward", "backward")}
+    for key in sums:
+        for p, v in getattr(f, key).items():
+            s = _owner(p, stage_of, last)
+            if s is not None:
+                sums[key][s] += v
     order = {p: k for k, p in enumerate(f.order)}
+    out = []
     for s, modules in enumerate(cut):
         blocks = tuple(m for m in modules if m in prof.chain.blocks)
         units = tuple(sorted({prof.unit_of[m] for m in modules if m in prof.unit_of}))
-        last = s == len(cut) - 1
-
-        def mine(p, modules=modules, last=last):
-            return any(_inside(p, m) for m in modules) or (last and p == "")
-        fwd = sum(v for p, v in f.forward.items() if mine(p))
-        bwd = sum(v for p, v in f.backward.items() if mine(p))
         rec = {"none": 0, "selective": sum(f.recompute_selective.get(b, 0) for b in blocks),
                "full": sum(f.recompute_full.get(b, 0) for b in blocks)}
         tail = max((m for m in modules if m in order), key=order.get, default=None)
-        act = f.outputs.get("" if last else tail) if tail is not None or last else None
+        act = f.outputs.get("" if s == last else tail)
         boundary = act.numel * act.dtype.itemsize if act is not None else 0
         side = [m for m in modules if m not in blocks]
         side_kept = sum(f.outputs[m].numel * f.outputs[m].dtype.itemsize for m in side if m in f.outputs)
-        if last and "" in f.outputs:  # the loss keeps fp32 logits for its backward
+        if s == last and "" in f.outputs:  # the loss keeps fp32 logits for its backward
             side_kept += f.outputs[""].numel * 4
         out.append(Stage(tuple(modules), blocks, units, sum(graph.subtree_numel.get(m, 0) for m in modules),
-                         fwd, bwd, rec, boundary, side_kept))
+                         sums["forward"][s], sums["backward"][s], rec, boundary, side_kept))
     return out
 
 
