@@ -457,8 +457,10 @@ def _header(model_ref, world: int, hw, budget_text: str, seq: int, gb: int, best
     lines = [
         f"Suggested by `planc suggest --pipeline` for {model_ref or 'the model'} on {world} ranks ({hw.name}),",
         f"{gb} sequences of {seq} tokens a step ({c.local_batch} per data-parallel rank, {dp} data-parallel ranks),",
-        f"per-rank budget {budget_text}. Estimates (planc's role estimators, as `planc explain` prints them):",
-        f"  peak {show_bytes(best.peak)} on the binding pipeline rank at {best.where}: "
+        f"per-rank budget {budget_text}. Estimates ("
+        + ("planc's role estimators, as `planc explain` prints them):" if best.exact else
+           "the search's analytic model, NOT verified by the role estimators: `planc explain` gives theirs):"),
+        f"  peak {show_bytes(best.peak)} on the binding pipeline rank{f' at {best.where}' if best.where else ''}: "
         f"{show_bytes(_budget_of(budget_text) - best.peak)} under the budget",
         f"  step time {best.seconds * 1e3:.4g} ms, the slowest rank's, bubble {best.bubble:.1%} "
         f"(docs/time-model.md; {hw.name}, {hw.efficiency:.0%} of peak FLOP/s achieved)",
