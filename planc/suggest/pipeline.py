@@ -545,6 +545,10 @@ def suggest_pipeline(graph, model_ref: str | None, world: int, budget: int, seq:
                      f"estimator at {show_bytes(peak)}: searched again under a bound {show_bytes(peak - budget)} lower")
     stats.update(searched=searched, pruned=pruned, search_s=time.perf_counter() - t0,
                  search_cpu_s=time.process_time() - c0)
+    if best is None and smallest is None:  # not a budget question: no choice at all
+        raise NoPipeline(f"no choice of {', '.join(schedules)} at pipeline {', '.join(map(str, pipelines))}: each "
+                         "data-parallel rank's batch must divide into at least one microbatch per stage, in counts "
+                         "torch builds the schedule with")
     if best is None:
         return PipeSuggestion(None, [], smallest, None, budget, searched, pruned, stats, notes)
     others = _distinct(fitting, best, alternatives)
