@@ -462,7 +462,7 @@ def _header(model_ref, world: int, hw, budget_text: str, seq: int, gb: int, best
            "the search's analytic model, NOT verified by the role estimators: `planc explain` gives theirs):"),
         f"  peak {show_bytes(best.peak)} on the binding pipeline rank{f' at {best.where}' if best.where else ''}: "
         f"{show_bytes(_budget_of(budget_text) - best.peak)} under the budget",
-        f"  step time {best.seconds * 1e3:.4g} ms, the slowest rank's, bubble {best.bubble:.1%} "
+        f"  step time {_secs(best.seconds)}, the slowest rank's, bubble {best.bubble:.1%} "
         f"(docs/time-model.md; {hw.name}, {hw.efficiency:.0%} of peak FLOP/s achieved)",
         f"  choice: {c.describe()}; FSDP within each stage, one unit per block, no resharding after forward",
         f"  searched: {stats.get('searched', 0)} choices simulated, {stats.get('pruned', 0)} pruned by memory or "
@@ -471,12 +471,16 @@ def _header(model_ref, world: int, hw, budget_text: str, seq: int, gb: int, best
         "Next best (the search's model: step time on the timeline, peak ~):",
     ]
     for o in others:
-        lines.append(f"  {o.seconds * 1e3:.4g} ms, peak ~{show_bytes(o.peak)}: {o.choice.describe()}")
+        lines.append(f"  {_secs(o.seconds)}, peak ~{show_bytes(o.peak)}: {o.choice.describe()}")
     if not others:
         lines.append("  none: no other choice fits")
     if flat is not None:
         lines.append(f"Without a pipeline: {flat}")
     return lines
+
+
+def _secs(s: float) -> str:
+    return f"{s:.4g} s" if s >= 1 else f"{s * 1e3:.4g} ms"
 
 
 def _budget_of(text: str) -> int:
@@ -620,7 +624,7 @@ def suggest_all(graph, model_ref: str | None, world: int, budget: int, shape: tu
     notes = [f"pipeline {p} not searched: {why}" for p, why in skipped.items() if why]
     flat_line = None
     if flat is not None:
-        flat_line = (f"{flat.best.seconds * 1e3:.4g} ms, peak {show_bytes(flat.best.peak)} ({flat.best.candidate.describe()}"
+        flat_line = (f"{_secs(flat.best.seconds)}, peak {show_bytes(flat.best.peak)} ({flat.best.candidate.describe()}"
                      f"{f', tensor {flat.tensor}' if flat.tensor > 1 else ''})" if flat.best is not None
                      else "nothing fits the budget")
     if not degrees:
@@ -630,7 +634,7 @@ def suggest_all(graph, model_ref: str | None, world: int, budget: int, shape: tu
                              pipelines=tuple(degrees), schedules=tuple(schedules), flat=flat_line, notes=notes)
     if flat is not None and flat.best is not None and (piped.best is None or flat.best.seconds < piped.best.seconds):
         if piped.best is not None:
-            flat.text = (f"# Note: no pipeline is faster: the pipeline search's best is {piped.best.seconds * 1e3:.4g} ms "
+            flat.text = (f"# Note: no pipeline is faster: the pipeline search's best is {_secs(piped.best.seconds)} "
                          f"({piped.best.choice.describe()})\n" + flat.text)
         return flat
     if piped.best is None and flat is not None and flat.smallest is not None \
