@@ -62,7 +62,8 @@ class CompiledPlan:
         # needs, planc/checks/validate.py); memory is estimated only for a valid plan with
         # a model, and only when asked for
         clean = self.check_memory and self.graph is not None and not any(d.is_error for d in diags)
-        ctx = Context(self.plan, self.graph, res, self.world_size, metrics=self._metric if clean else None)
+        ctx = Context(self.plan, self.graph, res, self.world_size, metrics=self._metric if clean else None,
+                      memory=self.memory_at if clean else None)
         with paused_gc():
             return sort_diagnostics(list(diags) + validate(ctx))
 

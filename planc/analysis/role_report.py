@@ -24,7 +24,7 @@ def report(compiled, est: Estimate, model_ref: str | None = None, step_time=None
     job = compiled.job
     sched = job.schedule
     roles = est.roles
-    binding = max(range(len(roles)), key=lambda r: roles[r].peak.total)
+    binding = est.binding()
     timeline = step_time.pipeline.timeline if step_time is not None and step_time.pipeline is not None else None
     stages = []
     for part in job.parts:

@@ -32,6 +32,9 @@ class Context:
     # memory metrics, if any: (metric, world, input shape) -> bytes; raises `TraceError` when
     # the model cannot run on that input
     metrics: Callable[[str, int | None, tuple[int, ...] | None], float | None] | None = None
+    # the memory estimate behind `metrics`, (world, input shape) -> `planc.estimate.memory.Estimate`
+    # (cached: the same one `metrics` read), to say where a bound fails (a pipeline's binding rank)
+    memory: Callable[[int | None, tuple[int, ...] | None], Any] | None = None
     # what several checks derive from the same inputs, computed once per context (see `memo`);
     # `dataclasses.replace` starts a fresh one
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)

@@ -11,6 +11,7 @@ from typing import Iterator
 from planc.checks.context import Context, err
 from planc.checks.context_parallel import sequence_problem
 from planc.checks.mesh import too_many_ranks
+from planc.checks.pipeline import batch_problem, not_estimated
 from planc.diagnostics import Diagnostic, suggestion
 from planc.lang import syntax as st
 from planc.limits import MAX_RANKS
@@ -128,10 +129,9 @@ def _expect_units(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
 
 
 def _expect_memory(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
-    if ctx.res.pipeline is not None:  # the estimators refuse a job of several parts (planc/lower/job.py)
-        from planc.checks.pipeline import not_estimated
-        yield not_estimated(ctx.res.pipeline, s.span, f"`expect {s.metric}` was not checked")
-        return
+    pp = ctx.res.pipeline
+    if pp is not None and s.input_shape is not None and batch_problem(pp, s.input_shape, s.span) is not None:
+        return  # the batch does not cut into the microbatches: P466 says so (`check_pipeline_batch`)
     world = s.world or ctx.world_size
     if world is None:
         yield err("P503", f"`expect {s.metric}` was not checked: no world size", s.span,
@@ -155,9 +155,13 @@ def _expect_memory(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
                   (f"give a batch that is a multiple of {k} (e.g. `input = {show_shape((k, *shape[1:]))}`), or "
                    "accumulate fewer microbatches",), related=((step.span, f"{k} microbatches per step"),))
         return
+    from planc.estimate.role_memory import RoleError
     from planc.estimate.trace import TraceError
     try:
         actual = ctx.metrics(s.metric, world, shape)
+    except RoleError as exc:  # a pipeline the memory per role cannot cut (a stage with no unit of its own)
+        yield not_estimated(pp, s.span, f"`expect {s.metric}` was not checked", str(exc))
+        return
     except TraceError as exc:
         cause = exc.__cause__
         why = f"{type(cause).__name__}: {_first_line(cause)}" if cause is not None else str(exc)
@@ -172,19 +176,33 @@ def _expect_memory(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
         return
     if _OPS[s.op](actual, s.value.value):
         return
+    rank = _binding_rank(ctx, s.metric, world, shape) if pp is not None else ""
     if shape is not None:
         included = ", activations included," if s.metric == "memory.peak" else ""
         yield err("P502", f"expected {s.metric} {s.op} {s.value} at world = {world}, input = {show_shape(shape)}, "
-                  f"but the estimate{included} is {show_bytes(actual)}", s.span, "bound does not hold",
+                  f"but the estimate{included} is {show_bytes(actual)}{rank}", s.span, "bound does not hold",
                   (f"run `planc explain --world-size {world} --input-shape {show_shape(shape)} ...` for the "
-                   "breakdown of this estimate",))
+                   "breakdown of this estimate" + (", per pipeline rank" if pp is not None else ""),))
         return
     help_ = [f"run `planc explain --world-size {world} ...` for the breakdown"]
     if s.metric == "memory.peak":
         help_.append(f"activations are not counted without an input shape: write `at {_at_clause(s, world, 'BxS')}` "
                      "with B the batch size and S the sequence length (e.g. `2x512`) to count them")
     yield err("P502", f"expected {s.metric} {s.op} {s.value} at world = {world}, but the estimate is "
-              f"{show_bytes(actual)}", s.span, "bound does not hold", help_)
+              f"{show_bytes(actual)}{rank}", s.span, "bound does not hold", help_)
+
+
+def _binding_rank(ctx: Context, metric: str, world: int, shape) -> str:
+    """`, on pipeline rank R (stages ...) at <moment>`: where a pipeline plan's bound fails (the rank
+    with the largest value, `Estimate.binding`; its peak's moment for `memory.peak`)."""
+    est = ctx.memory(world, shape) if ctx.memory is not None else None
+    if est is None or not est.roles:
+        return ""
+    r = est.binding(metric)
+    held = est.roles[r].stages
+    stages = f"stage {held[0]}" if len(held) == 1 else "stages " + " and ".join(map(str, held))
+    moment = est.roles[r].peak.label if metric == "memory.peak" else ""
+    return f", on pipeline rank {r} ({stages})" + (f" at {moment}" if moment else "")
 
 
 def _first_line(exc: BaseException, limit: int = 160) -> str:

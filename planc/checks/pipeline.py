@@ -11,8 +11,9 @@ last (P471); a unit (P472), a tied weight (P473) or a module a rule applies to (
 cross stages; fewer microbatches than stages is a warning with the bubble (P474); a `step`
 accumulation beside a pipeline is refused (P475); microbatches torch refuses to build the
 schedule with (DualPipeV with fewer than stages, the interleaved schedules off a multiple of
-their rounds) are P463, with torch's reason; memory and time are not estimated yet (P476,
-`not_estimated`).
+their rounds) are P463, with torch's reason; what is not estimated for a pipeline plan (the
+fake-process-group step of `check --simulate`, a stage the memory per role cannot cut) is P476
+(`not_estimated`).
 """
 
 from __future__ import annotations
@@ -267,8 +268,12 @@ def batch_problem(pp: Pipeline, shape: tuple[int, ...], span) -> Diagnostic | No
                else ())
 
 
-def not_estimated(pp: Pipeline, span, what: str) -> Diagnostic:
-    """P476 (warning): `what` (`... was not checked`) was not done, the estimators do not model a pipeline yet."""
-    return err("P476", f"{what}: pipeline plans are not yet estimated", span, "not estimated",
-               ("the memory and step-time models do not replay the pipeline's stages and schedule yet; check this "
-                "on a real run",), related=((pp.span, "the pipeline"),) if span != pp.span else (), severity="warning")
+NO_UNIT_FIX = ("give each stage's modules a `unit` of their own (`unit layers.*`, `unit tok_embeddings`): the "
+              "trace names each op's innermost unit, so a stage without one cannot be told from the root")
+
+
+def not_estimated(pp: Pipeline, span, what: str, why: str, fix: str = NO_UNIT_FIX) -> Diagnostic:
+    """P476 (warning): `what` (`... was not checked`) was not done for this pipeline plan, because `why`
+    (by default a stage with no unit of its own: `planc.estimate.role_memory.RoleError`)."""
+    return err("P476", f"{what}: {why}", span, "not estimated", (fix,), related=((pp.span, "the pipeline"),) if span != pp.span else (),
+               severity="warning")

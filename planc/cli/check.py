@@ -82,7 +82,10 @@ def simulate_plan(path: str, args, compiled) -> tuple[list[Diagnostic], list[int
         from planc.checks.pipeline import batch_problem, not_estimated
 
         found = batch_problem(pipeline, shape, pipeline.option_span("microbatches")) if shape else None
-        skipped = not_estimated(pipeline, pipeline.span, "`--simulate` did not run a step")
+        skipped = not_estimated(pipeline, pipeline.span, "`--simulate` did not run a step",
+                                "the fake-process-group step does not run a pipeline's schedule",
+                                "`planc explain --input-shape BxS` estimates each pipeline rank's memory and the step; "
+                                "`planc check --verify` trains the plan's twin on local ranks")
         return [d for d in (found, skipped) if d is not None], []
     if c.resolution.context:  # the shape check refuses `ShardBatch`: say so, located, and check the shape
         from planc.checks.context_parallel import not_simulated

@@ -121,9 +121,11 @@ def main(args) -> int:
 
 
 def _explain_pipeline(c, diags, sources, args) -> int:
-    """A pipeline plan: the stages table, and P476 (warning): memory and time are not estimated yet."""
+    """A pipeline plan: the stages table, then memory per pipeline rank and the step (P476, a warning,
+    when the memory per role cannot cut the stages)."""
     from planc.analysis.stages import pipeline_summary, render_stages
     from planc.checks.pipeline import batch_problem, not_estimated
+    from planc.estimate.role_memory import RoleError
 
     summary = pipeline_summary(c)
     shown = [d for d in diags if args.format == "text" or d.is_error]
@@ -134,9 +136,10 @@ def _explain_pipeline(c, diags, sources, args) -> int:
         print(render.render_text(shown + [uneven], sources, color=use_color(sys.stderr)), file=sys.stderr)
         return EXIT_ERRORS
     estimated = _pipeline_estimates(c, args, shape)
-    if estimated is None:
+    if isinstance(estimated, RoleError):
         shown.append(not_estimated(c.resolution.pipeline, c.resolution.pipeline.span,
-                                   "`planc explain` did not estimate memory or step time"))
+                                   "`planc explain` did not estimate memory or step time", str(estimated)))
+        estimated = None
     if shown:
         print(render.render_text(shown, sources, color=use_color(sys.stderr)), file=sys.stderr)
     if args.format == "json":
@@ -151,14 +154,14 @@ def _explain_pipeline(c, diags, sources, args) -> int:
 
 
 def _pipeline_estimates(c, args, shape):
-    """Memory per pipeline rank and the step on the timeline (planc/analysis/role_report.py), or None
-    when the memory per role cannot cut this pipeline (`RoleError`: P476 says so)."""
+    """Memory per pipeline rank and the step on the timeline (planc/analysis/role_report.py), or the
+    `RoleError` when the memory per role cannot cut this pipeline (P476 says so)."""
     from planc.analysis.role_report import report as role_report
     from planc.estimate.role_memory import RoleError
     try:
         est = estimate(c, args.world_size, optimizer=args.optimizer, input_shape=shape)
-    except RoleError:
-        return None
+    except RoleError as err:
+        return err
     except TraceError as err:
         raise UsageError(f"--input-shape: {err}") from err
     step_time = _step_time(c, args, shape, None, None)

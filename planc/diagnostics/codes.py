@@ -373,9 +373,10 @@ CODES: dict[str, Code] = {
     "P475": Code("accumulation and a pipeline", "Under a pipeline, the `pipeline` line's microbatches are the "
                  "gradient accumulation: torch's schedule runs them all in one step. Remove the `step { accumulate "
                  "N }` line and write `microbatches N` in the `pipeline` block."),
-    "P476": Code("pipeline plans are not yet estimated", "planc's memory and step-time models do not model a "
-                 "pipeline yet (per-rank stages, microbatches in flight, the bubble); an `expect memory...` line "
-                 "or `check --simulate` of a plan with a pipeline is not checked.", "warning"),
+    "P476": Code("not estimated for this pipeline plan", "`check --simulate` does not run a pipeline's schedule "
+                 "on its fake process group, and the memory per pipeline rank cannot cut a stage that has no unit "
+                 "of its own: the step, or the `expect memory...` line, is not checked (the message says which "
+                 "and why). `expect memory...` lines are otherwise checked on every pipeline rank.", "warning"),
     "P477": Code("the model cannot be cut automatically", "The automatic split cuts the model's repeated blocks "
                  "(with the embedding and the head each weighing one block) into pipeline x stages_per_rank "
                  "stages; the model has no list of blocks, or fewer pieces than stages. Use fewer stages, or "

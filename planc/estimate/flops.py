@@ -313,7 +313,7 @@ def step_profile(graph, inputs=None, *, input_shape: tuple[int, ...] | None = No
 
 
 def tensor_rank_profile(graph, program, inputs=None, *, input_shape: tuple[int, ...] | None = None,
-                        loss: LossFn | None = None, tp: int) -> StepProfile | None:
+                        loss: LossFn | None = None, tp: int, repeat: bool = False) -> StepProfile | None:
     """The (cached) compute profile of one *tensor rank's* step under `program`'s `parallel` rules.
 
     The model runs as one tensor rank runs it: split parameters at their local shapes, each
@@ -322,14 +322,12 @@ def tensor_rank_profile(graph, program, inputs=None, *, input_shape: tuple[int, 
     attention between them, a sequence-parallel norm) counts its local share; one the plan
     leaves whole on every tensor rank (`replicate`, or a module no rule reaches) counts in
     full, as its rank really computes it. None without an input or without tensor parallelism.
+    `repeat`: runs of identical blocks profiled as four, as `step_profile` does.
 
     Raises:
         TraceError: the step did not run as one tensor rank (a model that hard-codes global
             head counts, as under real tensor parallelism).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from planc.estimate.tensor_local import emulate_layouts
     from planc.lower.program import Parallelize
 
     rules = tuple(program.of_type(Parallelize))
@@ -339,15 +337,37 @@ def tensor_rank_profile(graph, program, inputs=None, *, input_shape: tuple[int, 
     cache = _PROFILES.setdefault(graph, {})
     key = ("tensor rank", example.key(), loss, tp, rules)
     if key not in cache:
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-        model = fake_model(types.SimpleNamespace(graph=graph, program=program), fake_mode, tp)
-        emulate_layouts(model, program, graph, tp)
-        with fake_mode:
-            fake = example.map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+        prof = None
+        if repeat:  # runs of identical blocks traced as four (planc/estimate/repeat.py)
+            from planc.estimate import repeat as repeated
+            runs = repeated.module_runs(graph.model, graph.aliases)
+            if runs:
+                try:
+                    prof = repeated.restore_profile(_tensor_rank_step(graph, program, example, loss, tp, runs), runs)
+                except Exception:  # the forward does not take the short container: in full
+                    prof = None
+        if prof is None:
             try:
-                prof = count_step(model, fake, loss or default_loss(model, tp))
+                prof = _tensor_rank_step(graph, program, example, loss, tp)
             except Exception as err:  # the model code runs on local shapes it may not expect
                 raise TraceError(f"the step did not run as one tensor rank of {tp}: {type(err).__name__}: {err}") from err
         prof.source = f"FlopCounterMode over one tensor rank's step (of {tp}) on fake CPU tensors"
         cache[key] = prof
     return cache[key]
+
+
+def _tensor_rank_step(graph, program, example, loss, tp: int, runs=()) -> StepProfile:
+    """One tensor rank's step counted (`tensor_rank_profile`); with `runs`, those runs cut to four blocks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from planc.estimate.tensor_local import emulate_layouts
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = fake_model(types.SimpleNamespace(graph=graph, program=program), fake_mode, tp)
+    emulate_layouts(model, program, graph, tp)
+    if runs:
+        from planc.estimate import repeat as repeated
+        repeated.shorten(model, runs)
+    with fake_mode:
+        fake = example.map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+        return count_step(model, fake, loss or default_loss(model, tp))

@@ -232,6 +232,7 @@ class Estimate:
     # a pipeline job: every pipeline rank's estimate (this one is the binding rank's, the largest
     # peak, so a bound on it holds for every rank); empty without a pipeline
     roles: list["Estimate"] = field(default_factory=list)
+    stages: tuple[int, ...] = ()          # one pipeline rank's estimate: the stages it holds
 
     @property
     def sharded_state(self) -> int:
@@ -244,7 +245,10 @@ class Estimate:
         return self.peak.total / self.lower_bound if self.lower_bound else float("inf")
 
     def metric(self, name: str) -> float | None:
-        """The value of a memory metric (`planc.checks.validate.METRICS`) in bytes."""
+        """The value of a memory metric (`planc.checks.validate.METRICS`) in bytes; of a pipeline
+        job, the largest of its ranks' (`binding`), so a bound on it holds for every rank."""
+        if self.roles:
+            return self.roles[self.binding(name)].metric(name)
         if name == "memory.peak":
             return float(self.peak.total)
         if name == "memory.sharded":
@@ -254,6 +258,10 @@ class Estimate:
         if name == "memory.activations":
             return None if self.activations is None else float(self.activations)
         raise KeyError(name)
+
+    def binding(self, name: str = "memory.peak") -> int:
+        """Of a pipeline job, the pipeline rank with the largest `name` (the first of equals)."""
+        return max(range(len(self.roles)), key=lambda r: self.roles[r].metric(name) or 0)
 
 
 class _Replay:

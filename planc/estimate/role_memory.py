@@ -54,7 +54,7 @@ from planc.estimate.memory import (
     unit_memory,
 )
 from planc.estimate.roles import READER, boundaries, stage_world, whole_program
-from planc.estimate.trace import Event, Example, Trace, TraceError, default_input, trace_for
+from planc.estimate.trace import Event, Example, Trace, TraceError, compress, default_input, trace_for
 from planc.lower.fsdp import has_moments
 from planc.lower.job import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD, Job, Part, Schedule, step_schedule
 from planc.lower.pipeline import inside
@@ -249,10 +249,14 @@ def _with_others(replays: dict[int, _StageReplay], stage: int, fn) -> None:
 
 
 def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "adamw", inputs=None,
-                             input_shape: tuple[int, ...] | None = None, loss=None) -> list[Estimate]:
+                             input_shape: tuple[int, ...] | None = None, loss=None,
+                             compressed: bool = True) -> list[Estimate]:
     """One `Estimate` per pipeline rank of a pipeline job at `world` ranks (module docstring).
 
-    `plan` is a `CompiledPlan` or a `Job` (then `graph` is required)."""
+    `plan` is a `CompiledPlan` or a `Job` (then `graph` is required). `compressed`: runs of identical
+    blocks traced as four and written out (`planc/estimate/repeat.py`) and the runs of op events
+    between unit events cut to their extremes (`trace.compress`); the same estimate (peak, its
+    moment, in-flight counts) as False, which traces and replays every op of every block."""
     job: Job = READER.job(plan) if isinstance(plan, Job) else READER.compiled(plan)
     graph = graph or getattr(plan, "graph", None)
     if graph is None:
@@ -264,19 +268,18 @@ def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "
     example = None if step is None else step.microbatch(sched.microbatches)
     for part in job.parts:  # the trace names the innermost unit of each op: a stage needs one of its own
         if not any(not u.is_root for u in part.program.units):
-            raise RoleError(f"memory per role: stage {part.stage} ({', '.join(part.modules)}) has no unit "
-                                      "of its own, so its ops cannot be told from the root's in the trace; give "
-                                      "its modules a `unit`")
+            raise RoleError(f"stage {part.stage} ({', '.join(part.modules)}) has no unit of its own, so the "
+                            "memory per pipeline rank cannot tell its ops from the root's")
     whole = whole_program(job)
     n = stage_world(job.parts[0].program, world, pp)
     tp = (whole.mesh.sizes(n) or {}).get("tensor", 1)
     shim = types.SimpleNamespace(graph=graph, program=whole, job=dataclasses.replace(
         job, parts=(Part(0, ("",), whole),), schedule=step_schedule()),
         resolution=getattr(plan, "resolution", types.SimpleNamespace(ignored=frozenset())))
-    trace = trace_for(shim, example, loss, tp)
-    boundary = boundaries(job, graph, example, tp=tp)
+    trace = trace_for(shim, example, loss, tp, repeat=compressed)
+    boundary = boundaries(job, graph, example, tp=tp, repeat=compressed)
     input_bytes = 0 if step is None else sum(t.nbytes for t in step.tensors())
-    traces = stage_traces(trace, whole, job, boundary)
+    traces = stage_traces(compress(trace) if compressed else trace, whole, job, boundary)
     last = len(job.parts) - 1
     out = []
     for rank, held in enumerate(sched.stages):
@@ -294,7 +297,7 @@ def estimate_roles(compiled, world: int, **kwargs) -> Estimate:
     """The binding pipeline rank's estimate (the largest peak), every rank's in its `roles`: what
     `memory.estimate` returns for a pipeline job, so an `expect memory.peak` bound holds for every rank."""
     ests = estimate_pipeline_memory(compiled, world, **kwargs)
-    binding = max(ests, key=lambda e: e.peak.total)
+    binding = ests[dataclasses.replace(ests[0], roles=ests).binding()]
     return dataclasses.replace(binding, roles=ests, notes=binding.notes + [
         f"the binding rank of {len(ests)} pipeline ranks (the largest peak)"])
 
@@ -345,7 +348,7 @@ def _estimate(world: int, stage_world: int, rank: int, parts: list[Part], replay
     est = Estimate(world, replicate, shard, optimizer, mem, replicated,
                    sum(m.sharded + m.grads + m.optimizer for m in mem if m.offload), peak, timeline,
                    state + buffers, state + buffers + held * sched.microbatches, activations, rps[0].trace.source,
-                   shape)
+                   shape, stages=tuple(part.stage for part in parts))
     if step is None:
         est.notes.append("activations not counted: give an input shape (--input-shape BxS)")
     for part, rp in zip(parts, rps):

@@ -145,19 +145,20 @@ def whole_program(job: Job) -> Program:
     return Program(job.parts[0].program.mesh, tuple(ops) + ((root,) if root is not None else ()))
 
 
-def boundaries(job: Job, graph, inputs=None, input_shape=None, tp: int = 1) -> list[int]:
+def boundaries(job: Job, graph, inputs=None, input_shape=None, tp: int = 1, repeat: bool = True) -> list[int]:
     """Bytes one rank holds of the activation each stage receives per microbatch (the output of the
     previous stage's last module in forward order: as one tensor rank holds it, sharded on the
     sequence under sequence parallelism, in the compute dtype), then of the model's output (the
-    logits; a tensor rank's share of the vocabulary under loss parallelism). 0s without an input."""
+    logits; a tensor rank's share of the vocabulary under loss parallelism). 0s without an input.
+    `repeat`: runs of identical blocks profiled as four (`planc/estimate/repeat.py`, the same result)."""
     from planc.estimate.flops import step_profile, tensor_rank_profile
 
     whole = whole_program(job)
     profile = None
     if tp > 1 and whole.of_type(Parallelize):
-        profile = tensor_rank_profile(graph, whole, inputs, input_shape=input_shape, tp=tp)
+        profile = tensor_rank_profile(graph, whole, inputs, input_shape=input_shape, tp=tp, repeat=repeat)
     if profile is None:
-        profile = step_profile(graph, inputs, input_shape=input_shape, dtype=main_dtype(whole, graph))
+        profile = step_profile(graph, inputs, input_shape=input_shape, dtype=main_dtype(whole, graph), repeat=repeat)
     if profile is None:
         return [0] * (len(job.parts) + 1)
     order = {p: k for k, p in enumerate(profile.order)}
@@ -172,10 +173,12 @@ def boundaries(job: Job, graph, inputs=None, input_shape=None, tp: int = 1) -> l
 
 def estimate_pipeline_time(plan, *, world: int, hardware: "str | Hardware" = "h100", graph=None, profile=None,
                            input_shape: tuple[int, ...] | None = None, inputs=None, loss=None,
-                           optimizer: str = "adamw", efficiency: float | None = None) -> PipelineTime:
+                           optimizer: str = "adamw", efficiency: float | None = None,
+                           repeat: bool = True) -> PipelineTime:
     """The step of a pipeline job at `world` ranks. `plan` is a `CompiledPlan` or a `Job` (then
     `graph` is required); `profile` is one microbatch's `StepProfile`, else made from the step's
-    `inputs`/`input_shape` cut into the schedule's microbatches."""
+    `inputs`/`input_shape` cut into the schedule's microbatches (`repeat`: runs of identical blocks
+    profiled as four and written out, `planc/estimate/repeat.py`; the same profile, False profiles in full)."""
     from planc.estimate.flops import step_profile
     from planc.estimate.time import _microbatch
 
@@ -189,13 +192,13 @@ def estimate_pipeline_time(plan, *, world: int, hardware: "str | Hardware" = "h1
     eff = hw.efficiency if efficiency is None else float(efficiency)
     if profile is None and (inputs is not None or input_shape is not None):
         inputs, input_shape = _microbatch(inputs, input_shape, m)
-        dtype = main_dtype(job.parts[0].program, graph)
-        profile = step_profile(graph, inputs, input_shape=input_shape, loss=loss, dtype=dtype)
+        dtype = main_dtype(whole_program(job), graph)
+        profile = step_profile(graph, inputs, input_shape=input_shape, loss=loss, dtype=dtype, repeat=repeat)
     last = len(job.parts) - 1
     stages = [_stage(part, graph, profile, world, pp, hw, eff, optimizer, part.stage == last) for part in job.parts]
     tp = (job.parts[0].program.mesh.sizes(stage_world(job.parts[0].program, world, pp)) or {}).get("tensor", 1)
     if inputs is not None or input_shape is not None:  # what one tensor rank sends (`boundaries`)
-        for st, nbytes in zip(stages, boundaries(job, graph, inputs, input_shape, tp)[1:-1]):
+        for st, nbytes in zip(stages, boundaries(job, graph, inputs, input_shape, tp, repeat)[1:-1]):
             st.boundary_bytes = nbytes
     stride = world // pp
     link = hw.link(2 * stride)  # two adjacent pipeline ranks (the convention `collective_s` uses)
@@ -250,7 +253,7 @@ def _stage(part, graph, profile, world: int, pp: int, hw: Hardware, eff: float, 
         table = profile.recompute_selective if op.mode == "selective" else profile.recompute_full
         recompute += table.get(op.module, 0)
     st.backward_flops = (sum(v for p, v in profile.backward.items() if mine(p)) + recompute) // tp
-    dtype = main_dtype(program, graph)
+    dtype = main_dtype(program, graph, part.modules)
     rate = hw.flops(str(dtype).replace("torch.", "") if dtype is not None else "float32") * eff
     st.forward_s, st.backward_s = st.forward_flops / rate, st.backward_flops / rate
     return st

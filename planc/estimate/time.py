@@ -96,6 +96,7 @@ from planc.lower.fsdp import compute_dtypes, default_backward_prefetch, fsdp_sha
 from planc.lower.fsdp import owners as fsdp_owners
 from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, Schedule, ShardBatch, step_schedule
 from planc.lower.lowering import tensor_dims
+from planc.lower.pipeline import inside
 from planc.lower.program import (
     AttendOverContext,
     Checkpoint,
@@ -174,10 +175,14 @@ class StepTime:
         return totals(self.per_unit)
 
 
-def main_dtype(program: Program, graph) -> torch.dtype | None:
-    """The compute dtype most parameters are gathered in (the dtype a step profile is run in)."""
+def main_dtype(program: Program, graph, modules: Iterable[str] | None = None) -> torch.dtype | None:
+    """The compute dtype most parameters are gathered in (the dtype a step profile is run in); with
+    `modules`, of the parameters inside those subtrees only (a pipeline stage's: the other stages'
+    parameters, outside its units, would count in their stored dtype)."""
     counts: dict[torch.dtype, int] = {}
     for name, dtype in compute_dtypes(program, graph).items():
+        if modules is not None and not inside(name.rpartition(".")[0], modules):
+            continue
         if dtype.is_floating_point:
             counts[dtype] = counts.get(dtype, 0) + graph.params[name].numel
     return max(counts, key=counts.get) if counts else None

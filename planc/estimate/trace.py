@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import warnings
 import weakref
@@ -68,6 +69,36 @@ class Trace:
     events: list[Event]
     input_bytes: int = 0
     source: str = "module order (no input: activations not counted)"
+
+
+def compress(trace: Trace) -> Trace:
+    """The trace with each run of op events (between two unit events) cut to its largest live,
+    its largest live less gradients, and its last: between unit events only the live bytes
+    change, so a replay's moments at the kept events are the full replay's, its peak and its
+    largest activations the same. A kept op with no module of its own (`where` empty: the
+    replay labels it by the last module an op named) takes the module the dropped ops before
+    it in the run named, so its label is the full replay's too."""
+    out: list[Event] = []
+    run: list[Event] = []
+
+    def flush():
+        if not run:
+            return
+        keep = {id(max(run, key=lambda e: e.live)), id(max(run, key=lambda e: e.live - e.grads)), id(run[-1])}
+        named = ""
+        for ev in run:
+            named = ev.where or named
+            if id(ev) in keep:
+                out.append(ev if ev.where or not named else dataclasses.replace(ev, where=named))
+        run.clear()
+    for ev in trace.events:
+        if ev.kind == "op":
+            run.append(ev)
+        else:
+            flush()
+            out.append(ev)
+    flush()
+    return Trace(out, trace.input_bytes, trace.source)
 
 
 def synthetic_trace(compiled) -> Trace:

@@ -10,8 +10,8 @@ and derives everything else from that trace:
   is gathered once in backward and reduced once, when the first block finishes backward, as
   torch 2.13 runs a group unit (the other blocks' unsharded gradients, freed per block in the
   traced step, are carried until then);
-* **a shorter trace with the same peak** (`compress`): between two unit events only the
-  live bytes change, so each run of op events is replaced by its largest and its last op;
+* **a shorter trace with the same peak** (`planc.estimate.trace.compress`): between two unit
+  events only the live bytes change, so each run of op events is replaced by its largest and its last op;
   the replay's peak is unchanged (tests/test_suggest.py checks it against
   `planc.estimate.memory.estimate`);
 * **activation checkpointing** from a profile of one block of each shape (`profile_blocks`):
@@ -36,7 +36,16 @@ from torch.utils._pytree import tree_flatten
 import planc
 from planc.compiler import CompiledPlan
 from planc.estimate import memory as mem_model
-from planc.estimate.trace import Event, Trace, _LiveBytes, _quiet_fake_tensor_logs, default_input, fake_trace, trace_for
+from planc.estimate.trace import (
+    Event,
+    Trace,
+    _LiveBytes,
+    _quiet_fake_tensor_logs,
+    compress,
+    default_input,
+    fake_trace,
+    trace_for,
+)
 from planc.lower.checkpointing import context_fn
 from planc.model.graph import ModelGraph
 from planc.suggest.space import CHECKPOINT_MODES, Candidate, Chain, find_chain, plan_text, unit_blocks
@@ -57,28 +66,6 @@ class BlockProfile:
     kept: dict            # mode -> bytes alive after forward (saved for backward + the output)
     forward_peak: dict    # mode -> most bytes alive during forward
     backward_peak: dict   # mode -> most bytes alive during backward (recomputation included)
-
-
-def compress(trace: Trace) -> Trace:
-    """The trace with each run of op events cut to its largest and its last (same replay peak)."""
-    out: list[Event] = []
-    run: list[Event] = []
-
-    def flush():
-        if run:
-            top = max(run, key=lambda e: e.live)
-            out.append(top)
-            if run[-1] is not top:
-                out.append(run[-1])
-            run.clear()
-    for ev in trace.events:
-        if ev.kind == "op":
-            run.append(ev)
-        else:
-            flush()
-            out.append(ev)
-    flush()
-    return Trace(out, trace.input_bytes, trace.source)
 
 
 def remap(trace: Trace, atom_units, units) -> Trace:
