@@ -275,5 +275,5 @@ NO_UNIT_FIX = ("give each stage's modules a `unit` of their own (`unit layers.*`
 def not_estimated(pp: Pipeline, span, what: str, why: str, fix: str = NO_UNIT_FIX) -> Diagnostic:
     """P476 (warning): `what` (`... was not checked`) was not done for this pipeline plan, because `why`
     (by default a stage with no unit of its own: `planc.estimate.role_memory.RoleError`)."""
-    return err("P476", f"{what}: {why}", span, "not estimated", (fix,), related=((pp.span, "the pipeline"),) if span != pp.span else (),
-               severity="warning")
+    return err("P476", f"{what}: {why}", span, "not estimated", (fix,),
+               related=((pp.span, "the pipeline"),) if span != pp.span else (), severity="warning")

@@ -282,6 +282,8 @@ class _Replay:
         self.state = ["sharded"] * len(mem)     # sharded | unsharded | post_forward | prefetched
         self.slices: set[int] = set()           # post-forward slices still alive while re-gathered
         self.reduced: dict[int, set[str]] = {i: set() for i in range(len(mem))}  # params with sharded grads
+        self.grads_held = 0                     # their sharded gradients' bytes on the device (`reduced`'s)
+        self._state_bytes: tuple[int, int] | None = None  # sharded parameters, optimizer state (`snapshot`)
         self.reduced_now: dict[int, set[str]] = {i: set() for i in range(len(mem))}  # ... in this backward
         self.kept: dict[int, int] = {}          # unit -> unsharded gradient bytes kept for the next microbatch
         self.reduces = True                     # this backward reduce-scatters (else keeps, see `kept`)
@@ -300,13 +302,13 @@ class _Replay:
 
     # --------------------------------------------------------------- accounting
     def snapshot(self, label: str) -> None:
-        dev = [m for m in self.mem if not m.offload]
         b = dict.fromkeys(CATEGORIES, 0)
-        b["sharded_params"] = sum(m.sharded for m in dev) + self.replicated
-        b["optimizer_state"] = sum(m.optimizer for m in dev) + (
-            2 * self.replicated if has_moments(self.optimizer) else 0)
-        b["sharded_grads"] = sum(self.mem[i].reduce_bytes(names)[1] for i, names in self.reduced.items()
-                                 if not self.mem[i].offload)
+        if self._state_bytes is None:  # the state on the device does not change during the step
+            dev = [m for m in self.mem if not m.offload]
+            self._state_bytes = (sum(m.sharded for m in dev) + self.replicated, sum(m.optimizer for m in dev) + (
+                2 * self.replicated if has_moments(self.optimizer) else 0))
+        b["sharded_params"], b["optimizer_state"] = self._state_bytes
+        b["sharded_grads"] = self.grads_held
         if self.phase == "optimizer":  # (in backward, unsharded parameters' gradients are in the trace)
             b["sharded_grads"] += self.replicated
         for i, s in enumerate(self.state):
@@ -415,6 +417,8 @@ class _Replay:
             self.live, self.live_grads = live, grads
             self.transient = {}
             self.rs_kept = rs
+        if not m.offload:
+            self.grads_held += m.reduce_bytes(names - self.reduced[i])[1]
         self.reduced[i] |= names
 
     # --------------------------------------------------------------- driver
