@@ -513,8 +513,17 @@ def suggest_pipeline(graph, model_ref: str | None, world: int, budget: int, seq:
     t0, c0 = time.perf_counter(), time.process_time()
     hw = hardware_of(hardware)
     notes, models = list(notes), {}
+    total = graph.subtree_numel.get("", 0)
     for t in tensors:
-        if not any(world % (p * t) == 0 for p in pipelines):
+        usable = [p for p in pipelines if world % (p * t) == 0]
+        if not usable:
+            continue
+        # a bound from below, before the profile: the busiest rank holds at least 1/P of the parameters, gathered
+        # in bf16 with their bf16 gradients, at best split T ways (the largest degree is always profiled)
+        floor = 4 * total // (max(usable) * t)
+        if floor > budget and t != max(tensors):
+            notes.append(f"tensor {t} not profiled: 1/{max(usable)} of the parameters gathered in bf16 with their "
+                         f"gradients, split {t} ways, take {show_bytes(floor)} alone")
             continue
         try:
             models[t] = Model(profile(graph, model_ref, world, seq, optimizer, t, parallel), graph, world, hw, optimizer)
