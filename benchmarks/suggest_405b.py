@@ -8,15 +8,15 @@ torchtitan's global batch (a local batch of 32 on 8 data-parallel ranks: 256 seq
 8192 tokens), 80GiB per rank, h100. Degree 1 (no pipeline) is not searched: 256 sequences do
 not divide among 512 ranks.
 
-The search (the profiles per tensor degree and the enumeration on the analytic model) is
-timed apart, wall clock and CPU time; the target is 30 s of CPU. The verification by the full
-role estimators (what `planc explain` runs) is not part of the timed search here: on this
-plan's shape it takes minutes (`planc explain plans/llama3-405b-pp.plan` ran 4.6 min of CPU
-on 2026-12-04), so `--verify` runs it and reports it apart. torchtitan's recipe (FSDP 8 x TP 8
-x PP 8, Interleaved1F1B, 2 stages per rank, 32 microbatches, full checkpointing) is costed by
-the same analytic model for comparison.
+The whole `suggest_pipeline` call is timed, wall clock and CPU time (target: 30 s of CPU):
+the profiles per tensor degree, the enumeration on the analytic model, and the winner's
+verification by the full role estimators (what `planc explain` runs; `--no-verify` leaves it
+out); loading the model graph is timed apart. torchtitan's recipe (FSDP 8 x TP 8 x PP 8,
+Interleaved1F1B, 2 stages per rank, 32 microbatches, full checkpointing) is costed by the
+same analytic model for comparison (`planc explain plans/llama3-405b-pp.plan --world-size 512
+--input-shape 32x8192` gives the role estimators' figures for it).
 
-    python benchmarks/suggest_405b.py [--verify] [-o PLAN]
+    python benchmarks/suggest_405b.py [--no-verify] [--quick] [-o PLAN]
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import warnings
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--verify", action="store_true", help="also verify the winner with the full role estimators")
+    ap.add_argument("--no-verify", action="store_true", help="leave out the role estimators' verification of the winner")
+    ap.add_argument("--quick", action="store_true", help="tensor degree 8 only")
     ap.add_argument("-o", "--output", help="write the suggested plan here")
     ap.add_argument("--tensor", default="1,2,4,8")
     args = ap.parse_args()
@@ -47,10 +48,11 @@ def main() -> None:
     graph = ModelCache().graph(ref)
     load = time.perf_counter() - wall0, time.process_time() - cpu0
     world, seq, gb, budget = 512, 8192, 256, 80 * 2**30
-    tensors = tuple(int(t) for t in args.tensor.split(","))
+    tensors = (8,) if args.quick else tuple(int(t) for t in args.tensor.split(","))
+    verify = not args.no_verify
     wall, cpu = time.perf_counter(), time.process_time()
     result = pp.suggest_pipeline(graph, ref, world, budget, seq, gb, hardware="h100", budget_text="80GiB",
-                                 parallel=rules, tensors=tensors, pipelines=(2, 4, 8, 16), verify=args.verify)
+                                 parallel=rules, tensors=tensors, pipelines=(2, 4, 8, 16), verify=verify)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     s = result.stats
     recipe = pp.PipeChoice(8, 8, "Interleaved1F1B", 2, 32, "full", 32)
@@ -66,7 +68,7 @@ def main() -> None:
         "profile_seconds": round(s["profile_s"], 2), "profile_cpu_seconds": round(s["profile_cpu_s"], 2),
         "search_seconds": round(s["search_s"], 2), "search_cpu_seconds": round(s["search_cpu_s"], 2),
         "total_seconds": round(wall, 2), "total_cpu_seconds": round(cpu, 2),
-        "choices_simulated": result.searched, "choices_pruned": result.pruned, "verified": args.verify,
+        "choices_simulated": result.searched, "choices_pruned": result.pruned, "verified": verify,
         "choice": best.choice.describe() if best else None,
         "peak_bytes": best.peak if best else None, "step_seconds": round(best.seconds, 3) if best else None,
         "bubble": round(best.bubble, 4) if best else None,
@@ -78,7 +80,7 @@ def main() -> None:
     if args.output and result.text:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(result.text)
-    print(json.dumps(out, indent=2))
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
