@@ -79,6 +79,16 @@ BENCHMARKS = [
         ("load_average", "machine load average during the run"),
         ("choice", "the suggested plan"),
     ]),
+    ("suggest_405b.py", "`planc suggest --pipeline` on the 405B shape at 512 ranks (PP x TP x FSDP, 256 x 8192, 80GiB)", [
+        ("total_cpu_seconds", "the search with the winner's verification, CPU time (s; target < 30)"),
+        ("total_seconds", "the same, wall clock (s)"),
+        ("profile_cpu_seconds", "of which the profiles per tensor degree (s, CPU)"),
+        ("choice", "the suggested plan"),
+        ("step_seconds", "its step time, role estimators (s)"),
+        ("peak_bytes", "its peak, role estimators (bytes)"),
+        ("recipe_step_seconds", "torchtitan's recipe, the search's analytic model (s)"),
+        ("load_average", "machine load average during the run"),
+    ]),
     ("sac_compare.py", "activation checkpointing alone: planc suggest vs torch's sac_milp", [
         ("budgets_bytes", "budgets (bytes per rank)"),
     ]),

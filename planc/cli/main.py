@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "file, or `auto` for every experts container the expert style fits (docs/suggest.md)")
     g.add_argument("--expert", metavar="E,E,...",
                    help="expert degrees to search with --expert-parallel (default: 1, 2, 4, 8 dividing the world)")
+    g.add_argument("--pipeline", metavar="P,P,...", nargs="?", const="",
+                   help="also search pipeline plans: degrees P (default 1, 2, 4, 8, 16 dividing the world), the "
+                        "schedule, stages per rank, microbatches and the split (docs/suggest.md)")
+    g.add_argument("--schedules", metavar="NAME,...",
+                   help="torch's schedules the pipeline search tries (default 1F1B,Interleaved1F1B,ZBVZeroBubble)")
+    g.add_argument("--global-batch", type=int, metavar="G",
+                   help="sequences per step over the whole world (default: world size x B of --input-shape); "
+                        "every degree searched trains G sequences a step")
     g.add_argument("-o", "--output", metavar="FILE", help="write the plan here (default: stdout)")
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=suggest.main)

@@ -132,6 +132,13 @@ def main(args) -> int:
         raise UsageError("--tensor-parallel, --context-parallel and --expert-parallel take --input-shape: each degree "
                          "scales or cuts the batch of token ids (a tensor or context group shares one input); an "
                          "--inputs factory's inputs cannot be")
+    if args.pipeline is not None or args.schedules is not None or args.global_batch is not None:
+        if factory is not None:
+            raise UsageError("--pipeline takes --input-shape: each degree cuts the batch of token ids into microbatches")
+        if axes["context_rules"] is not None or axes["expert_rules"] is not None:
+            raise UsageError("--pipeline does not combine with --context-parallel or --expert-parallel yet: search "
+                             "them apart (docs/suggest.md, what is not searched)")
+        return _pipeline(args, graph, budget, shape, hw, axes["parallel"], axes["tensors"])
     example = _call(factory, graph.model, "--inputs") if factory is not None else None
     given = f"--inputs {args.inputs}" if factory is not None else f"--input-shape {args.input_shape}"
     progress = _Progress(not args.quiet and sys.stderr.isatty())  # a bar only where someone watches
@@ -203,6 +210,61 @@ def _no_combination(model: str, err) -> Diagnostic:
                             "a combination the model does not run at as one rank (its local shapes, sequence shard or "
                             "experts) is the search's one-rank model at fault, not the plan: write the plan by hand "
                             "(`planc explain` estimates it) and report it"))
+
+
+def _pipeline(args, graph, budget: int, shape, hw, rules, tensors) -> int:
+    """`planc suggest --pipeline`: planc/suggest/pipeline.py."""
+    from planc.estimate.trace import TraceError
+    from planc.suggest.pipeline import DEFAULT_SCHEDULES, SCHEDULES, NoPipeline, suggest_all
+    pipelines = _degrees(args.pipeline, "pipeline") if args.pipeline else None
+    names = tuple(x for x in (args.schedules or ",".join(DEFAULT_SCHEDULES)).replace(" ", "").split(",") if x)
+    unknown = [n for n in names if n not in SCHEDULES]
+    if unknown or not names:
+        raise UsageError(f"--schedules {args.schedules}: torch's schedules are {', '.join(SCHEDULES)}")
+    if args.global_batch is not None and args.global_batch < 1:
+        raise UsageError(f"--global-batch {args.global_batch}: expected sequences per step, at least 1")
+    try:
+        result = suggest_all(graph, args.model, args.world_size, budget, shape, hardware=hw, optimizer=args.optimizer,
+                             budget_text=args.budget.strip(), parallel=rules, tensors=tensors, pipelines=pipelines,
+                             schedules=names, global_batch=args.global_batch)
+    except NoPipeline as err:
+        _report([Diagnostic(code="P954", severity="error", message=f"cannot search pipeline plans for `{args.model}` "
+                            f"on {args.world_size} ranks: {err}", span=None,
+                            help=("pass pipeline degrees that divide the world with the tensor degrees, a "
+                                  "`--global-batch` that divides among the data-parallel ranks with at least one "
+                                  "sequence per stage, or fewer stages than the model has blocks",))])
+        return EXIT_ERRORS
+    except TraceError as err:
+        _report([Diagnostic(code="P953", severity="error", message=f"cannot search plans for `{args.model}` with "
+                            f"`--input-shape {args.input_shape}`: {str(err).splitlines()[0]}", span=None,
+                            help=("a sequence the model refuses needs a shorter S",))])
+        return EXIT_ERRORS
+    except ValueError as err:
+        _report([Diagnostic(code="P951", severity="error", message=f"cannot search plans for `{args.model}`: {err}",
+                            span=None, help=("write the plan by hand; `planc tree --model ...` shows the module tree",))])
+        return EXIT_ERRORS
+    if result.best is None:
+        from planc.quantities import show_bytes
+        s = result.smallest
+        what = s.choice.describe() if hasattr(s, "choice") else s.candidate.describe()
+        _report([Diagnostic(
+            code="P950", severity="error", message=f"no plan in the search space fits {show_bytes(budget)} per rank "
+            f"on {args.world_size} ranks with input {args.input_shape}", span=None,
+            help=(f"the smallest estimated peak planc found is {show_bytes(s.peak)} ({what}); raise --budget to at "
+                  "least that, add ranks, or a smaller --global-batch",), notes=tuple(result.notes))])
+        return EXIT_ERRORS
+    best = result.best
+    what = best.choice.describe() if hasattr(best, "choice") else best.candidate.describe()
+    if args.output:
+        try:
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(rewrite_model_line(result.text, args.model, args.output))
+        except OSError as err:
+            raise UsageError(f"-o {args.output}: cannot write: {err.strerror}") from err
+        print(f"{args.output}: {what}", file=sys.stderr)
+    else:
+        sys.stdout.write(result.text)
+    return EXIT_OK
 
 
 def _report(diags) -> None:

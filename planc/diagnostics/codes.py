@@ -587,6 +587,14 @@ CODES: dict[str, Code] = {
                  "`--inputs MODULE:FN`, a factory called with the model that returns its inputs per rank (a tuple, "
                  "a dict of keywords or an `Example`), as `planc explain --inputs` takes it.\n\n"
                  "    planc suggest --model hf:t5-tiny --world-size 8 --budget 4MiB --inputs tests.step_inputs:t5_inputs"),
+    "P954": Code("no pipeline degree can be searched", "`planc suggest --pipeline P,...` searches each pipeline "
+                 "degree P with the tensor degrees asked for, and every degree was skipped: P x T does not divide "
+                 "the world, the global batch (`--global-batch`, default world x B) does not divide among the "
+                 "data-parallel ranks or gives fewer sequences per data-parallel rank than pipeline ranks, or the "
+                 "model cuts into fewer stages than P (its blocks, the modules before them and after them). The "
+                 "message says why per degree.\n\n"
+                 "    planc suggest --model planc.zoo:llama_tiny --world-size 8 --budget 1MiB --input-shape 2x16 \\\n"
+                 "        --pipeline 2,4"),
     "P960": Code("no combination of degrees can be searched", "`planc suggest --context-parallel RULES` or "
                  "`--expert-parallel RULES` (with or without `--tensor-parallel`) searches every combination of the "
                  "degrees asked for, each with its axes' `parallel` rules, and every combination was skipped: planc's "

@@ -73,8 +73,9 @@ def schedule(name: str, pp: int, microbatches: int, stages_per_rank: int = 1) ->
     cls = _torch_schedules.get_schedule_class(name)
     total = pp * stages_per_rank
     rows = []
-    for rank, held in enumerate(stages):
-        built = cls([_PlaceholderStage(s, total, rank, pp) for s in held], microbatches)
+    # the schedule computes every rank's `pipeline_order` as it is built: built once, on rank 0's stages
+    built = cls([_PlaceholderStage(s, total, 0, pp) for s in stages[0]], microbatches)
+    for rank in range(pp):
         # the runtime adds each stage's REDUCE_GRAD after its last backward (`_add_reduce_grad`)
         order = _torch_schedules._add_reduce_grad(list(built.pipeline_order[rank]), microbatches)
         rows.append(tuple(_action(a) for a in order if a is not None))
