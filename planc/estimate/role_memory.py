@@ -127,9 +127,12 @@ def stage_traces(trace: Trace, whole: Program, job: Job, boundary: list[int]) ->
 class _StageReplay(_Replay):
     """`memory._Replay` as torch's `PipelineStage` drives FSDP2, with microbatches in flight."""
 
-    def __init__(self, *args, held: int = 0, output: int = 0, kept_after: int = 0, **kwargs):
+    def __init__(self, *args, held: int = 0, output: int = 0, kept_after: int = 0, deferred: int | None = 0, **kwargs):
         super().__init__(*args, **kwargs)
         self.held, self.output, self.others = held, output, 0
+        # a split backward (`split_backward.SplitCost.kept`): bytes each microbatch keeps from its
+        # input backward to its weight backward; None: its input backward does nothing (first stage)
+        self.deferred, self.waiting = deferred, set()
         self.kept_after, self.backwards = kept_after, 0  # bytes each backward leaves to the step's end; done
         self.in_flight: set[int] = set()   # microbatches whose forward ran and backward has not
         self.outputs = 0                    # last stage: microbatches whose output the schedule keeps
@@ -140,7 +143,7 @@ class _StageReplay(_Replay):
         """What the other microbatches keep: those in flight their saved activations, and on the
         last stage each microbatch's output the schedule keeps for the step's return value."""
         return (self.held * len(self.in_flight) + self.output * (self.outputs - len(self.in_flight))
-                + self.kept_after * self.backwards)
+                + self.kept_after * self.backwards + (self.deferred or 0) * len(self.waiting))
 
     def post_backward(self, i: int, grads_before: int, names=None) -> None:
         state = self.state[i]
@@ -155,8 +158,7 @@ class _StageReplay(_Replay):
             self.state = states
 
     def play(self, action) -> None:
-        """One action of the rank's list on this stage: a forward, or a (full or input) backward;
-        a weight backward (`W`) is taken as done with the input backward (not modelled apart)."""
+        """One action of the rank's list on this stage: a forward, or a backward (`_backward_now`)."""
         split = next(k for k, ev in enumerate(self.trace.events) if ev.kind == "bwd_start")
         self.prefix = f"microbatch {action.microbatch}: "
         if action.kind == FORWARD:
@@ -167,13 +169,28 @@ class _StageReplay(_Replay):
             self.in_flight.add(action.microbatch)
             self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
             self.outputs += 1 if self.output else 0
-        elif action.kind in (FULL_BACKWARD, BACKWARD_INPUT):
+        elif self._backward_now(action):
             self.in_flight.discard(action.microbatch)
             self.others = self._others()
             self.reduces = action.microbatch == self.schedule.microbatches - 1  # PipelineStage: the last only
             self.reduced_now = {i: set() for i in range(len(self.mem))}
             self._play(self.trace.events[split:])
             self.backwards += 1
+            if action.kind == BACKWARD_INPUT:  # what it keeps for its weight backward, from now on
+                self.waiting.add(action.microbatch)
+                self.others = self._others()
+                self.snapshot("input backward done: the graph and gradients its weight backward takes kept")
+
+    def _backward_now(self, action) -> bool:
+        """Whether this action plays the stage's backward: a full backward; a split one's input half
+        (the trace's backward, the gradients included; the microbatch then keeps `deferred` bytes
+        until its weight half, which frees them), or on the first stage, whose input half does
+        nothing (its input needs no gradient), the weight half."""
+        if action.kind == BACKWARD_WEIGHT:
+            self.waiting.discard(action.microbatch)
+        first = self.deferred is None
+        return (action.kind == FULL_BACKWARD or (action.kind == BACKWARD_INPUT and not first)
+                or (action.kind == BACKWARD_WEIGHT and first))
 
     def snapshot(self, label: str) -> None:
         self.live += self.others
@@ -277,6 +294,7 @@ def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "
     boundary = boundaries(job, graph, example, tp=tp)
     input_bytes = 0 if step is None else sum(t.nbytes for t in step.tensors())
     traces = stage_traces(trace, whole, job, boundary)
+    deferred = _deferred(shim, job, example, loss)
     last = len(job.parts) - 1
     out = []
     for rank, held in enumerate(sched.stages):
@@ -285,7 +303,7 @@ def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "
         given = next((s for s in held if s in (0, last)), None)
         replays = {s: _replay(job.parts[s], graph, n, optimizer, traces[s][0],
                               (traces[s][1], boundary[-1] if s == last else 0), sched,
-                              input_bytes if s == given else 0, boundary) for s in held}
+                              input_bytes if s == given else 0, boundary, deferred[s]) for s in held}
         out.append(_estimate(world, n, rank, parts, replays, sched, step))
     return out
 
@@ -299,8 +317,19 @@ def estimate_roles(compiled, world: int, **kwargs) -> Estimate:
         f"the binding rank of {len(ests)} pipeline ranks (the largest peak)"])
 
 
+def _deferred(shim, job: Job, example, loss) -> list[int | None]:
+    """Per stage, what a microbatch keeps from its input backward to its weight backward under a
+    split-backward schedule (`split_backward.split_costs`: torch's own halves on fake tensors;
+    None: the input half does nothing); 0s under other schedules or without an input."""
+    from planc.estimate.split_backward import has_split_backward, split_costs
+
+    if example is None or not has_split_backward(job.schedule):
+        return [0] * len(job.parts)
+    return [c.kept for c in split_costs(shim, job, example, loss)]
+
+
 def _replay(part: Part, graph, world: int, optimizer: str, trace: Trace, kept: tuple[int, int], sched: Schedule,
-            input_bytes: int, boundary: list[int]) -> _StageReplay:
+            input_bytes: int, boundary: list[int], deferred: int | None = 0) -> _StageReplay:
     """One stage's replay: its units' bytes on its data-parallel ranks, its parameters no unit manages.
 
     torch's multi-stage runtime waits for its sends only at the end of the step, and a send holds
@@ -322,7 +351,7 @@ def _replay(part: Part, graph, world: int, optimizer: str, trace: Trace, kept: t
     kept_after = to_next + from_prev + (to_next if sched.name not in SINGLE_STAGE else 0)
     return _StageReplay(program, mem, optimizer, replicated, trace, mesh_sizes(program, world)[1],
                         _buffers(graph, part.modules), role, input_bytes, held=held, output=output,
-                        kept_after=kept_after)
+                        kept_after=kept_after, deferred=deferred)
 
 
 def _estimate(world: int, stage_world: int, rank: int, parts: list[Part], replays: dict[int, _StageReplay],
