@@ -28,14 +28,20 @@ sends are waited at the step's end).
 
 A rank holding several stages (interleaved and V schedules) replays each stage's actions on
 that stage, every moment counting its other stages as they rest (their state, their
-microbatches in flight). A split
-backward is replayed whole at its input half (`I`); its weight half (`W`) frees nothing apart
-(what a deferred weight gradient keeps is not modelled; FSDPMemTracker cannot measure those
-schedules, whose `autograd.grad` on the stage inputs its hooks do not support).
+microbatches in flight). A split backward (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)
+plays the stage's backward at its input half (`I`); from then until its weight half (`W`) the
+microbatch keeps what torch's `stage_backward_input` leaves for `stage_backward_weight` (the
+retained graph below the weight-gradient intermediates with its saved tensors, the
+intermediates' gradients), measured per stage by running torch's halves on fake tensors
+(`planc/estimate/split_backward.py`). On the first stage `I` does nothing (its input needs
+no gradient): the microbatch stays in flight and `W` plays the whole backward.
 
 Checked against FSDPMemTracker on each rank of real gloo runs (GPipe, 1F1B, Interleaved1F1B,
 LoopedBFS; 2 ranks, and 2 x 2 with FSDP): one stage per rank +0.01% (136 bytes), two stages
-per rank within 3% (tests/test_roles_memory_dist.py). A stage with no unit of its own is refused (`RoleError`):
+per rank within 3%; the split-backward schedules, which FSDPMemTracker cannot run (its module
+hooks fail on `autograd.grad` of the stage inputs), against a hook-free live-bytes counter
+(tests/pp_memory_workers.py `LiveBytes`, itself checked against FSDPMemTracker where both run)
+within 3% (tests/test_roles_memory_dist.py). A stage with no unit of its own is refused (`RoleError`):
 the trace names each op's innermost unit, so its ops could not be told from the root's.
 """
 
