@@ -148,6 +148,7 @@ def looped_peak(rank: int, world: int, name: str, microbatches: int, batch: int,
         fully_shard(mod, mesh=mesh["dp"], reshard_after_forward=False)
         mods.append(mod)
         stages.append(PipelineStage(mod, s, 4, torch.device("cpu"), group=mesh["pp"].get_group()))
+    del model  # the other rank's stages (LiveBytes counts every tensor alive)
     schedule = get_schedule_class(name)(stages, n_microbatches=microbatches, loss_fn=lm_loss, scale_grads=False)
     root = Held(mods)
     fully_shard(root, mesh=mesh["dp"], reshard_after_forward=False)
