@@ -219,13 +219,16 @@ def _measure(root: nn.Module, opt, tokens, step, pp: int, tracked: bool = True) 
 class LiveBytes(TorchDispatchMode):
     """Live bytes of a CPU step without module hooks: every tensor storage alive as it starts
     (found by the garbage collector: parameters, gradients, optimizer state, the stages' buffers,
-    the batch), plus each storage an op creates, each counted once and taken off when it dies.
-    `peak`: the most at once; `where`: the op that reached it; `sizes`: the created storages alive
-    then, largest first (bytes, op)."""
+    the batch), plus each storage an op creates, taken off when it dies (by weakref). Sizes are
+    read again after every op: FSDP2 allocates and frees a unit's unsharded parameters by
+    resizing one storage (`alloc_storage` / `free_storage`), with no op that makes a tensor.
+    `peak`: the most at once; `where`: the op that reached it; `sizes`: the storages created in
+    the step alive then, largest first (bytes, op)."""
 
     def __init__(self):
         super().__init__()
-        self.live: dict[int, tuple] = {}  # storage id -> (bytes, the op that made it, weakref)
+        self.live: dict[int, tuple] = {}  # storage id -> (the op that made it, weakref)
+        self.nbytes: dict[int, int] = {}  # storage id -> its bytes when last read
         self.cur = self.peak = self.start = 0
         self.where, self.sizes = "", []
 
@@ -234,7 +237,7 @@ class LiveBytes(TorchDispatchMode):
         for obj in gc.get_objects():
             if issubclass(type(obj), torch.Tensor):  # (isinstance would touch deprecated proxies)
                 self._add(obj, "")
-        self.start = self.peak = self.cur
+        self.start = self.peak = self._read()
         return super().__enter__()
 
     def _add(self, t, op: str) -> None:
@@ -245,19 +248,28 @@ class LiveBytes(TorchDispatchMode):
         key = id(st)
         if key in self.live:
             return
-        n = st.nbytes()
 
-        def gone(_ref, key=key, n=n):
-            if self.live.pop(key, None) is not None:
-                self.cur -= n
-        self.live[key] = (n, op, weakref.ref(st, gone))
-        self.cur += n
+        def gone(_ref, key=key):
+            self.live.pop(key, None)
+            self.cur -= self.nbytes.pop(key, 0)
+        self.live[key] = (op, weakref.ref(st, gone))
+        self.nbytes[key] = st.nbytes()
+        self.cur += self.nbytes[key]
+
+    def _read(self) -> int:
+        """Every live storage's bytes now (FSDP2 resizes some in place)."""
+        for key, (_, ref) in list(self.live.items()):
+            st = ref()
+            if st is not None:
+                self.nbytes[key] = st.nbytes()
+        self.cur = sum(self.nbytes.values())
+        return self.cur
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             self._add(t, str(func))
-        if self.cur > self.peak:
+        if self._read() > self.peak:
             self.peak, self.where = self.cur, str(func)
-            self.sizes = sorted(((n, op) for n, op, _ in self.live.values() if op), reverse=True)
+            self.sizes = sorted(((self.nbytes[k], op) for k, (op, _) in self.live.items() if op), reverse=True)
         return out
