@@ -6,7 +6,10 @@ after forward, torch's `PipelineStage` and its GPipe / 1F1B schedule over 4 micr
 batch of 8 x 16, the LM loss over fp32 logits, AdamW; FSDPMemTracker measures the second step
 on each rank; with 4 ranks, each pipeline rank is 2 data-parallel ranks (FSDP shards over them).
 planc's estimate per pipeline rank is held within 0.1% of it (measured: +0.01%, 136 bytes over),
-and within 3% on ranks holding 2 of 4 stages (Interleaved1F1B, LoopedBFS).
+and within 3% on ranks holding 2 of 4 stages (Interleaved1F1B, LoopedBFS). The split-backward
+schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), which FSDPMemTracker cannot run, are
+held against `pp_memory_workers.LiveBytes` (a hook-free live-storage count), itself held against
+FSDPMemTracker where both run; one launch measures every 2-stage-per-rank schedule.
 """
 
 from __future__ import annotations
