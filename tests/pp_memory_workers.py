@@ -60,6 +60,7 @@ def pipeline_peak(rank: int, world: int, name: str, microbatches: int, batch: in
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
+    before = alive()
     mesh, model = _start(world)
     pp = mesh["pp"].get_local_rank()
     stage_mod = First(model) if pp == 0 else Last(model)
@@ -79,7 +80,7 @@ def pipeline_peak(rank: int, world: int, name: str, microbatches: int, batch: in
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _measure(stage_mod, opt, tokens, step, pp)
+    return _measure(stage_mod, opt, tokens, step, pp, before=before)
 
 
 class Embed(nn.Module):
@@ -136,6 +137,7 @@ def looped_peak(rank: int, world: int, name: str, microbatches: int, batch: int,
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
 
+    before = alive()
     mesh, model = _start(world)
     pp = mesh["pp"].get_local_rank()
     held = (pp, 3 - pp) if name in ("ZBVZeroBubble", "DualPipeV") else (pp, pp + 2)
@@ -164,7 +166,7 @@ def looped_peak(rank: int, world: int, name: str, microbatches: int, batch: int,
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _measure(root, opt, tokens, step, pp, tracked)
+    return _measure(root, opt, tokens, step, pp, tracked, before)
 
 
 def _start(world: int):
@@ -181,7 +183,7 @@ def _start(world: int):
     return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp")), llama_tiny()
 
 
-def _measure(root: nn.Module, opt, tokens, step, pp: int, tracked: bool = True) -> dict:
+def _measure(root: nn.Module, opt, tokens, step, pp: int, tracked: bool = True, before: dict | None = None) -> dict:
     """This rank's peak of a `step()` after the first: under FSDPMemTracker on `root`, with its
     categories (when `tracked`), and under `LiveBytes` (`live`: its peak and where).
 
@@ -208,11 +210,25 @@ def _measure(root: nn.Module, opt, tokens, step, pp: int, tracked: bool = True) 
                 cat = _CATEGORY.get(label, str(label))
                 breakdown[cat] = breakdown.get(cat, 0) + value
         out.update(peak=total, breakdown=breakdown, where=where)
-    live = LiveBytes()
+    live = LiveBytes(before)
     with live:
         step()
     out["live"] = {"peak": live.peak, "where": live.where, "start": live.start, "sizes": live.sizes}
     dist.barrier()
+    return out
+
+
+def alive() -> dict:
+    """Every tensor storage alive now (id -> weakref): what `LiveBytes` leaves out of a later count
+    (the earlier schedules' leftovers of one launch measuring several)."""
+    gc.collect()
+    out = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor):  # (isinstance would touch deprecated proxies)
+            t = getattr(obj, "_local_tensor", obj)
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                out[id(st)] = weakref.ref(st)
     return out
 
 
@@ -225,8 +241,9 @@ class LiveBytes(TorchDispatchMode):
     `peak`: the most at once; `where`: the op that reached it; `sizes`: the storages created in
     the step alive then, largest first (bytes, op)."""
 
-    def __init__(self):
+    def __init__(self, before: dict | None = None):
         super().__init__()
+        self.before = before or {}  # `alive()` before the step's set-up: another run's leftovers, not counted
         self.live: dict[int, tuple] = {}  # storage id -> (the op that made it, weakref)
         self.nbytes: dict[int, int] = {}  # storage id -> its bytes when last read
         self.cur = self.peak = self.start = 0
@@ -246,7 +263,7 @@ class LiveBytes(TorchDispatchMode):
             return
         st = t.untyped_storage()
         key = id(st)
-        if key in self.live:
+        if key in self.live or (key in self.before and self.before[key]() is st):
             return
 
         def gone(_ref, key=key):
