@@ -233,13 +233,16 @@ def _split_shares(stages: list[StageTime], job: Job, graph, inputs, input_shape,
     import types
 
     from planc.estimate.split_backward import has_split_backward, split_costs
-    from planc.estimate.trace import Example, default_input
+    from planc.estimate.trace import Example, TraceError, default_input
 
     if not has_split_backward(job.schedule) or (inputs is None and (input_shape is None or graph.model is None)):
         return
     example = Example.of(inputs if inputs is not None else default_input(graph.model, input_shape))
-    for st, cost in zip(stages, split_costs(types.SimpleNamespace(graph=graph, program=whole_program(job)), job,
-                                            example, loss)):
+    try:
+        costs = split_costs(types.SimpleNamespace(graph=graph, program=whole_program(job)), job, example, loss)
+    except TraceError:
+        return  # the memory estimate reports it; the time keeps half and half
+    for st, cost in zip(stages, costs):
         st.input_share = cost.input_share
 
 

@@ -65,7 +65,11 @@ def has_split_backward(schedule) -> bool:
 def split_costs(shim, job, example, loss=None) -> list[SplitCost]:
     """Each stage's `SplitCost` for one microbatch `example` of the model `shim.graph.model` under
     the whole program `shim.program` (its units' precision), cut as `job.parts` (cached per model:
-    the memory and the time estimates of one plan share it)."""
+    the memory and the time estimates of one plan share it).
+
+    Raises:
+        TraceError: a stage did not run on fake tensors (the memory estimate reports it as it
+            reports the trace's; the step time keeps the halves at half each)."""
     cache = _COSTS.setdefault(shim.graph, {})
     from planc.lower.program import Checkpoint
 
@@ -84,7 +88,7 @@ def _split_costs(shim, job, example, loss) -> list[SplitCost]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._composable.checkpoint_activation import checkpoint as checkpoint_module
 
-    from planc.estimate.trace import _quiet_fake_tensor_logs, default_loss, fake_model
+    from planc.estimate.trace import TraceError, _quiet_fake_tensor_logs, default_loss, fake_model
     from planc.lower.checkpointing import context_fn
     from planc.lower.program import Checkpoint
     from planc.model.split import split
@@ -101,10 +105,14 @@ def _split_costs(shim, job, example, loss) -> list[SplitCost]:
     with _quiet_fake_tensor_logs(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for part in job.parts:
-            stage = split(model, part.modules)
-            args = example.args if part.stage == 0 else (out.detach().requires_grad_(),)
-            cost, out = _stage_cost(stage, part.stage, args, example, step_loss if part.stage == last else None,
-                                    fake_mode)
+            try:
+                stage = split(model, part.modules)
+                args = example.args if part.stage == 0 else (out.detach().requires_grad_(),)
+                cost, out = _stage_cost(stage, part.stage, args, example, step_loss if part.stage == last else None,
+                                        fake_mode)
+            except Exception as err:  # any model code can fail run stage by stage
+                raise TraceError(f"the split backward of stage {part.stage} ({', '.join(part.modules)}) did not run "
+                                 f"on fake tensors: {type(err).__name__}: {err}") from err
             costs.append(cost)
     return costs
 
