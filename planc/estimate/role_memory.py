@@ -28,14 +28,22 @@ sends are waited at the step's end).
 
 A rank holding several stages (interleaved and V schedules) replays each stage's actions on
 that stage, every moment counting its other stages as they rest (their state, their
-microbatches in flight). A split
-backward is replayed whole at its input half (`I`); its weight half (`W`) frees nothing apart
-(what a deferred weight gradient keeps is not modelled; FSDPMemTracker cannot measure those
-schedules, whose `autograd.grad` on the stage inputs its hooks do not support).
+microbatches in flight). A split backward (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)
+plays the stage's backward at its input half (`I`); from then until its weight half (`W`) the
+microbatch keeps what torch's `stage_backward_input` leaves for `stage_backward_weight` (the
+retained graph below the weight-gradient intermediates with its saved tensors, the
+intermediates' gradients), measured per stage by running torch's halves on fake tensors
+(`planc/estimate/split_backward.py`). On the first stage `I` does nothing (its input needs
+no gradient): the microbatch stays in flight and `W` plays the whole backward.
 
 Checked against FSDPMemTracker on each rank of real gloo runs (GPipe, 1F1B, Interleaved1F1B,
 LoopedBFS; 2 ranks, and 2 x 2 with FSDP): one stage per rank +0.01% (136 bytes), two stages
-per rank within 3% (tests/test_roles_memory_dist.py). A stage with no unit of its own is refused (`RoleError`):
+per rank within 3%; the split-backward schedules, which FSDPMemTracker cannot run (its module
+hooks fail on `autograd.grad` of the stage inputs), against a hook-free live-bytes counter
+(tests/pp_memory_workers.py `LiveBytes`, itself up to 3.4% over FSDPMemTracker where both run):
+not yet within 3% (InterleavedZeroBubble -5.0% / +3.0%, ZBVZeroBubble -9.3% / -4.8%, DualPipeV
+-5.5% / -1.4%; benchmarks/RESULTS.md; tests/test_roles_memory_dist.py holds them as xfail).
+A stage with no unit of its own is refused (`RoleError`):
 the trace names each op's innermost unit, so its ops could not be told from the root's.
 """
 
@@ -127,9 +135,12 @@ def stage_traces(trace: Trace, whole: Program, job: Job, boundary: list[int]) ->
 class _StageReplay(_Replay):
     """`memory._Replay` as torch's `PipelineStage` drives FSDP2, with microbatches in flight."""
 
-    def __init__(self, *args, held: int = 0, output: int = 0, kept_after: int = 0, **kwargs):
+    def __init__(self, *args, held: int = 0, output: int = 0, kept_after: int = 0, deferred: int | None = 0, **kwargs):
         super().__init__(*args, **kwargs)
         self.held, self.output, self.others = held, output, 0
+        # a split backward (`split_backward.SplitCost.kept`): bytes each microbatch keeps from its
+        # input backward to its weight backward; None: its input backward does nothing (first stage)
+        self.deferred, self.waiting = deferred, set()
         self.kept_after, self.backwards = kept_after, 0  # bytes each backward leaves to the step's end; done
         self.in_flight: set[int] = set()   # microbatches whose forward ran and backward has not
         self.outputs = 0                    # last stage: microbatches whose output the schedule keeps
@@ -140,7 +151,7 @@ class _StageReplay(_Replay):
         """What the other microbatches keep: those in flight their saved activations, and on the
         last stage each microbatch's output the schedule keeps for the step's return value."""
         return (self.held * len(self.in_flight) + self.output * (self.outputs - len(self.in_flight))
-                + self.kept_after * self.backwards)
+                + self.kept_after * self.backwards + (self.deferred or 0) * len(self.waiting))
 
     def post_backward(self, i: int, grads_before: int, names=None) -> None:
         state = self.state[i]
@@ -155,8 +166,7 @@ class _StageReplay(_Replay):
             self.state = states
 
     def play(self, action) -> None:
-        """One action of the rank's list on this stage: a forward, or a (full or input) backward;
-        a weight backward (`W`) is taken as done with the input backward (not modelled apart)."""
+        """One action of the rank's list on this stage: a forward, or a backward (`_backward_now`)."""
         split = next(k for k, ev in enumerate(self.trace.events) if ev.kind == "bwd_start")
         self.prefix = f"microbatch {action.microbatch}: "
         if action.kind == FORWARD:
@@ -167,13 +177,28 @@ class _StageReplay(_Replay):
             self.in_flight.add(action.microbatch)
             self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
             self.outputs += 1 if self.output else 0
-        elif action.kind in (FULL_BACKWARD, BACKWARD_INPUT):
+        elif self._backward_now(action):
             self.in_flight.discard(action.microbatch)
             self.others = self._others()
             self.reduces = action.microbatch == self.schedule.microbatches - 1  # PipelineStage: the last only
             self.reduced_now = {i: set() for i in range(len(self.mem))}
             self._play(self.trace.events[split:])
             self.backwards += 1
+            if action.kind == BACKWARD_INPUT:  # what it keeps for its weight backward, from now on
+                self.waiting.add(action.microbatch)
+                self.others = self._others()
+                self.snapshot("input backward done: the graph and gradients its weight backward takes kept")
+
+    def _backward_now(self, action) -> bool:
+        """Whether this action plays the stage's backward: a full backward; a split one's input half
+        (the trace's backward, the gradients included; the microbatch then keeps `deferred` bytes
+        until its weight half, which frees them), or on the first stage, whose input half does
+        nothing (its input needs no gradient), the weight half."""
+        if action.kind == BACKWARD_WEIGHT:
+            self.waiting.discard(action.microbatch)
+        first = self.deferred is None
+        return (action.kind == FULL_BACKWARD or (action.kind == BACKWARD_INPUT and not first)
+                or (action.kind == BACKWARD_WEIGHT and first))
 
     def snapshot(self, label: str) -> None:
         self.live += self.others
@@ -280,6 +305,7 @@ def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "
     boundary = boundaries(job, graph, example, tp=tp, repeat=compressed)
     input_bytes = 0 if step is None else sum(t.nbytes for t in step.tensors())
     traces = stage_traces(compress(trace) if compressed else trace, whole, job, boundary)
+    deferred = _deferred(shim, job, example, loss)
     last = len(job.parts) - 1
     out = []
     for rank, held in enumerate(sched.stages):
@@ -288,7 +314,7 @@ def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "
         given = next((s for s in held if s in (0, last)), None)
         replays = {s: _replay(job.parts[s], graph, n, optimizer, traces[s][0],
                               (traces[s][1], boundary[-1] if s == last else 0), sched,
-                              input_bytes if s == given else 0, boundary) for s in held}
+                              input_bytes if s == given else 0, boundary, deferred[s]) for s in held}
         out.append(_estimate(world, n, rank, parts, replays, sched, step))
     return out
 
@@ -302,8 +328,19 @@ def estimate_roles(compiled, world: int, **kwargs) -> Estimate:
         f"the binding rank of {len(ests)} pipeline ranks (the largest peak)"])
 
 
+def _deferred(shim, job: Job, example, loss) -> list[int | None]:
+    """Per stage, what a microbatch keeps from its input backward to its weight backward under a
+    split-backward schedule (`split_backward.split_costs`: torch's own halves on fake tensors;
+    None: the input half does nothing); 0s under other schedules or without an input."""
+    from planc.estimate.split_backward import has_split_backward, split_costs
+
+    if example is None or not has_split_backward(job.schedule):
+        return [0] * len(job.parts)
+    return [c.kept for c in split_costs(shim, job, example, loss)]
+
+
 def _replay(part: Part, graph, world: int, optimizer: str, trace: Trace, kept: tuple[int, int], sched: Schedule,
-            input_bytes: int, boundary: list[int]) -> _StageReplay:
+            input_bytes: int, boundary: list[int], deferred: int | None = 0) -> _StageReplay:
     """One stage's replay: its units' bytes on its data-parallel ranks, its parameters no unit manages.
 
     torch's multi-stage runtime waits for its sends only at the end of the step, and a send holds
@@ -325,7 +362,7 @@ def _replay(part: Part, graph, world: int, optimizer: str, trace: Trace, kept: t
     kept_after = to_next + from_prev + (to_next if sched.name not in SINGLE_STAGE else 0)
     return _StageReplay(program, mem, optimizer, replicated, trace, mesh_sizes(program, world)[1],
                         _buffers(graph, part.modules), role, input_bytes, held=held, output=output,
-                        kept_after=kept_after)
+                        kept_after=kept_after, deferred=deferred)
 
 
 def _estimate(world: int, stage_world: int, rank: int, parts: list[Part], replays: dict[int, _StageReplay],

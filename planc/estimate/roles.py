@@ -53,6 +53,7 @@ class StageTime:
     modules: tuple[str, ...]
     forward_flops: int = 0
     backward_flops: int = 0        # including recompute
+    input_share: float = 0.5       # a split backward's input half, of its FLOPs (`split_backward`)
     forward_s: float = 0.0
     backward_s: float = 0.0
     boundary_bytes: int = 0        # the activation sent to the next stage, one microbatch
@@ -106,8 +107,10 @@ class _JobCosts:
         st = self.stages[stage]
         if kind == FORWARD:
             return st.forward_s
-        if kind in (BACKWARD_INPUT, BACKWARD_WEIGHT):
-            return st.backward_s / 2
+        if kind == BACKWARD_INPUT:
+            return st.backward_s * st.input_share
+        if kind == BACKWARD_WEIGHT:
+            return st.backward_s * (1 - st.input_share)
         return st.backward_s
 
     def p2p_s(self, src: int, dst: int) -> float:
@@ -205,6 +208,7 @@ def estimate_pipeline_time(plan, *, world: int, hardware: "str | Hardware" = "h1
     p2p = {(s, s + 1): (link.alpha_s + stages[s].boundary_bytes / link.busbw) if stages[s].boundary_bytes else 0.0
            for s in range(last)}
     owner = {s: r for r, held in enumerate(sched.stages) for s in held}
+    _split_shares(stages, job, graph, inputs, input_shape, loss)
     timeline = simulate(sched, _JobCosts(stages, p2p, owner))
     sizes = job.parts[0].program.mesh.sizes(stage_world(job.parts[0].program, world, pp)) or {}
     tp = sizes.get("tensor", 1)
@@ -218,11 +222,31 @@ def estimate_pipeline_time(plan, *, world: int, hardware: "str | Hardware" = "h1
         f"{'inter' if link is hw.inter else 'intra'}-node link (pipeline ranks {stride} apart)",
         "FSDP under a pipeline: gathered before a stage's first forward (every forward and backward when "
         "resharding after forward), reduced once after its last backward (torch's PipelineStage)",
-        "a split backward: half input gradient, half weight gradient",
+        "a split backward: its input and weight halves by their FLOPs, counted on torch's stage_backward_input "
+        "and stage_backward_weight (half each without an input)",
     ]
     if tp > 1:
         notes.append("FLOPs per tensor rank: the stage's FLOPs / tensor degree")
     return PipelineTime(world, pp, hw, stages, timeline, tokens, model_flops, notes)
+
+
+def _split_shares(stages: list[StageTime], job: Job, graph, inputs, input_shape, loss) -> None:
+    """Each stage's input-half share of a split backward, from `split_backward.split_costs` (one
+    microbatch: `inputs`/`input_shape` are the microbatch's); kept at half without an input."""
+    import types
+
+    from planc.estimate.split_backward import has_split_backward, split_costs
+    from planc.estimate.trace import Example, TraceError, default_input
+
+    if not has_split_backward(job.schedule) or (inputs is None and (input_shape is None or graph.model is None)):
+        return
+    example = Example.of(inputs if inputs is not None else default_input(graph.model, input_shape))
+    try:
+        costs = split_costs(types.SimpleNamespace(graph=graph, program=whole_program(job)), job, example, loss)
+    except TraceError:
+        return  # the memory estimate reports it; the time keeps half and half
+    for st, cost in zip(stages, costs):
+        st.input_share = cost.input_share
 
 
 def _stage(part, graph, profile, world: int, pp: int, hw: Hardware, eff: float, optimizer: str,
