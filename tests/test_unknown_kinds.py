@@ -144,9 +144,9 @@ def test_every_interpreter_refuses_an_unknown_kind(name, kind):
 CONTEXT_PLAN = ("model planc.zoo:llama_tiny\nmesh (shard = *, context = 2)\nunit layers.*\n"
                 "parallel layers.*.attention context\n")
 # The interpreters with rules for context parallelism's kinds (`AttendOverContext`, `ShardBatch`);
-# every other one refuses them: the shape check (`check --simulate`, P497) does not run it yet.
+# every other one refuses them.
 CONTEXT_READERS = {"runtime", "emit", "fake trace", "cached trace", "synthetic trace", "memory", "repeat", "explain",
-                   "tensor_local", "time", "time of a program", "comms"}
+                   "tensor_local", "time", "time of a program", "comms", "shape check"}
 
 
 @pytest.mark.parametrize("name", NAMES)

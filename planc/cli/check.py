@@ -84,10 +84,12 @@ def simulate_plan(path: str, args, compiled) -> tuple[list[Diagnostic], list[int
         found = batch_problem(pipeline, shape, pipeline.option_span("microbatches")) if shape else None
         skipped = not_estimated(pipeline, pipeline.span, "`--simulate` did not run a step")
         return [d for d in (found, skipped) if d is not None], []
-    if c.resolution.context:  # the shape check refuses `ShardBatch`: say so, located, and check the shape
-        from planc.checks.context_parallel import not_simulated
+    if c.resolution.context and shape:  # an `--input-shape` the context axis cannot cut: said statically
+        from planc.checks.context_parallel import shape_problems
 
-        return not_simulated(c.resolution, worlds, shape), []
+        found = shape_problems(c.resolution, worlds, shape)
+        if found:
+            return found, []
     if c.resolution.experts:  # the shape check refuses `DispatchExperts`
         from planc.checks.experts import not_estimated
 
