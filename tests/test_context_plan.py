@@ -104,7 +104,8 @@ def test_shipped_plan_checks_and_explain_estimates_one_context_rank():
     assert code == 0, out
     assert "shard x context 2, flattened; one context rank's step" in out
     assert "one of 2 context ranks: its sequence shard, K/V gathered" in out
-    assert "all-gather 128.00 KiB (context)" in out and "all-reduce 128.00 KiB (context)" in out
+    # K and V of 2 KV heads (not the 4 query heads they are repeated to), 2 layers, and their gradients' reduce-scatters
+    assert "all-gather 64.00 KiB (context)" in out and "reduce-scatter 64.00 KiB (context)" in out
 
 
 def test_fmt_writes_the_context_axis_and_style_canonically():
