@@ -73,9 +73,10 @@ class Collectives:
     The gather is one `all_gather_single` into a `(cp, ...)` buffer. The gradient's
     reduce-scatter is `reduce_scatter_single` on one `(cp, ...)` buffer, except on gloo, which
     gets the same buffer as a list of its rows (`dist.reduce_scatter`): gloo's
-    `reduce_scatter_single` makes a hidden copy of its input whose lifetime follows its work
-    object (/work/shared/probes/cp_reduce_scatter_probe.py), the list form none. The values
-    are the same; NCCL's list form would copy the rows into a flat buffer instead.
+    `reduce_scatter_single` works on a buffer of its own (a `copy_` into the output after the
+    collective; tests/test_context_dist.py::test_fact_gloo_reduce_scatters_and_its_single_tensor_form_copies),
+    the list form does not. The values are the same; NCCL's list form would copy the rows into a
+    flat buffer instead.
     """
 
     def __init__(self, group=None) -> None:
