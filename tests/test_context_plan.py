@@ -210,3 +210,26 @@ def test_the_long_context_plan_checks_and_its_bounds_hold_at_131072_tokens():
     est = compiled.memory_at(64, (1, 131072))
     assert "one of 8 tensor-parallel ranks" in est.source and "one of 8 context ranks" in est.source
     assert 30 * 2**30 < est.peak.total <= 40 * 2**30  # the plan's bound, and not a vacuous one
+
+
+def test_the_routed_attention_refuses_what_it_would_drop():
+    """SDPA options the chunked attention does not apply (a scale, dropout, a mask) are refused,
+    not dropped; plain causal SDPA and the grouped-query repeat route (identity gathers here)."""
+    import pytest
+    import torch
+    import torch.nn.functional as F
+
+    from planc.model.context_attention import RouteAttention
+
+    q = torch.randn(1, 2, 4, 8)
+    k = torch.randn(1, 1, 4, 8)
+    seen = []
+    with RouteAttention(lambda t: seen.append(t.shape[1]) or t, lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True)) as mode:
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(2, dim=1), k.repeat_interleave(2, dim=1),
+                                             is_causal=True)
+        assert seen == [1, 1] and out.shape == q.shape  # the 1 KV head gathered, then repeated
+        for extra in ({"scale": 0.5}, {"dropout_p": 0.1}, {"attn_mask": torch.ones(4, 4, dtype=torch.bool)}):
+            with pytest.raises(NotImplementedError, match="without a mask, scale or dropout"):
+                F.scaled_dot_product_attention(q, q, q, is_causal=True, **extra)
+        assert not mode.repeated

@@ -166,8 +166,11 @@ class RouteAttention(TorchFunctionMode):
             self.repeated.append(out)
             return out
         if func is F.scaled_dot_product_attention:
-            if not kwargs.get("is_causal") or kwargs.get("attn_mask") is not None or len(args) != 3:
-                raise NotImplementedError("context parallelism supports causal attention without a mask only")
+            others = {k: v for k, v in kwargs.items()
+                      if k != "is_causal" and v is not None and not (isinstance(v, (bool, int, float)) and not v)}
+            if not kwargs.get("is_causal") or others or len(args) != 3:  # a scale, dropout or mask would be dropped
+                raise NotImplementedError("context parallelism supports causal attention without a mask, scale or "
+                                          f"dropout only (got {sorted(others) or 'is_causal=False'})")
             q, k, v = args
             done = (self._is_repeated(k), self._is_repeated(v))
             if done[0] != done[1]:
