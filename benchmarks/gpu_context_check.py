@@ -1,7 +1,7 @@
 """Context parallelism's attention kernel on a GPU (where one is lent; CI has none): values and memory.
 
-The runtime (`planc/backends/context.py`) runs each query chunk of a head-tail shard as SDPA over
-its prefix of the gathered keys, causal aligned lower-right (`causal_prefix`: torch's
+The runtime (`planc/backends/context.py`, `planc/model/context_attention.py`) runs each query
+chunk of a head-tail shard as SDPA over its prefix of the gathered keys, causal aligned lower-right (`causal_prefix`: torch's
 `causal_lower_right` on CUDA, an explicit boolean mask elsewhere). CPUs test the mask path; this
 checks the CUDA path, in one process, with every context rank's share computed from the whole
 q, k, v (no collectives: the gathers are the identity here):
@@ -27,7 +27,8 @@ sys.path[:0] = [str(ROOT)]
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from planc.backends.context import causal_prefix, shard_positions  # noqa: E402
+from planc.backends.context import shard_positions  # noqa: E402
+from planc.model.context_attention import causal_prefix  # noqa: E402
 
 
 def values(cp: int, dtype: torch.dtype, seq: int = 1024, heads: int = 4, dim: int = 64) -> dict:

@@ -102,6 +102,11 @@ BENCHMARKS = [
         ("cpu_path_trace_equals_measured", "the CPU path's trace equals the measured peak, byte for byte"),
         ("long_sequence_estimates", "estimates at 2 x 2048, 8 ranks, context 1 / 2 / 4 / 8"),
     ]),
+    ("context_kv_bytes.py", "context parallelism's K/V bytes per attention layer, Llama 3 8B long-context plan (estimates)", [
+        ("collectives", "bytes on the context axis per layer and rank, by phase and kind"),
+        ("gather_buffers_bytes", "the gather's buffers in forward (bytes)"),
+        ("comm_s", "modelled time of those collectives on H100 (s)"),
+    ]),
     ("time_validation.py", "step-time model: collective bytes per unit vs a fake-process-group step, FLOPs vs FlopCounterMode", [
         ("plans", "shipped plans checked (tiny configs, rank 0 of 8)"),
         ("plans_equal", "plans whose collectives equal the model's, per unit, kind, phase, bytes and ranks"),

@@ -39,6 +39,64 @@ def attention_worker(rank: int, world: int, seq: int) -> dict:
     }
 
 
+def gqa_worker(rank: int, world: int, seq: int) -> dict:
+    """Grouped-query attention (4 query heads, 2 KV heads) through the style's routing: the 2 KV heads
+    gathered, then repeated locally, their gradients reduce-scattered; vs the oracle on the whole sequence."""
+    from planc.model.context_attention import route
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, seq, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    weight = torch.randn(1, 4, seq, 8, generator=g, dtype=torch.float64)
+    ref_in = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = reference(ref_in[0], *(t.repeat_interleave(2, dim=1) for t in ref_in[1:]))
+    (ref * weight).sum().backward()
+
+    positions = context.shard_positions(seq, world, rank)
+    local = [context.shard(t, 2, world, rank).requires_grad_(True) for t in (q, k, v)]
+    gathered = []
+    comm = context.Collectives()
+    comm_all_gather = comm.all_gather
+    comm.all_gather = lambda out, t: (gathered.append(t.shape[1]), comm_all_gather(out, t))
+    with route(comm):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            local[0], *(t.repeat_interleave(2, dim=1) for t in local[1:]), is_causal=True)
+    (out * context.shard(weight, 2, world, rank)).sum().backward()
+    return {
+        "out": (out - ref.detach().index_select(2, positions)).abs().max().item(),
+        "grads": [(t.grad - r.grad.index_select(2, positions)).abs().max().item() for t, r in zip(local, ref_in)],
+        "grad_norm": min(t.grad.abs().max().item() for t in local),
+        "gathered_heads": gathered,
+    }
+
+
+def reduce_scatter_facts(rank: int, world: int) -> dict:
+    """What gloo does with the two reduce-scatter calls on this torch: both sum right; the single-tensor form
+    does work after the collective on its own buffer (a `copy_` into the output under a dispatch mode:
+    a hidden copy of the input, tests/test_memory_dist.py), the list form none."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    buf = torch.arange(2.0 * world * 3).reshape(world, 2, 3) * (rank + 1)
+    expected = buf[rank] / (rank + 1) * sum(range(1, world + 1))
+    out = {}
+    flat, rows = buf.view(-1, 3), list(buf.unbind(0))  # made outside the mode: only the collectives' own ops are seen
+    for name, call in (("single", lambda o: dist.reduce_scatter_single(o, flat)),
+                       ("list", lambda o: dist.reduce_scatter(o, rows))):
+        result = torch.empty(2, 3)
+        with Ops() as ops:
+            call(result)
+        out[name] = {"error": (result - expected).abs().max().item(), "ops": ops.seen}
+    return out
+
+
 def fsdp_mesh_worker(rank: int, world: int) -> dict:
     """What `fully_shard` does with the 2-D (shard, context) mesh vs the flattened one (facts for P49x)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -160,7 +218,8 @@ def plan_case(rank: int, world: int, name: str, steps: int, via: str = "apply") 
 def launch_two(rank: int, world: int) -> dict:
     """The 2-rank launch: attention at context 2, then the `context` plan, with activation checkpointing
     and with gradient accumulation."""
-    return {"attention": attention_worker(rank, world, 16), "context": plan_case(rank, world, "context", 3),
+    return {"attention": attention_worker(rank, world, 16), "gqa": gqa_worker(rank, world, 16),
+            "reduce_scatter": reduce_scatter_facts(rank, world), "context": plan_case(rank, world, "context", 3),
             "context + checkpoint": plan_case(rank, world, "context + checkpoint", 3),
             "context + accumulate": plan_case(rank, world, "context + accumulate", 3)}
 

@@ -57,6 +57,30 @@ def test_attention_and_grads_equal_one_process(world, request):
 
 
 @pytest.mark.dist
+def test_grouped_query_attention_gathers_the_kv_heads_and_equals_one_process(two):
+    """4 query heads over 2 KV heads: the style gathers the 2 KV heads (then repeats them locally) and
+    reduce-scatters their gradients; output and dq/dk/dv equal the unsharded computation."""
+    for rank, result in enumerate(two):
+        result = result["gqa"]
+        assert result["gathered_heads"] == [2, 2], rank  # K and V, n_kv_heads each: before the repeat
+        assert result["out"] < 1e-10 and max(result["grads"]) < 1e-10, (rank, result)
+        assert result["grad_norm"] > 1e-3, rank
+
+
+@pytest.mark.dist
+def test_fact_gloo_reduce_scatters_and_its_single_tensor_form_copies(two):
+    """Why the runtime's gloo path reduce-scatters with the list form (`context.Collectives`): on this
+    torch both forms sum right on gloo, but `reduce_scatter_single` does work of its own after the
+    collective (a `copy_` into the output from a buffer of its own) where the list form does none."""
+    for rank, result in enumerate(two):
+        facts = result["reduce_scatter"]
+        assert facts["single"]["error"] == 0 and facts["list"]["error"] == 0, rank
+        assert facts["list"]["ops"] == ["c10d.reduce_scatter_.default"], rank
+        assert facts["single"]["ops"][0] == "c10d._reduce_scatter_base_.default", rank
+        assert "aten.copy_.default" in facts["single"]["ops"][1:], rank
+
+
+@pytest.mark.dist
 def test_fact_fsdp_on_the_2d_mesh_is_silently_hsdp(four):
     """torch accepts the 2-D (shard, context) mesh and replicates over its first axis (HSDP): each
     rank then holds half the weight, not a quarter. Only the flattened mesh shards over all 4,

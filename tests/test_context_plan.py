@@ -104,7 +104,8 @@ def test_shipped_plan_checks_and_explain_estimates_one_context_rank():
     assert code == 0, out
     assert "shard x context 2, flattened; one context rank's step" in out
     assert "one of 2 context ranks: its sequence shard, K/V gathered" in out
-    assert "all-gather 128.00 KiB (context)" in out and "all-reduce 128.00 KiB (context)" in out
+    # K and V of 2 KV heads (not the 4 query heads they are repeated to), 2 layers, and their gradients' reduce-scatters
+    assert "all-gather 64.00 KiB (context)" in out and "reduce-scatter 64.00 KiB (context)" in out
 
 
 def test_fmt_writes_the_context_axis_and_style_canonically():
@@ -115,13 +116,14 @@ def test_fmt_writes_the_context_axis_and_style_canonically():
                                   "parallel layers.*.attention context\n")
 
 
-def test_check_simulate_says_the_step_is_not_simulated_and_checks_the_input_shape():
+def test_check_simulate_runs_the_context_step_after_checking_the_input_shape():
+    """`--simulate` cuts the batch (`applied.shard_batch`) and runs the routed attention on the fake
+    group; an `--input-shape` the context axis cannot cut is P495 first, located, not a traceback."""
     code, err = _cli("check", "--simulate", "--input-shape", "2x18", "plans/zoo-llama-context.plan", "--world-size", "8")
     assert code == 1 and "internal error" not in err
     assert "error[P495]: context = 2 cuts each sequence into 4 chunks, but `input = 2x18`" in err
-    assert "warning[P497]: `--simulate` did not run a step" in err
-    code, err = _cli("check", "--simulate", "--input-shape", "2x16", "plans/zoo-llama-context.plan", "--world-size", "8")
-    assert code == 0 and "P495" not in err and "P497" in err
+    code, out = _cli("check", "--simulate", "--input-shape", "2x16", "plans/zoo-llama-context.plan", "--world-size", "8")
+    assert code == 0 and "one training step simulated at world 8" in out, out
 
 
 def test_fsdp_group_checks_count_the_flattened_shard_x_context_ranks():
@@ -208,3 +210,26 @@ def test_the_long_context_plan_checks_and_its_bounds_hold_at_131072_tokens():
     est = compiled.memory_at(64, (1, 131072))
     assert "one of 8 tensor-parallel ranks" in est.source and "one of 8 context ranks" in est.source
     assert 30 * 2**30 < est.peak.total <= 40 * 2**30  # the plan's bound, and not a vacuous one
+
+
+def test_the_routed_attention_refuses_what_it_would_drop():
+    """SDPA options the chunked attention does not apply (a scale, dropout, a mask) are refused,
+    not dropped; plain causal SDPA and the grouped-query repeat route (identity gathers here)."""
+    import pytest
+    import torch
+    import torch.nn.functional as F
+
+    from planc.model.context_attention import RouteAttention
+
+    q = torch.randn(1, 2, 4, 8)
+    k = torch.randn(1, 1, 4, 8)
+    seen = []
+    with RouteAttention(lambda t: seen.append(t.shape[1]) or t, lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True)) as mode:
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(2, dim=1), k.repeat_interleave(2, dim=1),
+                                             is_causal=True)
+        assert seen == [1, 1] and out.shape == q.shape  # the 1 KV head gathered, then repeated
+        for extra in ({"scale": 0.5}, {"dropout_p": 0.1}, {"attn_mask": torch.ones(4, 4, dtype=torch.bool)}):
+            with pytest.raises(NotImplementedError, match="without a mask, scale or dropout"):
+                F.scaled_dot_product_attention(q, q, q, is_causal=True, **extra)
+        assert not mode.repeated

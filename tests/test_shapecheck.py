@@ -163,6 +163,19 @@ def test_one_d_plan_simulates_too():
 def test_default_world_and_input():
     assert simulation_world(planc.compile(planc.loads(PLAN), heads_net(False)()).mesh) == 4
     assert default_input_shape(1) == (2, 16) and default_input_shape(8) == (2, 16) and default_input_shape(32) == (2, 32)
+    # context parallelism cuts 2 x context chunks, each split by tensor under sequence parallelism
+    assert default_input_shape(1, 2) == (2, 16) and default_input_shape(2, 8) == (2, 32)
+
+
+def test_context_plans_simulate_with_the_batch_cut_and_the_attention_routed():
+    """A context step on the fake group: `applied.shard_batch` cuts the batch, the styled attention
+    gathers K/V (before the grouped-query repeat) and reduce-scatters their gradients at their shapes."""
+    import context_workers
+
+    from planc.zoo import llama3
+
+    for name, world in (("context", 4), ("context x sequence parallel", 4)):
+        assert check_step(planc.loads(context_workers.PLANS[name]), llama3.llama_tiny, world) == [], name
 
 
 # ===================================================================== the command line

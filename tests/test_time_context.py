@@ -61,7 +61,7 @@ def test_collectives_equal_a_fake_process_group_step(name):
                                for c in (predicted, recorded))
     assert predicted == recorded
     context = [c for u in st.per_unit for c in u.collectives if c.axis == "context"]
-    assert {c.kind for c in context} == {"all_gather", "all_reduce"}  # the control: the gathers are there
+    assert {c.kind for c in context} == {"all_gather", "reduce_scatter"}  # the control: the gathers are there
     cp = 4 if name == "context 4" else 2
     assert all(c.ranks == cp for c in context)
 

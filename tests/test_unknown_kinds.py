@@ -145,9 +145,9 @@ def test_every_interpreter_refuses_an_unknown_kind(name, kind):
 CONTEXT_PLAN = ("model planc.zoo:llama_tiny\nmesh (shard = *, context = 2)\nunit layers.*\n"
                 "parallel layers.*.attention context\n")
 # The interpreters with rules for context parallelism's kinds (`AttendOverContext`, `ShardBatch`);
-# every other one refuses them: the shape check (`check --simulate`, P497) does not run it yet.
+# every other one refuses them.
 CONTEXT_READERS = {"runtime", "emit", "fake trace", "cached trace", "synthetic trace", "memory", "repeat", "explain",
-                   "tensor_local", "time", "time of a program", "comms"}
+                   "tensor_local", "time", "time of a program", "comms", "shape check"}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -164,7 +164,7 @@ def test_context_kinds_are_run_by_runtime_and_emit_and_refused_by_the_estimators
 
 
 EXPERT_READERS = {"runtime", "emit", "fake trace", "cached trace", "synthetic trace", "memory", "time", "shape check", "comms",
-                  "time of a program", "explain"}
+                  "repeat", "time of a program", "explain"}
 EXPERT_PLAN = ("model planc.zoo:routed_moe_tiny\nmesh (shard = *, expert = 2)\nunit layers.*\n"
                "parallel layers.*.moe.experts expert\n")
 
@@ -172,8 +172,8 @@ EXPERT_PLAN = ("model planc.zoo:routed_moe_tiny\nmesh (shard = *, expert = 2)\nu
 @pytest.mark.parametrize("name", NAMES)
 def test_expert_kind_is_run_by_runtime_and_emit_and_refused_by_the_estimators(name):
     """`DispatchExperts` (expert parallelism): the runtime, emit, the trace, the memory estimate (one
-    expert rank's step: planc/estimate/expert_local.py) and the step time (its all-to-alls) run it; every other one refuses
-    it; the shape check (`--simulate`) and the collective recorder run it with balanced routing."""
+    expert rank's step: planc/estimate/expert_local.py), the repeated-block trace and the step time (its all-to-alls) run
+    it; every other one refuses it; the shape check (`--simulate`) and the collective recorder run it with balanced routing."""
     from planc.zoo import routed_moe_tiny
 
     with torch.device("meta"):

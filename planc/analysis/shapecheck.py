@@ -42,8 +42,17 @@ from planc.checks.tensor import STATIC_TENSOR_CODES
 from planc.checks.tensor_holes import HOLE_CODES
 from planc.diagnostics import Diagnostic, PlanError, Span
 from planc.estimate.trace import Example, LossFn, default_loss, known_cause
-from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader
-from planc.lower.program import Checkpoint, Compile, DispatchExperts, FullyShard, Parallelize, SetPrefetch, UnitMethod
+from planc.lower.job import FORWARD, FULL_BACKWARD, LossParallel, Reader, ShardBatch
+from planc.lower.program import (
+    AttendOverContext,
+    Checkpoint,
+    Compile,
+    DispatchExperts,
+    FullyShard,
+    Parallelize,
+    SetPrefetch,
+    UnitMethod,
+)
 from planc.resolve.mesh import Role
 from planc.resolve.styles import OUT, STYLES
 
@@ -74,9 +83,11 @@ def simulation_world(mesh) -> int:
     return fixed * star
 
 
-def default_input_shape(tp: int) -> tuple[int, int]:
-    """2 sequences of 16 tokens, the sequence rounded up to a multiple of tp (sequence parallel splits it)."""
-    return 2, -(-16 // tp) * tp
+def default_input_shape(tp: int, cp: int = 1) -> tuple[int, int]:
+    """2 sequences of 16 tokens, the sequence rounded up to a multiple of 2 x cp x tp (context parallelism
+    cuts it into 2 x cp chunks, sequence parallelism splits a rank's share by tp)."""
+    step = 2 * cp * tp if cp > 1 else tp
+    return 2, -(-16 // step) * step
 
 
 def _describe(t: Any) -> str | None:
@@ -153,11 +164,12 @@ def _op_text(op) -> str:
 
 
 # What the shape check runs: the applied plan and one forward, loss (in `loss_parallel()`),
-# backward and optimizer step on fake tensors; expert parallelism's dispatch with balanced
-# routing (a fake process group cannot fill the split sizes: `experts.balanced_routing`).
-READER = Reader("the shape check", (FullyShard, Parallelize, DispatchExperts, Checkpoint, Compile, SetPrefetch,
-                                    UnitMethod),
-                (FORWARD, FULL_BACKWARD), (LossParallel,))
+# backward and optimizer step on fake tensors; with a context axis the batch cut by
+# `applied.shard_batch` (the fake group's all-gathers return the right shapes, not the data);
+# expert parallelism's dispatch with balanced routing (a fake process group cannot fill the
+# split sizes: `experts.balanced_routing`).
+READER = Reader("the shape check", (FullyShard, Parallelize, AttendOverContext, DispatchExperts, Checkpoint, Compile,
+                                    SetPrefetch, UnitMethod), (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 
 class _Step:
@@ -414,7 +426,7 @@ def _check_as(plan, build, world: int, rank: int, input_shape, inputs, loss, opt
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import planc
-    from planc.analysis.simulate import fake_step_inputs, init_fake, zoo_inputs
+    from planc.analysis.simulate import fake_step_inputs, init_fake, sequence_shard, zoo_inputs
     from planc.backends.experts import balanced_routing
     from planc.backends.runtime import apply, build_mesh, run
     from planc.lower.lowering import tensor_dims
@@ -452,8 +464,9 @@ def _check_as(plan, build, world: int, rank: int, input_shape, inputs, loss, opt
         except Exception as err:  # torch refused an op of the program: locate it
             return [_safely(step.apply_failure, err)], uneven
         paths = {id(m): p for p, m in model.named_modules()}
+        shape = input_shape or default_input_shape(tp, sizes.get("context", 1))
         with FakeTensorMode(allow_non_fake_inputs=True) as fake, balanced_routing():
-            example = fake_step_inputs(model, inputs or zoo_inputs(input_shape or default_input_shape(tp)), fake)
+            example = sequence_shard(applied, fake_step_inputs(model, inputs or zoo_inputs(shape), fake))
             return _run(step, applied, example, loss, optimizer, paths), uneven
     finally:
         dist.destroy_process_group()

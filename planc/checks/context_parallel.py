@@ -1,11 +1,11 @@
-"""Context parallelism, statically (P492-P495, P497): the axis, the styled modules, the sequence length.
+"""Context parallelism, statically (P492-P495): the axis, the styled modules, the sequence length.
 
 A context axis cuts every batch along the sequence (`ShardBatch`); what trains wrong without
 an error is caught here: a context axis with no module attending over it (P492), the style
 on a module that is not an attention planc can route (P493), a Hugging Face model that builds
 its rotary positions and causal mask from the whole sequence inside its forward (P494), a
-sequence length that does not cut into 2 x context chunks (P495). `check --simulate` does not
-run a context plan's step (P497, warning). Context with a tensor axis is built (heads over the
+sequence length that does not cut into 2 x context chunks (P495, also for `check --simulate
+--input-shape`, before the simulated step). Context with a tensor axis is built (heads over the
 tensor axis, with or without sequence parallelism: tests/test_context_dist.py).
 """
 
@@ -133,17 +133,10 @@ def check_context_sequence(ctx: Context) -> Iterator[Diagnostic]:
                 yield found
 
 
-def not_simulated(res, worlds: list[int], shape: tuple[int, ...] | None) -> list[Diagnostic]:
-    """`check --simulate` on a context plan: P495 for an `--input-shape` the context axis cannot
-    cut, and P497 (warning): the step is not simulated (the shape check refuses `ShardBatch`)."""
-    mesh = res.mesh
-    axis = mesh.axis(Role.CONTEXT)
+def shape_problems(res, worlds: list[int], shape: tuple[int, ...]) -> list[Diagnostic]:
+    """`check --simulate --input-shape`: P495 (the first) when the context axis cannot cut the
+    shape's sequence at one of `worlds`, located on the first `context` statement."""
     origin = next(iter(res.context.values()), None)
-    span = origin.span if origin is not None else mesh.span
-    found = [sequence_problem(mesh, w, shape, span) for w in worlds] if shape else []
-    out = [d for d in found if d is not None][:1]
-    out.append(err("P497", "`--simulate` did not run a step: context parallelism is not yet simulated", span,
-                   "not simulated", (f"the simulated step does not run the context axis (`{axis}`) yet; "
-                                     "`planc explain` estimates it and `planc.apply` runs it "
-                                     "(tests/test_context_dist.py)",), severity="warning"))
-    return out
+    span = origin.span if origin is not None else res.mesh.span
+    found = [sequence_problem(res.mesh, w, shape, span) for w in worlds]
+    return [d for d in found if d is not None][:1]

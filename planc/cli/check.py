@@ -87,10 +87,12 @@ def simulate_plan(path: str, args, compiled) -> tuple[list[Diagnostic], list[int
                                 "`planc explain --input-shape BxS` estimates each pipeline rank's memory and the step; "
                                 "`planc check --verify` trains the plan's twin on local ranks")
         return [d for d in (found, skipped) if d is not None], []
-    if c.resolution.context:  # the shape check refuses `ShardBatch`: say so, located, and check the shape
-        from planc.checks.context_parallel import not_simulated
+    if c.resolution.context and shape:  # an `--input-shape` the context axis cannot cut: said statically
+        from planc.checks.context_parallel import shape_problems
 
-        return not_simulated(c.resolution, worlds, shape), []
+        found = shape_problems(c.resolution, worlds, shape)
+        if found:
+            return found, []
     out: list[Diagnostic] = []
     seen = set()
     for world in worlds:

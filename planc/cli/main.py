@@ -160,8 +160,8 @@ def _unhandled(err: UnknownKind) -> str:
     where = f"{span.file}:{span.line}: " if span is not None else ""
     rule = f" (`{origin.rule}`)" if origin is not None and origin.rule != "default" else ""
     if type(err.what).__name__ in ("AttendOverContext", "ShardBatch"):
-        return (f"{where}context parallelism is not yet simulated{rule}: {err.interpreter} does not run it; "
-                "`planc check`, `planc explain`, `planc emit` and `planc.apply` handle it")
+        return (f"{where}context parallelism is not handled here{rule}: {err.interpreter} does not run it; "
+                "`planc check` (with `--simulate`), `planc explain`, `planc emit` and `planc.apply` handle it")
     if type(err.what).__name__ == "DispatchExperts":
         return (f"{where}expert parallelism is not yet estimated{rule}: {err.interpreter} does not model it; "
                 "`planc check`, `planc emit` and `planc.apply` handle it")

@@ -455,10 +455,6 @@ CODES: dict[str, Code] = {
                  "must divide by 2 x context.\n\n"
                  "    mesh (shard = *, context = 4)\n    expect memory.peak <= 1GiB at world = 8, input = 2x100   "
                  "# error: 100 % 8 != 0"),
-    "P497": Code("`--simulate` does not run a context plan's step", "`planc check --simulate` runs one step of "
-                 "the applied plan on a fake process group; it does not run context parallelism's sequence cut and "
-                 "K/V gathers yet, so a plan with a context axis is not simulated (a warning). The memory and "
-                 "step-time estimates model it (`planc explain`, `expect memory...` lines).", "warning"),
     # --- expectations (P5xx)
     "P425": Code("trains differently from one process", "`planc check --verify` trained the plan on a small "
                  "twin of the model on local processes (gloo, the smallest world that keeps every mesh axis "

@@ -3,8 +3,9 @@
 `unit_collectives` gives each `fully_shard` unit's all-gathers, reduce-scatters, all-reduces and
 host copies (torch 2.13 FSDP2's sizes, over the flattened shard x context ranks with a context
 axis); `tp_collectives` each tensor-parallel style's activation collectives; `context_collectives`
-each context-parallel attention's K/V gathers; `recompute_collectives` what checkpointing reruns;
-`collective_s` the alpha-beta time of one on a `Hardware`. The step-time model (`planc/estimate/time.py`) schedules them.
+each context-parallel attention's K/V gathers and their gradients' reduce-scatters;
+`recompute_collectives` what checkpointing reruns; `collective_s` the alpha-beta time of one on a
+`Hardware`. The step-time model (`planc/estimate/time.py`) schedules them.
 """
 
 from __future__ import annotations
@@ -215,12 +216,12 @@ def context_collectives(program: Program, profile, world: int) -> dict[str, list
     `planc/backends/context.py`), per SDPA call the profile saw under the module.
 
     The profile is the whole sequence's step (one data-parallel batch), so each call's key and
-    value there are the gathered ones. Forward: an all-gather of the keys and one of the values
-    (each B x H x S x D after any repeat of KV heads for grouped-query attention, the local heads
-    under tensor parallelism); backward: an all-reduce of each of the
-    gathered keys' and values' gradients (the runtime sums them with an all-reduce and keeps its
-    own part: gloo has no reduce-scatter along the sequence dim). A checkpointed ancestor reruns
-    the forward gathers in backward.
+    value there are the gathered ones, as the runtime gathers them: before a grouped-query
+    repeat of their heads (`n_kv_heads`, the local ones under tensor parallelism; the repeat
+    runs after the gather). Forward: an all-gather of the keys and one of the values (B x H_kv
+    x S x D each); backward: a reduce-scatter of each of their gradients (the input: the whole
+    sequence's gradient; each rank receives its own chunks, summed). A checkpointed ancestor
+    reruns the forward gathers in backward.
     """
     sizes = program.mesh.sizes(world) or {}
     cp = sizes.get("context", 1)
@@ -239,8 +240,8 @@ def context_collectives(program: Program, profile, world: int) -> dict[str, list
             forward = [Collective("all_gather", "context", cp, t.numel * _itemsize(t.dtype), "forward", op.module,
                                   stride, side="input") for t in (key, value)]
             cs += forward
-            cs += [Collective("all_reduce", "context", cp, t.numel * _itemsize(t.dtype), "backward", op.module, stride)
-                   for t in (key, value) if t.requires_grad]
+            cs += [Collective("reduce_scatter", "context", cp, t.numel * _itemsize(t.dtype), "backward", op.module,
+                              stride) for t in (key, value) if t.requires_grad]
             if checkpointed.get(op.module):
                 cs += [dataclasses.replace(c, phase="backward", what=f"{op.module} (recompute)") for c in forward]
         out[op.module] = cs

@@ -18,11 +18,10 @@ less exactly the CPU kernel's masks.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from planc.lower.job import ShardBatch
 from planc.lower.program import AttendOverContext
+from planc.model.context_attention import RouteAttention, route
 
 
 def context_degree(job, world: int) -> int:
@@ -54,29 +53,18 @@ def shard_example(example, op: ShardBatch, cp: int):
     return Example((sharded, *example.args[1:]), {**example.kwargs, "positions": positions})
 
 
-def _gather(t: torch.Tensor, dim: int, cp: int) -> torch.Tensor:
-    """`_GatherSequence.forward`'s allocations: `cp` receive buffers, the contiguous input, the
-    whole sequence put in order (one concatenation of `2 x cp` chunks)."""
-    parts = [torch.empty_like(t) for _ in range(cp)]
-    t.contiguous()
-    chunk = t.shape[dim] // 2
-    return torch.cat([p.narrow(dim, i * chunk, chunk) for p in parts for i in range(2)], dim)
+class _Local:
+    """The context axis as one rank's trace sees it (`Comm`): the collectives leave their
+    buffers as they are (fake tensors: the allocations are what the trace measures)."""
 
+    def __init__(self, cp: int, rank: int) -> None:
+        self.cp, self.rank = cp, rank
 
-class _GatherSequence(torch.autograd.Function):
-    """The runtime's `_GatherSequence` on one rank: gather in forward; in backward the whole
-    gradient made contiguous (then all-reduced in place) and this rank's two chunks copied out."""
+    def all_gather(self, out, t) -> None:
+        pass
 
-    @staticmethod
-    def forward(ctx, t, dim, cp):
-        ctx.dim, ctx.length = dim, t.shape[dim]
-        return _gather(t, dim, cp)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        chunk = ctx.length // 2
-        return torch.cat([grad.narrow(ctx.dim, 0, chunk), grad.narrow(ctx.dim, chunk, chunk)], ctx.dim), None, None
+    def reduce_scatter(self, out, buf) -> None:
+        pass
 
 
 # None: model the GPU path (what planc estimates). A rank: model that context rank's CPU path
@@ -86,56 +74,20 @@ class _GatherSequence(torch.autograd.Function):
 CPU_RANK: int | None = None
 
 
-def _causal_prefix(q, k, v):
-    """The runtime's `causal_prefix` as it runs on GPU (`causal_lower_right`: the flash kernel, no
-    mask): SDPA on the same shapes, which allocates and saves what the causal kernel does."""
-    length, total = q.shape[-2], k.shape[-2]
-    if CPU_RANK is None or length == total:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    mask = torch.ones(length, total, dtype=torch.bool, device=q.device).tril(total - length)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-def attention(q, k, v, cp: int):
-    """The runtime's `attention` (`planc/backends/context.py`) on one rank of `cp` (rank 0, or
-    `CPU_RANK`), with local stand-ins for its collectives (the head chunk attends to `rank + 1`
-    chunks of keys, the tail chunk to `2 cp - rank`)."""
-    rank = CPU_RANK or 0
-    seq_dim = q.dim() - 2
-    keys = _GatherSequence.apply(k, seq_dim, cp)
-    values = _GatherSequence.apply(v, seq_dim, cp)
-    chunk = q.shape[seq_dim] // 2
-    ends = ((rank + 1) * chunk, (2 * cp - rank) * chunk)
-    outs = [_causal_prefix(q.narrow(seq_dim, i * chunk, chunk), keys.narrow(seq_dim, 0, end),
-                           values.narrow(seq_dim, 0, end)) for i, end in enumerate(ends)]
-    return torch.cat(outs, seq_dim)
-
-
-class _ContextSDPA(TorchFunctionMode):
-    def __init__(self, positions, cp: int) -> None:
-        super().__init__()
-        self.positions, self.cp = positions, cp
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return attention(*args[:3], self.cp)
-        return func(*args, **kwargs)
-
-
 def emulate_context(model: torch.nn.Module, program, cp: int, prefix: str = "") -> list:
-    """Hook every module an `AttendOverContext` op names so that its causal SDPA gathers K/V
-    over `cp` ranks (allocations only); the hook handles. With `prefix`, `model` is the module at
-    that path (one block run alone, as `planc suggest` profiles it): only the ops inside it."""
+    """Hook every module an `AttendOverContext` op names so that it gathers K/V over `cp` ranks as
+    the runtime does (rank 0, or `CPU_RANK` on its CPU path; allocations only); the hook handles.
+    With `prefix`, `model` is the module at that path (one block run alone, as `planc suggest`
+    profiles it): only the ops inside it."""
     handles = []
     for op in program.of_type(AttendOverContext):
         if prefix and op.module != prefix and not op.module.startswith(prefix + "."):
             continue
         module = model.get_submodule(op.module[len(prefix) + 1:] if prefix else op.module)
-        modes: list[_ContextSDPA] = []
+        modes: list[RouteAttention] = []
 
         def enter(_module, args, kwargs, modes=modes):
-            mode = _ContextSDPA(kwargs["positions"], cp)
+            mode = route(_Local(cp, CPU_RANK or 0), cpu_mask=CPU_RANK is not None)
             modes.append(mode)
             mode.__enter__()
 

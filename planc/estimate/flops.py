@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from planc.estimate.trace import Example, LossFn, TraceError, default_input, default_loss, fake_model
 from planc.lower.checkpointing import SAVED_OPS
+from planc.model.context_attention import RecordKV
 
 
 def flop_mapping() -> dict:
@@ -94,7 +95,7 @@ class StepProfile:
     spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # path -> its first forward's op range
     stops: dict[str, int] = field(default_factory=dict)          # path -> where checkpoint's recompute stops
     attention: dict[str, list] = field(default_factory=dict)     # path -> (key, value) `Activation`s of each
-    #                                                              SDPA it calls in forward (context parallelism gathers them)
+    #                 SDPA it calls in forward, before a grouped-query repeat (what context parallelism gathers)
     tokens: int | None = None                                     # batch x sequence of token-id inputs
     source: str = ""
 
@@ -121,8 +122,6 @@ def _counter_class():
             self._on_flops = on_flops
 
         def _count_flops(self, func_packet, out, args, kwargs):
-            if "scaled_dot_product" in str(func_packet) and len(args) > 2:
-                self._on_attention(args[1], args[2], self.mod_tracker.parents)
             if func_packet in self.flop_registry:
                 n = self.flop_registry[func_packet](*args, **kwargs, out_val=out)
                 self._on_flops(func_packet, n, self.mod_tracker.parents)
@@ -200,9 +199,9 @@ def count_step(model: torch.nn.Module, example: Example, loss: LossFn | None = N
         handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
     step_loss = loss or default_loss(model)
     counter = _counter_class()(on_flops)
-    counter._on_attention = on_attention
     try:
-        with counter, warnings.catch_warnings():
+        with counter, RecordKV(lambda key, value: on_attention(key, value, counter.mod_tracker.parents)), \
+                warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = model(*example.args, **example.kwargs)

@@ -223,8 +223,8 @@ def _assumptions(hw: Hardware, eff: float, tp: int) -> list[str]:
 BLOCKING_AXES = ("tensor", "context", "expert")  # activation collectives: compute waits for them (not FSDP's overlap)
 _CONTEXT_NOTE = ("context parallelism ({cp} ranks): a rank computes 1/{cp} of its batch's FLOPs (the head-tail cut "
                  "balances causal attention; the math attention computes its shard's scores against every key); "
-                 "each styled attention's K/V all-gathers and their gradients' all-reduces on the context axis block "
-                 "compute, as tensor-parallel collectives do")
+                 "each styled attention's K/V all-gathers (before a grouped-query repeat) and their gradients' "
+                 "reduce-scatters on the context axis block compute, as tensor-parallel collectives do")
 OUTSIDE = "(outside units)"  # the row of compute no unit owns (plans with `root none`)
 OPTIMIZER_BYTES = {"adamw": 7, "adam": 7, "adamw_fused": 7, "adam_fused": 7, "sgd": 3, "none": 0}
 
