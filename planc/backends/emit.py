@@ -609,8 +609,15 @@ def _experts_section(program, ops, model, ind: str) -> list[str]:
              f"{ind}# keeps experts / {expert} whole experts, their rows arrive and leave by all-to-all",
              f"{ind}expert_mesh = expert_mesh_of(mesh, {expert}, {names!r})",
              f"{ind}expert_fsdp_mesh = expert_mesh[{fsdp_index}]"]
-    return lines + _emit_calls([_Call((op.module,), lambda e, op=op: f"dispatch_experts({e(op.module)}, "
-                                      f"expert_mesh, {op.axis!r})", (_where(op.origin.span, op.origin.rule),))
+    if ops[0].tensor is not None:
+        lines += [f"{ind}# with tensor parallelism each MoE layer runs on its tensor rank's part of the group's tokens",
+                  f"{ind}expert_tp_mesh = mesh[{ops[0].tensor!r}]"]
+
+    def call(e, op) -> str:
+        split = "" if op.tensor is None else f", expert_tp_mesh, {e(op.layer)}"
+        return f"dispatch_experts({e(op.module)}, expert_mesh, {op.axis!r}{split})"
+    return lines + _emit_calls([_Call((op.module,) if op.layer is None else (op.module, op.layer),
+                                      lambda e, op=op: call(e, op), (_where(op.origin.span, op.origin.rule),))
                                 for op in ops], model, ind)
 
 

@@ -130,6 +130,8 @@ class DispatchExperts:
 
     `axis` is the expert axis's name on the expert view (`planc/lower/job.py::EXPERT`);
     `experts` the container's expert count (dim 0 of its 3-D weights); `params` its parameters.
+    With a tensor axis, `tensor` names it on the dense view and `layer` is the MoE layer (the
+    container's parent) whose tokens the tensor group's ranks split (`split_over_tensor`).
     """
 
     module: str
@@ -137,6 +139,8 @@ class DispatchExperts:
     experts: int
     params: tuple[str, ...]
     origin: Setting
+    tensor: str | None = None
+    layer: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,123 @@
+"""Worker bodies of tests/test_expert_tensor_dist.py (module level, so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.distributed as dist
+from expert_workers import CLIP, _batches, _full, _gather_experts, _loss, _reference
+
+# Attention tensor-parallel with sequence-parallel norms (plans/zoo-llama-tp.plan's rules), the
+# experts expert-parallel: expert 2 borrows the tensor ranks (efsdp = shard x tensor / expert).
+SP_PLAN = """model planc.zoo:moe_llama_tiny
+mesh (shard = *, tensor = 2, expert = 2)
+unit layers.*
+parallel tok_embeddings rowwise {
+  input replicate
+  output shard(1)
+}
+parallel layers.*.{attention_norm,ffn_norm} sequence
+parallel layers.*.attention prepare_input {
+  input shard(1)
+  desired_input replicate
+}
+parallel layers.*.attention.{wq,wk,wv} colwise
+parallel layers.*.attention.wo rowwise { output shard(1) }
+parallel norm sequence
+parallel output colwise {
+  input shard(1)
+  loss_parallel
+}
+parallel layers.*.moe.experts expert
+"""
+
+# The same without sequence parallelism: the residual stream replicated over the tensor group,
+# so the MoE layer cuts its tokens itself and all-gathers the outputs.
+REPLICATED_PLAN = """model planc.zoo:moe_llama_tiny
+mesh (shard = *, tensor = 2, expert = 2)
+unit layers.*
+parallel tok_embeddings replicate
+parallel layers.*.{attention_norm,ffn_norm} replicate
+parallel layers.*.attention.{wq,wk,wv} colwise
+parallel layers.*.attention.wo rowwise
+parallel norm replicate
+parallel output colwise { output replicate }
+parallel layers.*.moe.experts expert
+"""
+
+
+def _tiny():
+    from planc.zoo import moe_llama_tiny
+
+    return moe_llama_tiny()
+
+
+def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e-2, emitted: bool = False) -> dict:
+    """The plan's AdamW steps (clipped) vs one process: max abs differences of the losses, the
+    first step's gradients and the final parameters; the rows layers.0's experts received per step."""
+    import planc
+    from planc.backends import experts
+    from planc.backends.emit import emit_python
+    from planc.backends.runtime import build_mesh
+
+    torch.manual_seed(0)
+    model = _tiny()
+    ref = copy.deepcopy(model)
+    batches = _batches(steps, world, seq=8)
+    ref_losses, ref_grads, ref_params = _reference(ref, batches, lr)
+    if emitted:
+        compiled = planc.compile(planc.loads(plan), model, world)
+        namespace: dict = {}
+        exec(compile(emit_python(compiled), "<emitted>", "exec"), namespace)
+        mesh = build_mesh(compiled.mesh)
+        namespace["apply_plan"](model, mesh)
+        ep_mesh = experts.expert_mesh_of(mesh, 2, ("efsdp", "expert"))["expert"]
+        from torch.distributed.tensor.parallel import loss_parallel
+        context = loss_parallel if "loss_parallel" in plan else contextlib.nullcontext
+        dp = mesh["shard"]
+        r, n = dp.get_local_rank(), dp.size()
+        clip = lambda: experts.clip_grad_norm_(model.parameters(), CLIP, ep_mesh)  # noqa: E731
+    else:
+        applied = planc.apply(model, planc.loads(plan))
+        ep_mesh = applied.expert_mesh[applied.compiled.job.view("expert").axes[-1].name]
+        r, n = applied.data_parallel_rank()
+        context = applied.loss_parallel
+        clip = lambda: applied.clip_grad_norm_(CLIP)  # noqa: E731
+    counts = []
+    model.layers[0].moe.experts.register_forward_pre_hook(lambda m, args: counts.append(int(args[0].shape[0])))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+    loss_diff, grad_diff = [], {}
+    for step, tokens in enumerate(batches):
+        opt.zero_grad()
+        mine = tokens.chunk(n)[r]
+        with context():
+            logits = model(mine[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), mine[:, 1:].reshape(-1))
+            loss.backward()
+        total = _full(loss.detach()).clone()
+        dist.all_reduce(total)
+        loss_diff.append(abs(total.item() / world - ref_losses[step]))
+        if step == 0:
+            for name, p in model.named_parameters():
+                g = _full(p.grad)
+                if ".experts." in name:
+                    g = _gather_experts(name, g, ep_mesh)
+                grad_diff[name] = (g - ref_grads[name]).abs().max().item()
+        clip()
+        opt.step()
+    param_diff = {}
+    for name, p in model.named_parameters():
+        t = _full(p.detach())
+        if ".experts." in name:
+            t = _gather_experts(name, t, ep_mesh)
+        param_diff[name] = (t - ref_params[name]).abs().max().item()
+    return {"loss": max(loss_diff), "grad": max(grad_diff.values()), "param": max(param_diff.values()),
+            "grads": len(grad_diff), "rows": counts, "worst": max(param_diff, key=param_diff.get)}
+
+
+def train_all(rank: int, world: int) -> list[dict]:
+    """Sequence parallel through `planc.apply` and through the emitted code; replicated residual."""
+    return [train_equal(rank, world, SP_PLAN), train_equal(rank, world, SP_PLAN, emitted=True),
+            train_equal(rank, world, REPLICATED_PLAN)]
