@@ -7,7 +7,7 @@ import copy
 
 import torch
 import torch.distributed as dist
-from expert_workers import CLIP, _batches, _full, _gather_experts, _loss, _reference
+from expert_workers import CLIP, _batches, _full, _gather_experts, _reference
 
 # Attention tensor-parallel with sequence-parallel norms (plans/zoo-llama-tp.plan's rules), the
 # experts expert-parallel: expert 2 borrows the tensor ranks (efsdp = shard x tensor / expert).
@@ -54,9 +54,12 @@ def _tiny():
     return moe_llama_tiny()
 
 
-def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e-2, emitted: bool = False) -> dict:
+def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e-2, emitted: bool = False,
+                twice: bool = False) -> dict:
     """The plan's AdamW steps (clipped) vs one process: max abs differences of the losses, the
-    first step's gradients and the final parameters; the rows layers.0's experts received per step."""
+    first step's gradients and the final parameters; the rows layers.0's experts were sent per step.
+    `twice`: the fact behind the split: each MoE layer's forward put back as written (every rank of a
+    tensor group dispatches the same replicated tokens), which torch runs."""
     import planc
     from planc.backends import experts
     from planc.backends.emit import emit_python
@@ -85,6 +88,9 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
         r, n = applied.data_parallel_rank()
         context = applied.loss_parallel
         clip = lambda: applied.clip_grad_norm_(CLIP)  # noqa: E731
+    if twice:
+        for layer in model.layers:
+            del layer.moe.forward  # planc's split_over_tensor wrapper (an instance attribute)
     counts = []
     model.layers[0].moe.experts.register_forward_pre_hook(lambda m, args: counts.append(int(args[0].shape[0])))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
@@ -118,6 +124,7 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
 
 
 def train_all(rank: int, world: int) -> list[dict]:
-    """Sequence parallel through `planc.apply` and through the emitted code; replicated residual."""
+    """Sequence parallel through `planc.apply` and through the emitted code; the replicated residual;
+    the replicated tokens dispatched twice (one step)."""
     return [train_equal(rank, world, SP_PLAN), train_equal(rank, world, SP_PLAN, emitted=True),
-            train_equal(rank, world, REPLICATED_PLAN)]
+            train_equal(rank, world, REPLICATED_PLAN), train_equal(rank, world, REPLICATED_PLAN, steps=1, twice=True)]

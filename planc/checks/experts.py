@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from planc.checks.context import Context, err, listed
+from planc.checks.tensor import pattern
 from planc.diagnostics import Diagnostic
 from planc.lang import syntax as st
 from planc.resolve.experts import expert_degrees, is_expert, layout, moe_layers
@@ -177,7 +178,7 @@ def check_expert_layer_styles(ctx: Context) -> Iterator[Diagnostic]:
     for path, setting in ctx.res.parallel.items():
         if path in layers:
             axis = ctx.res.mesh.axis(Role.TENSOR)
-            yield err("P434", f"`{path}` holds expert-parallel experts and gets the tensor style "
+            yield err("P434", f"`{pattern(path)}` holds expert-parallel experts and gets the tensor style "
                       f"`{setting.value.kind}`", setting.span, "planc splits this layer's tokens itself",
                       related=[(ctx.res.experts[layers[path]].span, "its experts are expert-parallel here")],
                       help_=(f"remove this `parallel` line: with the tensor axis (`{axis}`) each rank runs the MoE "
