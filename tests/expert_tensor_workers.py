@@ -128,3 +128,23 @@ def train_all(rank: int, world: int) -> list[dict]:
     the replicated tokens dispatched twice (one step)."""
     return [train_equal(rank, world, SP_PLAN), train_equal(rank, world, SP_PLAN, emitted=True),
             train_equal(rank, world, REPLICATED_PLAN), train_equal(rank, world, REPLICATED_PLAN, steps=1, twice=True)]
+
+
+def measure(rank: int, world: int, text: str) -> dict:
+    """The tiny plan applied to `moe_llama_tiny` (balanced routing), two AdamW steps under
+    FSDPMemTracker (the second measured), FSDP's reduce-scatter as all-reduce + slice; each tensor
+    group's ranks get the same tokens (their data-parallel rank's)."""
+    from expert_memory_workers import SHAPE, balanced_route
+
+    import planc
+    from planc.analysis.simulate import measure_real
+    from planc.zoo import routed
+
+    routed.Router.forward = balanced_route
+    torch.manual_seed(0)
+    model = _tiny()
+    applied = planc.apply(model, planc.loads(text))
+    r, _ = applied.data_parallel_rank()
+    tokens = torch.randint(0, 128, SHAPE, generator=torch.Generator().manual_seed(1 + r))
+    m = measure_real(model, (tokens,), nccl_like_reduce_scatter=True, clip=None, loss_context=applied.loss_parallel)
+    return {"peak": m.peak, "breakdown": m.breakdown, "moment": m.moment, "timeline": m.timeline}

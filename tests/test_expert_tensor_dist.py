@@ -17,6 +17,8 @@ differences move the update by about 3e-5 at lr 1e-2). One launch, under the glo
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 from distributed import run
 from expert_tensor_workers import train_all
@@ -43,3 +45,43 @@ def test_replicated_tokens_dispatched_twice_train_wrong(results):
         twice = ranks[3]
         assert twice["loss"] < TOL  # the forward is right ...
         assert twice["grad"] > 1e-3  # ... the gradients are not
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TINY = ROOT / "plans" / "qwen3-moe-ep-tp-tiny.plan"
+
+
+def _rules(path: pathlib.Path) -> list[str]:
+    return [line for line in path.read_text().splitlines()
+            if line.strip() and not line.startswith(("#", "model ", "mesh ", "expect "))]
+
+
+def test_the_shipped_plan_and_its_tiny_sibling_have_the_same_rules():
+    big = _rules(ROOT / "plans" / "qwen3-moe-ep-tp.plan")
+    assert big == _rules(TINY) and "parallel layers.*.moe.experts expert" in big
+
+
+@pytest.mark.dist
+def test_memory_estimate_equals_the_tracker_under_expert_by_tensor(monkeypatch):
+    """The tiny plan at 4 ranks (shard 2 x tensor 2, expert 2 x efsdp 2, sequence parallel, bf16),
+    balanced routing in both: the estimate's state and peak against FSDPMemTracker's."""
+    import expert_memory_workers
+    import torch
+    from expert_tensor_workers import measure
+
+    import planc
+    from planc import zoo
+    from planc.estimate import memory
+    from planc.zoo import routed
+
+    text = TINY.read_text()
+    real = run(measure, 4, text)
+    monkeypatch.setattr(routed.Router, "forward", expert_memory_workers.balanced_route)
+    with torch.device("meta"):
+        model = zoo.moe_llama_tiny()
+    est = memory.estimate(planc.compile(planc.loads(text), model, 4), 4, input_shape=expert_memory_workers.SHAPE)
+    assert "tensor-parallel" in est.source and "expert ranks" in est.source
+    for rank in real:
+        for key in ("sharded_params", "sharded_grads", "optimizer_state"):
+            assert est.peak.bytes[key] == rank["breakdown"][key], (key, est.peak.bytes[key], rank["breakdown"][key])
+        assert est.peak.total == rank["peak"], (est.peak.label, est.peak.total, rank["moment"], rank["peak"])
