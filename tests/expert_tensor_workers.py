@@ -123,11 +123,47 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
             "grads": len(grad_diff), "rows": counts, "worst": max(param_diff, key=param_diff.get)}
 
 
-def train_all(rank: int, world: int) -> list[dict]:
+DENSE_PLAN = """model planc.zoo:moe_llama_tiny
+unit layers.*
+"""
+
+
+def dcp_round_trip(rank: int, world: int, folder: str) -> dict:
+    """Save under expert x tensor (SP_PLAN), load into plain 1-D FSDP (other initial values), save
+    that, load into expert x tensor again: max abs difference to the saved values at each end."""
+    import torch.distributed.checkpoint as dcp
+    from expert_workers import _whole
+
+    import planc
+
+    def model_with(plan: str, seed: int):
+        torch.manual_seed(seed)
+        model = _tiny()
+        return model, planc.apply(model, planc.loads(plan))
+
+    torch.manual_seed(0)
+    saved = {n: p.detach().clone() for n, p in _tiny().named_parameters()}
+    eptp, _ = model_with(SP_PLAN, 0)
+    dcp.save(eptp.state_dict(), checkpoint_id=f"{folder}/eptp")
+    dense, dense_applied = model_with(DENSE_PLAN, 1)
+    state = dense.state_dict()
+    dcp.load(state, checkpoint_id=f"{folder}/eptp")  # in place, into the local shards
+    to_dense = max((t - saved[n]).abs().max().item() for n, t in _whole(dense, dense_applied).items())
+    dcp.save(dense.state_dict(), checkpoint_id=f"{folder}/dense")
+    back, back_applied = model_with(SP_PLAN, 2)
+    state = back.state_dict()
+    dcp.load(state, checkpoint_id=f"{folder}/dense")
+    to_eptp = max((t - saved[n]).abs().max().item() for n, t in _whole(back, back_applied).items())
+    fresh = max((t - saved[n]).abs().max().item() for n, t in _whole(*model_with(SP_PLAN, 3)).items())
+    return {"to_dense": to_dense, "to_eptp": to_eptp, "fresh": fresh}
+
+
+def train_all(rank: int, world: int, folder: str) -> list[dict]:
     """Sequence parallel through `planc.apply` and through the emitted code; the replicated residual;
-    the replicated tokens dispatched twice (one step)."""
+    the replicated tokens dispatched twice (one step); the DCP round trip."""
     return [train_equal(rank, world, SP_PLAN), train_equal(rank, world, SP_PLAN, emitted=True),
-            train_equal(rank, world, REPLICATED_PLAN), train_equal(rank, world, REPLICATED_PLAN, steps=1, twice=True)]
+            train_equal(rank, world, REPLICATED_PLAN), train_equal(rank, world, REPLICATED_PLAN, steps=1, twice=True),
+            dcp_round_trip(rank, world, folder)]
 
 
 def measure(rank: int, world: int, text: str) -> dict:
