@@ -184,3 +184,28 @@ def measure(rank: int, world: int, text: str) -> dict:
     tokens = torch.randint(0, 128, SHAPE, generator=torch.Generator().manual_seed(1 + r))
     m = measure_real(model, (tokens,), nccl_like_reduce_scatter=True, clip=None, loss_context=applied.loss_parallel)
     return {"peak": m.peak, "breakdown": m.breakdown, "moment": m.moment, "timeline": m.timeline}
+
+
+def record(rank: int, world: int, text: str) -> list[tuple]:
+    """The collectives of one forward and backward of the tiny plan (balanced routing) on this real
+    gloo rank, as `planc/analysis/comms.py` records them: (kind, unit or "tensor", bytes, ranks, phase)."""
+    import planc
+    from expert_memory_workers import SHAPE, balanced_route
+
+    from planc.analysis.comms import _attributed, _Recorder
+    from planc.zoo import routed
+
+    routed.Router.forward = balanced_route
+    torch.manual_seed(0)
+    model = _tiny()
+    applied = planc.apply(model, planc.loads(text))
+    names = {tuple(id(model.get_submodule(p)) if p else id(model) for p in op.modules): op.name
+             for op in applied.compiled.program.units}
+    r, _ = applied.data_parallel_rank()
+    tokens = torch.randint(0, 128, SHAPE, generator=torch.Generator().manual_seed(1 + r))
+    recorder = _Recorder()
+    with _attributed(recorder, names), recorder, applied.loss_parallel():
+        out = model(tokens)
+        recorder.phase = "backward"
+        out.float().sum().backward()
+    return [(r.kind, r.unit, r.bytes, r.ranks, r.phase) for r in recorder.found]

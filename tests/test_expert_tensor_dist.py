@@ -111,3 +111,36 @@ def test_example_trains_the_tiny_sibling_under_torchrun():
     assert out.returncode == 0, out.stdout + out.stderr
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
     assert len(losses) == 4 and losses[-1] < losses[0], out.stdout
+
+
+@pytest.mark.dist
+def test_time_model_collectives_equal_a_recorded_step():
+    """One forward and backward of the tiny plan on 4 real gloo ranks (a fake group cannot fill the
+    dispatch's split sizes), balanced routing: the all-to-alls per MoE layer (tokens / tensor x top_k
+    x dim bf16 each: the layer runs on its sequence shard) and the router's gradient all-reduce over
+    the tensor axis are those `collectives.expert_all_to_alls` predicts."""
+    from collections import Counter
+
+    import expert_memory_workers
+    import torch
+    from expert_tensor_workers import record
+
+    import planc
+    from planc import zoo
+    from planc.estimate import collectives
+
+    text = TINY.read_text()
+    recorded = run(record, 4, text)
+    with torch.device("meta"):
+        model = zoo.moe_llama_tiny()
+    compiled = planc.compile(planc.loads(text), model, 4)
+    tokens = expert_memory_workers.SHAPE[0] * expert_memory_workers.SHAPE[1]
+    per_layer = collectives.expert_all_to_alls(compiled.program, compiled.graph, 4, tokens)
+    want = Counter((c.kind, c.bytes, c.ranks, c.phase) for cs in per_layer.values() for c in cs)
+    assert want[("all_to_all", tokens // 2 * 2 * 64 * 2, 2, "forward")] == 4  # 2 layers x dispatch and combine
+    assert want[("all_reduce", 4 * 64 * 2, 2, "backward")] == 2  # each layer's router gate, bf16
+    for found in recorded:
+        assert Counter((k, b, r, p) for k, u, b, r, p in found if k == "all_to_all") == \\
+            Counter({k: v for k, v in want.items() if k[0] == "all_to_all"})
+        routers = Counter((k, b, r, p) for k, u, b, r, p in found if (k, b, r, p) == ("all_reduce", 512, 2, "backward"))
+        assert routers[("all_reduce", 512, 2, "backward")] >= 2, found
