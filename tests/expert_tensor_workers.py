@@ -189,9 +189,9 @@ def measure(rank: int, world: int, text: str) -> dict:
 def record(rank: int, world: int, text: str) -> list[tuple]:
     """The collectives of one forward and backward of the tiny plan (balanced routing) on this real
     gloo rank, as `planc/analysis/comms.py` records them: (kind, unit or "tensor", bytes, ranks, phase)."""
-    import planc
     from expert_memory_workers import SHAPE, balanced_route
 
+    import planc
     from planc.analysis.comms import _attributed, _Recorder
     from planc.zoo import routed
 
