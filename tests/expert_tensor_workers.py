@@ -55,9 +55,10 @@ def _tiny():
 
 
 def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e-2, emitted: bool = False,
-                twice: bool = False) -> dict:
+                twice: bool = False, meta: bool = False) -> dict:
     """The plan's AdamW steps (clipped) vs one process: max abs differences of the losses, the
     first step's gradients and the final parameters; the rows layers.0's experts were sent per step.
+    `meta`: built on meta, applied, `planc.materialize(reproducible=True)`.
     `twice`: the fact behind the split: each MoE layer's forward put back as written (every rank of a
     tensor group dispatches the same replicated tokens), which torch runs."""
     import planc
@@ -83,7 +84,13 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
         r, n = dp.get_local_rank(), dp.size()
         clip = lambda: experts.clip_grad_norm_(model.parameters(), CLIP, ep_mesh)  # noqa: E731
     else:
+        if meta:  # built on meta, sharded, then materialised: every expert initialised, each rank keeps its own
+            with torch.device("meta"):
+                model = _tiny()
         applied = planc.apply(model, planc.loads(plan))
+        if meta:
+            torch.manual_seed(0)
+            planc.materialize(model, "cpu", reproducible=True)
         ep_mesh = applied.expert_mesh[applied.compiled.job.view("expert").axes[-1].name]
         r, n = applied.data_parallel_rank()
         context = applied.loss_parallel
@@ -209,3 +216,8 @@ def record(rank: int, world: int, text: str) -> list[tuple]:
         recorder.phase = "backward"
         out.float().sum().backward()
     return [(r.kind, r.unit, r.bytes, r.ranks, r.phase) for r in recorder.found]
+
+
+def train_meta(rank: int, world: int) -> dict:
+    """SP_PLAN on a model built on meta, materialised with `reproducible=True`, against one process."""
+    return train_equal(rank, world, SP_PLAN, meta=True)

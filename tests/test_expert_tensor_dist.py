@@ -149,3 +149,13 @@ def test_time_model_collectives_equal_a_recorded_step():
         assert a2a == Counter({k: v for k, v in want.items() if k[0] == "all_to_all"})
         routers = sum(1 for k, u, b, r, p in found if (k, b, r, p) == ("all_reduce", 512, 2, "backward"))
         assert routers >= 2, found
+
+
+@pytest.mark.dist
+def test_materialized_meta_model_trains_like_one_process():
+    """Built on meta, sharded under expert x tensor, `planc.materialize(reproducible=True)`: the one-process
+    initial values (every expert initialised, each rank keeps its own), then equal training."""
+    from expert_tensor_workers import train_meta
+
+    for r in run(train_meta, 4):
+        assert r["loss"] < TOL and r["grad"] < TOL and r["param"] < 1e-4, r
