@@ -10,10 +10,14 @@ steps against one unsharded process.
 - The fact behind the split (torch accepts it): every rank of a tensor group dispatching the same
   replicated tokens computes the right loss but expert gradients twice too large.
 - DCP: a checkpoint saved under expert x tensor loads into 1-D FSDP and back, states equal.
+- A meta model sharded then materialised (`reproducible=True`) trains the same.
+- The shipped plan's tiny sibling (plans/qwen3-moe-ep-tp-tiny.plan): the memory estimate against
+  FSDPMemTracker, the time model's all-to-alls and router all-reduce against a recorded step, and
+  examples/train.py under torchrun.
 
 Loss and every gradient within 1e-5; the parameters after 3 AdamW steps within 1e-4 (Adam divides
 by the root of the second moment: on expert weights with gradients near its eps, 1e-8 gradient
-differences move the update by about 3e-5 at lr 1e-2). One launch, under the gloo lock.
+differences move the update by about 3e-5 at lr 1e-2). Under the gloo lock.
 """
 
 from __future__ import annotations
