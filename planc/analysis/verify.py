@@ -540,7 +540,6 @@ def verify_world(mesh) -> int:
 
 def _verify(compiled, base: str | None, twin: str | None, timeout: float, allow: frozenset[str],
             folder: str, model: str | None = None) -> Verdict:
-
     start = time.monotonic()
     ref = model or compiled.plan.model_ref
     if twin is None:  # a full-size model is never run: its small twin is
