@@ -42,12 +42,13 @@ def is_pipeline(path: pathlib.Path) -> bool:
 def not_verified(path: pathlib.Path) -> str | None:
     """Why `check --verify` does not run the plan at `path` (P426), or None: a plan whose fixed axes
     need more processes than verify runs (the 405B plan: pipeline 8 x tensor 8; the 8B long-context
-    plan: context 8 x tensor 8)."""
-    from planc.analysis.verify import MAX_PROCESSES
+    plan: context 8 x tensor 8; the Qwen3-MoE plan: expert 8 borrows from shard x tensor)."""
+    from planc.analysis.verify import MAX_PROCESSES, verify_world
     from planc.analysis.verify_pipeline import pipeline_world
 
     mesh = planc.compile(planc.load(path), None, strict=False).mesh
-    world = pipeline_world(mesh, MAX_PROCESSES)
+    # a pipeline's world is the fixed axes' (verify_pipeline); the others' `verify_world`
+    world = pipeline_world(mesh, MAX_PROCESSES) if mesh.axis(Role.PIPELINE) is not None else verify_world(mesh)
     if world > MAX_PROCESSES:
         return f"its fixed axes need {world} processes, more than `check --verify` runs ({MAX_PROCESSES}): P426"
     return None

@@ -164,7 +164,7 @@ def test_context_kinds_are_run_by_runtime_and_emit_and_refused_by_the_estimators
 
 
 EXPERT_READERS = {"runtime", "emit", "fake trace", "cached trace", "synthetic trace", "memory", "time", "shape check", "comms",
-                  "repeat", "time of a program", "explain"}
+                  "repeat", "time of a program", "explain", "tensor_local"}  # tensor_local: expert x tensor (expert_local splits)
 EXPERT_PLAN = ("model planc.zoo:routed_moe_tiny\nmesh (shard = *, expert = 2)\nunit layers.*\n"
                "parallel layers.*.moe.experts expert\n")
 
@@ -172,8 +172,9 @@ EXPERT_PLAN = ("model planc.zoo:routed_moe_tiny\nmesh (shard = *, expert = 2)\nu
 @pytest.mark.parametrize("name", NAMES)
 def test_expert_kind_is_run_by_runtime_and_emit_and_refused_by_the_estimators(name):
     """`DispatchExperts` (expert parallelism): the runtime, emit, the trace, the memory estimate (one
-    expert rank's step: planc/estimate/expert_local.py), the repeated-block trace and the step time (its all-to-alls) run
-    it; every other one refuses it; the shape check (`--simulate`) and the collective recorder run it with balanced routing."""
+    expert rank's step: planc/estimate/expert_local.py), the repeated-block trace, the step time (its all-to-alls) and
+    the tensor-local emulation (expert x tensor: it leaves the MoE layer's tokens to expert_local) run it; every other
+    one refuses it; the shape check (`--simulate`) and the collective recorder run it with balanced routing."""
     from planc.zoo import routed_moe_tiny
 
     with torch.device("meta"):

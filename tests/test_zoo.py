@@ -292,6 +292,8 @@ def test_zoo_registry_and_frozen_configs():
         "llama3_8b",
         "routed_moe",
         "routed_moe_tiny",
+        "moe_llama",
+        "moe_llama_tiny",
     }
     with torch.device("meta"):
         for name, builder in zoo.ZOO.items():
@@ -305,6 +307,17 @@ def test_llama3_405b_is_the_405b_shape_on_meta():
     model = zoo.llama3_405b()
     assert all(p.is_meta for p in model.parameters())
     assert 405e9 < sum(p.numel() for p in model.parameters()) < 406e9  # Llama 3.1 405B: 405.85B
+
+
+def test_moe_llama_is_qwen3_moe_shaped_on_meta():
+    """128 experts of top-8 over 48 blocks of width 2048: about 30.1B parameters (Qwen3-30B-A3B: 30.5B,
+    its attention wider: head dim 128)."""
+    with torch.device("meta"):
+        model = zoo.moe_llama()
+    assert 30.0e9 < sum(p.numel() for p in model.parameters()) < 30.2e9
+    assert tuple(model.layers[0].moe.experts.w1.shape) == (128, 768, 2048) and model.layers[0].moe.router.top_k == 8
+    with pytest.raises(ValueError, match="top_k"):
+        zoo.moe_llama(dataclasses.replace(zoo.MOE_LLAMA_TINY_CONFIG, top_k=5))
 
 
 def test_configs_reject_inconsistent_shapes():

@@ -525,10 +525,21 @@ def verify(compiled, *, base: str | None = None, twin: str | None = None, timeou
         return _verify(compiled, base, twin, timeout, allow, folder, model)
 
 
-def _verify(compiled, base: str | None, twin: str | None, timeout: float, allow: frozenset[str],
-            folder: str, model: str | None = None) -> Verdict:
+def verify_world(mesh) -> int:
+    """How many processes `check --verify` runs a (pipeline-free) plan's mesh on: the shape check's
+    smallest world, or with the `*` axis at 1 when that does not fit `MAX_PROCESSES` (not with an
+    expert axis, whose size must divide the ranks it borrows)."""
     from planc.analysis.shapecheck import simulation_world
 
+    world = simulation_world(mesh)
+    if world > MAX_PROCESSES and mesh.axis(Role.EXPERT) is None:
+        from planc.analysis.verify_pipeline import pipeline_world
+        world = pipeline_world(mesh, MAX_PROCESSES)  # the `*` axis at 1 when 2 does not fit
+    return world
+
+
+def _verify(compiled, base: str | None, twin: str | None, timeout: float, allow: frozenset[str],
+            folder: str, model: str | None = None) -> Verdict:
     start = time.monotonic()
     ref = model or compiled.plan.model_ref
     if twin is None:  # a full-size model is never run: its small twin is
@@ -537,10 +548,7 @@ def _verify(compiled, base: str | None, twin: str | None, timeout: float, allow:
         twin = twin_reference(ref, base, folder)
     if compiled.resolution.pipeline is not None:
         return _verify_pipeline(compiled, base, twin, allow, timeout, start)
-    world = simulation_world(compiled.mesh)
-    if world > MAX_PROCESSES and compiled.mesh.axis(Role.EXPERT) is None:
-        from planc.analysis.verify_pipeline import pipeline_world
-        world = pipeline_world(compiled.mesh, MAX_PROCESSES)  # the `*` axis at 1 when 2 does not fit
+    world = verify_world(compiled.mesh)
     if world > MAX_PROCESSES:
         raise VerifyError(f"the mesh needs {world} processes at its smallest ({compiled.mesh}); this machine runs "
                           f"at most {MAX_PROCESSES} at once")

@@ -609,10 +609,16 @@ def _experts_section(program, ops, model, ind: str) -> list[str]:
              f"{ind}# keeps experts / {expert} whole experts, their rows arrive and leave by all-to-all",
              f"{ind}expert_mesh = expert_mesh_of(mesh, {expert}, {names!r})",
              f"{ind}expert_fsdp_mesh = expert_mesh[{fsdp_index}]"]
+    if ops[0].tensor is not None:
+        lines += [f"{ind}# with tensor parallelism each MoE layer runs on its tensor rank's part of the group's tokens",
+                  f"{ind}expert_tp_mesh = mesh[{ops[0].tensor!r}]"]
 
     def call(e, op) -> str:
-        return f"dispatch_experts({e(op.module)}, expert_mesh, {op.axis!r}{'' if op.averaged else ', averaged=False'})"
-    return lines + _emit_calls([_Call((op.module,), lambda e, op=op: call(e, op), (_where(op.origin.span, op.origin.rule),))
+        split = "" if op.tensor is None else f", expert_tp_mesh, {e(op.layer)}"
+        return (f"dispatch_experts({e(op.module)}, expert_mesh, {op.axis!r}{split}"
+                f"{'' if op.averaged else ', averaged=False'})")
+    return lines + _emit_calls([_Call((op.module,) if op.layer is None else (op.module, op.layer),
+                                      lambda e, op=op: call(e, op), (_where(op.origin.span, op.origin.rule),))
                                 for op in ops], model, ind)
 
 

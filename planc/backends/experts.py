@@ -56,7 +56,7 @@ from planc.model.scale_grad import ScaleGrad
 from planc.resolve.experts import EFSDP, SORTED, layout
 
 __all__ = ["balanced_routing", "build_expert_mesh", "clip_grad_norm_", "dispatch_experts", "expert_mesh_of",
-           "expert_placement_fn", "whole_optimizer_state"]
+           "expert_placement_fn", "split_over_tensor", "whole_optimizer_state"]
 
 
 def build_expert_mesh(view: View, device: str) -> DeviceMesh:
@@ -117,7 +117,8 @@ def _split_sizes(send: torch.Tensor, rows: int, group) -> tuple[torch.Tensor, li
     return torch.tensor(per_expert, dtype=send.dtype, device=send.device), splits, splits
 
 
-def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str, averaged: bool = True) -> nn.Module:
+def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str, tensor_mesh: DeviceMesh | None = None,
+                     layer: nn.Module | None = None, averaged: bool = True) -> nn.Module:
     """Keep this expert rank's experts in `module` and route its forward's rows by all-to-all.
 
     `expert_mesh` is the expert view, `axis` its expert axis. Each 3-D parameter `[E, ...]` of
@@ -126,14 +127,24 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str, aver
     returns their outputs in the same order, as before. `module.state_dict()` gives the
     experts whole-shaped (`_whole`), so a DCP checkpoint saved with expert parallelism loads
     without it and back (`whole_optimizer_state` does the same for the optimizer's moments).
-    `averaged`: FSDP averages the experts' gradients (the default): they are scaled by `1 /
-    expert` (the module docstring); False when the unit sets a divide factor (torchtitan's
-    `set_gradient_divide_factor(1.0)` with the loss over the global token count): FSDP then
-    divides dense and expert sums alike and the gradients are left as they are.
+
+    With a tensor axis (`tensor_mesh`, the dense view's tensor axis) the MoE `layer` holding
+    `module` runs on its tensor rank's part of the tensor group's tokens (`split_over_tensor`),
+    and the experts' gradients are scaled by tensor / expert instead of 1 / expert: every token
+    of the world reaches one expert rank once, and FSDP averages over replicate x efsdp ranks,
+    (replicate x shard) x expert / tensor of them.
+
+    `averaged`: FSDP averages the experts' gradients (the default): they are scaled as above;
+    False when the unit sets a divide factor (torchtitan's `set_gradient_divide_factor(1.0)` with
+    the loss over the global token count): FSDP then divides dense and expert sums alike and the
+    gradients are left as they are.
     """
     mesh = expert_mesh[axis]
     group, ep, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
-    scale = 1.0 / ep if averaged else 1.0
+    tp = 1 if tensor_mesh is None else tensor_mesh.size()
+    scale = tp / ep if averaged else 1.0
+    if tensor_mesh is not None and layer is not None:
+        split_over_tensor(layer, module, tensor_mesh)
     params = list(module.named_parameters(recurse=False))
     total = params[0][1].shape[0]
     local = total // ep
@@ -153,7 +164,7 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str, aver
         arrived = _a2a(rows, out_splits, in_splits, group)
         order = _expert_major(received, sum(out_splits))
         # NOTE: the parameters are read here, after FSDP's pre-forward put the unsharded ones in
-        # place; their gradients scaled by 1 / expert (see the module docstring), put back however forward ends
+        # place; their gradients scaled by tensor / expert (see the module docstring), put back however forward ends
         own = list(module._parameters.items())
         for key, p in own:
             module._parameters[key] = ScaleGrad.apply(p, scale)
@@ -196,6 +207,100 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str, aver
                 state_dict[prefix + key] = whole(state_dict[prefix + key])
     module.register_state_dict_post_hook(hook)
     return module
+
+
+class _SumOver(torch.autograd.Function):
+    """The identity forward (a view); the gradient summed over `group` (the tensor group)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _TakeRows(torch.autograd.Function):
+    """This tensor rank's part of rows replicated over the tensor group (dim 0 cut in `size`
+    equal parts); the backward all-gathers the parts' gradients, so every rank's replicated
+    input gets the whole gradient (each rank computed only its part)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        return x.chunk(size)[rank]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        parts = [torch.empty_like(grad) for _ in range(ctx.size)]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts), None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather each tensor rank's rows (dim 0) in rank order; the backward keeps this rank's
+    rows of the gradient (the computation after it is replicated over the tensor group, so each
+    rank's gradient of the gathered rows is already the whole one)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
+        ctx.rank, ctx.size = rank, size
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.chunk(ctx.size)[ctx.rank].contiguous(), None, None, None
+
+
+def split_over_tensor(layer: nn.Module, experts: nn.Module, tensor_mesh: DeviceMesh) -> nn.Module:
+    """Run the MoE `layer` (router, shared experts, the dispatched `experts`) on this tensor rank's
+    part of its tensor group's tokens, so that no token is dispatched twice (torchtitan's way).
+
+    Its input as sequence parallelism leaves it (a DTensor sharded over the tensor axis: each rank
+    holds other tokens): the local shard, the output local (as a rowwise `output shard(1)` gives it).
+    Replicated (a plain tensor, or a replicated DTensor: every rank of the group holds the same
+    tokens): the tokens cut in `tensor` equal parts (`_TakeRows`: the backward gathers their
+    gradients), this rank's run, the outputs all-gathered (`_GatherRows`: the backward keeps this
+    rank's part). Either way the layer's dense parameters (router, shared experts) see only this
+    rank's tokens: their gradients are summed over the tensor group (`_SumOver`), as a DTensor
+    replicated over it would be."""
+    group, tp, rank = tensor_mesh.get_group(), tensor_mesh.size(), tensor_mesh.get_local_rank()
+    inside = {id(p) for p in experts.parameters()}
+    dense = [(m, key) for m in layer.modules() for key, p in m._parameters.items() if p is not None and id(p) not in inside]
+    forward = layer.forward
+
+    def run(x: torch.Tensor, *args, **kwargs):
+        # NOTE: read after FSDP's pre-forward put the unsharded parameters in place, put back however forward ends
+        own = [(m, key, m._parameters[key]) for m, key in dense]
+        for m, key, p in own:
+            m._parameters[key] = _SumOver.apply(p, group)
+        try:
+            return forward(x, *args, **kwargs)
+        finally:
+            for m, key, p in own:
+                m._parameters[key] = p
+
+    def split(x: torch.Tensor, *args, **kwargs):
+        if isinstance(x, DTensor):
+            if all(p.is_shard() for p in x.placements):
+                return run(x.to_local(), *args, **kwargs)
+            x = x.to_local()
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] % tp:
+            raise ValueError(f"the {rows.shape[0]} tokens reaching an expert-parallel MoE layer do not divide by the "
+                             f"tensor degree {tp}: make batch x sequence a multiple of {tp}")
+        mine = _TakeRows.apply(rows, group, rank, tp)
+        out = run(mine.unsqueeze(0), *args, **kwargs)
+        return _GatherRows.apply(out.reshape(mine.shape), group, rank, tp).view_as(x)
+
+    layer.forward = split
+    return layer
 
 
 def _whole(expert_mesh: DeviceMesh, axis: str, total: int):

@@ -724,7 +724,8 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
     expert_mesh = (experts.build_expert_mesh(compiled.job.view(EXPERT), mesh.device_type)
                    if program.of_type(DispatchExperts) else None)
     for op in program.of_type(DispatchExperts):
-        experts.dispatch_experts(model.get_submodule(op.module), expert_mesh, op.axis, averaged=op.averaged)
+        split = (submesh((op.tensor,)), model.get_submodule(op.layer)) if op.tensor is not None else ()
+        experts.dispatch_experts(model.get_submodule(op.module), expert_mesh, op.axis, *split, averaged=op.averaged)
     expert_axes = next((u.expert_axes for u in program.units if u.expert_axes), ())
     expert_fsdp = _submesh(expert_mesh, expert_axes) if expert_mesh is not None and expert_axes else None
     calls = {id(op): (unit_modules(op, model), fully_shard_kwargs(op, model, submesh(op.axes), expert_fsdp))

@@ -1,4 +1,4 @@
-"""Expert parallelism, statically (P482-P488): sizes, the experts' layout, the router.
+"""Expert parallelism, statically (P434, P482-P488): sizes, the experts' layout, the router.
 
 What would fail late or train wrong is caught here, at the plan line: an expert count that
 does not divide by the expert degree or experts that do not shard evenly on dim 1 (P482),
@@ -6,8 +6,9 @@ an expert degree that does not divide the ranks
 it borrows, shard x context x tensor (P483), the style on a module that is not an experts
 container of a known layout (P484), the experts or the router placed another way by the plan
 (P485: `ignore`, `place` or a tensor style), a router that keeps more experts than there are
-(P486), expert parallelism with a tensor, pipeline or context axis (P487, not built or not tested), an expert axis nothing uses
-(P488, warning). `--simulate` runs an expert plan's step with balanced routing
+(P486), expert parallelism with a pipeline or context axis (P487, not built or not tested), an expert axis nothing uses
+(P488, warning), a tensor style on an expert-parallel MoE layer beside a tensor axis (P434: planc
+splits its tokens over the tensor group itself). `--simulate` runs an expert plan's step with balanced routing
 (`planc.backends.experts.balanced_routing`: a fake process group cannot fill the split sizes);
 memory `expect`s are checked (one expert rank's step, balanced routing:
 planc/estimate/expert_local.py).
@@ -18,9 +19,10 @@ from __future__ import annotations
 from typing import Iterator
 
 from planc.checks.context import Context, err, listed
+from planc.checks.tensor import pattern
 from planc.diagnostics import Diagnostic
 from planc.lang import syntax as st
-from planc.resolve.experts import expert_degrees, is_expert, layout
+from planc.resolve.experts import expert_degrees, is_expert, layout, moe_layers
 from planc.resolve.mesh import Mesh, Role
 
 # The experts containers the `expert` style is known to fit (P484's help names them): 3-D
@@ -41,8 +43,9 @@ def _sizes(ctx: Context) -> dict | None:
 
 
 def check_expert_mesh(ctx: Context) -> Iterator[Diagnostic]:
-    """P483: the expert degree divides shard x context x tensor (the ranks it borrows); P487: it
-    borrows tensor ranks (not built: the tokens of one tensor group are the same tokens)."""
+    """P483: the expert degree divides shard x context x tensor (the ranks it borrows); P487: a
+    pipeline or context axis beside it (not built or not tested). A tensor axis is built: the MoE
+    layer splits its tensor group's tokens (`planc.backends.experts.split_over_tensor`)."""
     mesh = ctx.res.mesh
     axis = mesh.axis(Role.EXPERT)
     sizes = _sizes(ctx)
@@ -56,13 +59,8 @@ def check_expert_mesh(ctx: Context) -> Iterator[Diagnostic]:
                    f"{lent} / expert): make the expert size a divisor of {lent}, e.g. `{axis.name} = "
                    f"{max(d for d in range(1, lent + 1) if lent % d == 0 and d <= max(sizes[Role.EXPERT], 1))}`",))
         return
-    tensor, context = sizes.get(Role.TENSOR, 1), sizes.get(Role.CONTEXT, 1)
-    if tensor > 1 and ctx.res.experts:
-        yield err("P487", "expert parallelism with a tensor axis is not supported yet", mesh.span,
-                  f"expert and tensor = {tensor} axes",
-                  ("planc dispatches each rank's own tokens; the ranks of one tensor group hold the same tokens. "
-                   "Remove the tensor axis (and the `parallel` tensor styles), or the `expert` style",))
-    elif sizes.get(Role.PIPELINE, 1) > 1 and ctx.res.experts:
+    context = sizes.get(Role.CONTEXT, 1)
+    if sizes.get(Role.PIPELINE, 1) > 1 and ctx.res.experts:
         yield err("P487", "expert parallelism with a pipeline axis is not supported yet", mesh.span,
                   "expert and pipeline axes",
                   ("not built or tested together yet: remove the pipeline axis (and the `pipeline` line), or the "
@@ -169,3 +167,23 @@ def check_expert_placements(ctx: Context) -> Iterator[Diagnostic]:
             yield err("P485", f"`{styled[0]}` gets a tensor-parallel style beside expert-parallel `{paths[0]}`", s.span,
                       "the router must stay replicated", related=[(res.parallel[styled[0]].span, "styled here")],
                       help_=("remove the `parallel` tensor style from the experts and their router",))
+
+
+def check_expert_layer_styles(ctx: Context) -> Iterator[Diagnostic]:
+    """P434: with a tensor axis over 1, no tensor style on an expert-parallel MoE layer itself (planc
+    reads its input's layout to split its tokens over the tensor group: `split_over_tensor`)."""
+    sizes = _sizes(ctx)
+    if sizes is None or sizes.get(Role.TENSOR, 1) < 2:
+        return
+    layers = moe_layers(ctx.res.experts)
+    for path, setting in ctx.res.parallel.items():
+        if path in layers:
+            axis = ctx.res.mesh.axis(Role.TENSOR)
+            yield err("P434", f"`{pattern(path)}` holds expert-parallel experts and gets the tensor style "
+                      f"`{setting.value.kind}`", setting.span, "planc splits this layer's tokens itself",
+                      related=[(ctx.res.experts[layers[path]].span, "its experts are expert-parallel here")],
+                      help_=(f"remove this `parallel` line: with the tensor axis (`{axis}`) each rank runs the MoE "
+                             "layer on its part of the tensor group's tokens (its sequence shard under sequence "
+                             "parallelism, else an equal cut of the replicated tokens, gathered back after)",))
+            return
+

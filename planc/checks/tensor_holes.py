@@ -40,7 +40,9 @@ from planc.checks.tensor import (
 )
 from planc.diagnostics import Diagnostic
 from planc.lang import syntax as st
+from planc.resolve.experts import moe_layers
 from planc.resolve.ir import Setting
+from planc.resolve.mesh import Role
 from planc.resolve.selectors import match_modules
 from planc.resolve.styles import STYLES
 
@@ -256,7 +258,8 @@ def check_same_meshes(ctx: Context) -> Iterator[Diagnostic]:
     """P418: with any module on the tensor axis, every trained parameter is (the style each
     left-out module needs read from the layout chain). Frozen parameters are left out (the
     optimizer and gradient clipping never see them), and so are ignored ones (FSDP does not
-    manage them), and the modules a broken `parallel` rule meant to style."""
+    manage them), and the modules a broken `parallel` rule meant to style, and expert-parallel MoE
+    layers (their experts on the expert mesh, their router's gradient summed over the tensor group)."""
     styles = styled(ctx)
     if not styles:
         return
@@ -264,6 +267,8 @@ def check_same_meshes(ctx: Context) -> Iterator[Diagnostic]:
     covered = _on_tensor_axis(ctx, styles)
     skip = {norm for norm, _ in _sequence_norms(ctx, styles)}  # P417 asks for `sequence` there
     skip |= _broken_targets(ctx)
+    if ctx.res.mesh.axis(Role.EXPERT) is not None:  # expert-parallel MoE layers split their tokens instead
+        skip |= set(moe_layers(ctx.res.experts))
     unsplittable = [p for p, s in styles.items()  # P420 already says these are wrong
                     if s.value.kind in SPLIT and not isinstance(graph.module(p), (nn.Linear, nn.Embedding))]
     order = list(styles)

@@ -21,6 +21,7 @@ from planc.checks.context_parallel import (
 )
 from planc.checks.expect import METRICS, check_expects, check_memory_expects, check_metric_lines, metric_problems
 from planc.checks.experts import (
+    check_expert_layer_styles,
     check_expert_mesh,
     check_expert_modules,
     check_expert_placements,
@@ -106,6 +107,7 @@ CHECKS: tuple[Check, ...] = (
     Check(check_expert_unused, _MODEL),
     Check(check_expert_modules, _MODEL),
     Check(check_expert_placements, _MODEL),
+    Check(check_expert_layer_styles),
     Check(check_root_reshard, _MODEL),
     Check(check_shadowed, _MODEL),
     Check(check_metric_lines, about_expectations=True),

@@ -390,6 +390,14 @@ CODES: dict[str, Code] = {
     "P478": Code("split has no effect", "`split` says what the automatic split balances; with `stage` lines "
                  "there is no automatic split. Remove one or the other.", "warning"),
     # --- expert parallelism (P48x; planc/resolve/experts.py, planc/checks/experts.py)
+    "P434": Code("tensor style on an expert-parallel MoE layer", "With a tensor axis, the MoE layer that holds "
+                 "expert-parallel experts (their parent: router, shared experts, experts) runs on its tensor rank's "
+                 "part of the group's tokens: the sequence shard when its input is sharded over the tensor axis "
+                 "(sequence parallelism), else an equal cut of the replicated tokens, the outputs gathered back. A "
+                 "tensor style on that layer changes its input's layout before planc reads it (a local sequence "
+                 "shard would be taken for replicated tokens and cut again): remove it, planc splits the layer's "
+                 "tokens itself.\n\n    parallel layers.*.moe prepare_input { ... }   # error beside "
+                 "`parallel layers.*.moe.experts expert` on a mesh with a tensor axis"),
     "P480": Code("expert style without an expert axis", "`parallel SELECTOR expert` keeps whole experts on the "
                  "ranks of the mesh's expert axis, and the mesh has none. Add one (it borrows its ranks from shard x "
                  "context x tensor).\n\n    mesh (shard = *, expert = 2)\n    parallel layers.*.moe.experts expert"),
@@ -416,12 +424,10 @@ CODES: dict[str, Code] = {
                  "or a tensor-parallel style on the experts or their router, contradicts that; remove it."),
     "P486": Code("top-k larger than the expert count", "The router keeps top_k experts per token; a model whose "
                  "top_k exceeds its expert count cannot route (torch.topk raises at the first step)."),
-    "P487": Code("expert parallelism with a tensor, pipeline or context axis", "The expert axis may borrow "
-                 "tensor ranks in torchtitan, "
-                 "which first splits the tokens of a tensor group; planc dispatches each rank's own tokens, and the "
-                 "ranks of one tensor group hold the same ones. Not built yet: remove the tensor axis or the `expert` "
-                 "style. With a context axis it is not tested yet (no model here has a context-parallel attention "
-                 "and routed experts) and refused the same way; with a pipeline axis too."),
+    "P487": Code("expert parallelism with a pipeline or context axis", "The expert axis may borrow tensor ranks "
+                 "(each MoE layer then runs on its tensor rank's part of the group's tokens); with a context axis it "
+                 "is not tested yet (no model here has a context-parallel attention and routed experts), and with a "
+                 "pipeline axis it is not built: remove that axis or the `expert` style."),
     "P488": Code("expert axis without an expert style", "The mesh has an expert axis but no module is "
                  "expert-parallel: the axis does nothing. Mark the experts containers, or remove the axis.", "warning"),
     # --- context parallelism (P49x; planc/resolve/context.py, planc/checks/context_parallel.py)

@@ -21,6 +21,7 @@ from planc.lower.fsdp import compute_dtypes, fsdp_shape, reshard_group, shard_nu
 from planc.lower.job import Schedule
 from planc.lower.lowering import tensor_dims
 from planc.lower.program import AttendOverContext, Checkpoint, DispatchExperts, FullyShard, Parallelize, Program
+from planc.resolve.mesh import Role
 from planc.resolve.styles import IN, OUT, STYLES
 
 
@@ -155,19 +156,30 @@ def expert_collectives(program: Program, graph, world: int, tokens: int, top_k: 
     sends and receives `tokens x top_k` rows in all): forward the dispatch and the combine, backward
     their gradients the same way back; bytes the input's (nccl-tests' convention), in the compute
     dtype of the unit that holds the container. Not counted: the exchange of the per-expert counts
-    (`experts` int64 values, one all-to-all per dispatch, a blocking host sync)."""
+    (`experts` int64 values, one all-to-all per dispatch, a blocking host sync).
+
+    With a tensor axis (`op.tensor`) the MoE layer runs on its tensor rank's part of the tokens,
+    `tokens / tensor` (the sequence-parallel form: `split_over_tensor`), and its dense parameters'
+    gradients (router, shared experts) are all-reduced over the tensor axis in the backward, in
+    their compute dtype. (A replicated input's cut and gather are not counted.)"""
     from planc.resolve.experts import expert_degrees
     sizes = program.mesh.sizes(world) or {}
     degrees = expert_degrees(program.mesh, sizes) if sizes else None
     out: dict[str, list[Collective]] = {}
     if degrees is None:
         return out
-    ep = degrees[0]
+    ep, tp = degrees[0], sizes.get(Role.TENSOR, 1)
     dtypes = compute_dtypes(program, graph)
     for op in program.of_type(DispatchExperts):
-        nbytes = tokens * top_k * dim * _itemsize(dtypes[op.params[0]])
+        rows = tokens // tp if op.tensor is not None else tokens
+        nbytes = rows * top_k * dim * _itemsize(dtypes[op.params[0]])
         out[op.module] = [Collective("all_to_all", op.axis, ep, nbytes, phase, op.module)
                           for phase in ("forward", "forward", "backward", "backward")]
+        if op.tensor is not None:
+            inside = set(op.params)
+            dense = [n for n in sorted(graph.subtree_params(op.layer)) if n not in inside]
+            out[op.module] += [Collective("all_reduce", op.tensor, tp, graph.params[n].numel * _itemsize(dtypes[n]),
+                                          "backward", op.layer) for n in dense]
     return out
 
 

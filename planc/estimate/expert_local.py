@@ -120,7 +120,32 @@ def emulate_experts(model: nn.Module, program, ep: int) -> list:
             kept = p.detach().new_empty(local_expert_shape(tuple(p.shape), ep))
             module.register_parameter(name, nn.Parameter(kept, requires_grad=p.requires_grad))
         module.forward = _dispatch(module, ep, local)
+        if op.layer is not None:
+            _split_over_tensor(model.get_submodule(op.layer), module)
     return []
+
+
+def _split_over_tensor(layer: nn.Module, experts: nn.Module) -> None:
+    """The runtime's `split_over_tensor` on one rank, under the tensor-local emulation: the layer
+    takes the tokens it is given (a sequence-parallel input is this rank's shard already: the
+    estimated case), and its dense parameters' gradients are summed over the tensor group (a new
+    tensor each, as the runtime's all-reduce of a copy). The cut and gather of a replicated input
+    are not emulated: its dispatch is estimated on the whole group's tokens."""
+    inside = {id(p) for p in experts.parameters()}
+    dense = [(m, key) for m in layer.modules() for key, p in m._parameters.items() if p is not None and id(p) not in inside]
+    forward = layer.forward
+
+    def run(*args, **kwargs):
+        own = [(m, key, m._parameters[key]) for m, key in dense]
+        for m, key, p in own:
+            m._parameters[key] = ScaleGrad.apply(p, 1.0)  # the gradient copied, as the runtime's all-reduce input
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            for m, key, p in own:
+                m._parameters[key] = p
+
+    layer.forward = run
 
 
 __all__ = ["ROUTING", "emulate_experts", "expert_degree", "expert_fsdp_degree", "local_expert_shape"]

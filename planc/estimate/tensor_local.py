@@ -20,15 +20,26 @@ from torch import nn
 from planc.lower.fsdp import fsdp_shape
 from planc.lower.job import Reader
 from planc.lower.lowering import tensor_dims
-from planc.lower.program import AttendOverContext, Checkpoint, Compile, FullyShard, Parallelize, SetPrefetch, UnitMethod
+from planc.lower.program import (
+    AttendOverContext,
+    Checkpoint,
+    Compile,
+    DispatchExperts,
+    FullyShard,
+    Parallelize,
+    SetPrefetch,
+    UnitMethod,
+)
 from planc.resolve.styles import STYLES
 from planc.resolve.tensor import Layout
 
 # The tensor split is `Parallelize`'s alone: FSDP, checkpointing, the context gathers
-# (`context_local.py`), compile, prefetch lists and unit methods leave a tensor rank's local
-# shapes and layouts as they are.
+# (`context_local.py`), the experts' dispatch (`expert_local.py`: an expert-parallel MoE layer
+# takes the local tokens it is given), compile, prefetch lists and unit methods leave a tensor
+# rank's local shapes and layouts as they are.
 READER = Reader("the tensor-local emulation",
-                (FullyShard, Parallelize, AttendOverContext, Checkpoint, Compile, SetPrefetch, UnitMethod))
+                (FullyShard, Parallelize, AttendOverContext, DispatchExperts, Checkpoint, Compile, SetPrefetch,
+                 UnitMethod))
 
 
 def local_shapes(program, graph, tp: int) -> dict[str, tuple[int, ...]]:

@@ -161,13 +161,16 @@ def _experts(res: Resolution, graph: ModelGraph, world: int | None) -> tuple[lis
         return [], {}
     sizes = res.mesh.sizes(world)
     degrees = None if sizes is None else expert_degrees(res.mesh, sizes)
+    # with a tensor axis over 1, the MoE layer (the container's parent) splits its tokens over it
+    tensor = res.mesh.axis_name(Role.TENSOR) if sizes is not None and sizes.get(Role.TENSOR, 1) > 1 else None
     ops, dims = [], {}
     for path in sorted(res.experts, key=graph.pre):
         params = tuple(canonical for _, canonical in graph.own_params(path))
         count = graph.params[params[0]].shape[0] if params else 0
         unit = next((u for u in res.units if params and params[0] in u.params), None)
         averaged = unit is None or unit["gradient_divide_factor"] is None
-        ops.append(DispatchExperts(path, axis, count, params, res.experts[path], averaged))
+        layer = path.rpartition(".")[0] if tensor is not None else None
+        ops.append(DispatchExperts(path, axis, count, params, res.experts[path], averaged, tensor, layer))
         dim = 1 if degrees is not None and degrees[0] * degrees[1] > count else 0
         dims.update((p, dim) for p in params)
     return ops, dims

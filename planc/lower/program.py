@@ -131,8 +131,10 @@ class DispatchExperts:
     `axis` is the expert axis's name on the expert view (`planc/lower/job.py::EXPERT`);
     `experts` the container's expert count (dim 0 of its 3-D weights); `params` its parameters.
     `averaged`: FSDP averages the gradients of the unit that holds them (no `reduction
-    divide_factor`), so the dispatch scales the experts' gradients by `1 / expert`; with a divide
+    divide_factor`), so the dispatch scales the experts' gradients by `tensor / expert`; with a divide
     factor FSDP divides dense and expert sums by the same number and the dispatch scales nothing.
+    With a tensor axis, `tensor` names it on the dense view and `layer` is the MoE layer (the
+    container's parent) whose tokens the tensor group's ranks split (`split_over_tensor`).
     """
 
     module: str
@@ -141,6 +143,8 @@ class DispatchExperts:
     params: tuple[str, ...]
     origin: Setting
     averaged: bool = True
+    tensor: str | None = None
+    layer: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,14 @@ def expert_style(stmt: st.ParallelStmt, mesh: Mesh, mesh_ok: bool, diags: list[D
     return ok
 
 
+def moe_layers(experts: Mapping[str, object]) -> dict[str, str]:
+    """Each expert-parallel container's MoE layer (its parent: router, shared experts, the
+    experts), path -> container. Under a tensor axis the layer runs on its tensor rank's part
+    of the group's tokens (`planc.backends.experts.split_over_tensor`): its parameters stay off
+    the tensor axis, the dense ones' gradients summed over it."""
+    return {path.rpartition(".")[0]: path for path in experts}
+
+
 SORTED, TOKEN_CHOICE = "sorted", "token choice"  # the experts layouts the style fits (`layout`)
 
 

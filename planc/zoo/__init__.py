@@ -2,7 +2,7 @@
 
 The quick start, the documentation and the test-suite (including multi-process FSDP2 tests on
 CPU with gloo) all need a few well-known module trees to point plans at. This module provides
-five families, each in a full size and a tiny size:
+six families, each in a full size and a tiny size:
 
 * ``seed_transformer`` -- a plain pre-norm decoder built from ``nn.MultiheadAttention``
   (about 1.41B parameters at full size). Its attribute names (``embedding``,
@@ -22,6 +22,9 @@ five families, each in a full size and a tiny size:
 * ``routed_moe`` -- a *routed* mixture of experts (64 experts, top-6 at full size): a top-k
   router, tokens sorted by expert, each expert run only on its own tokens by a grouped matmul
   (``planc::grouped_mm``), torchtitan's module names and 3-D expert layout.
+* ``moe_llama`` -- the Llama above with routed MoE layers for feed-forward (Qwen3-30B-A3B's
+  shape at full size: 128 experts, top-8, 48 layers, about 30.1B parameters): tensor-parallel
+  attention beside expert-parallel experts (``plans/qwen3-moe-ep-tp.plan``).
 
 Design rules that every model here follows, because the compiler and the FSDP2 tests rely on
 them:
@@ -80,6 +83,7 @@ from planc.zoo.moe import (
     moe_transformer,
     moe_transformer_tiny,
 )
+from planc.zoo.moe_llama import MOE_LLAMA_TINY_CONFIG, QWEN3_MOE_CONFIG, MoELlama, moe_llama, moe_llama_tiny
 from planc.zoo.routed import ROUTED_MOE_TINY_CONFIG, RoutedMoETransformer, routed_moe, routed_moe_tiny
 from planc.zoo.seed import SEED_TINY_CONFIG, Block, SeedConfig, SeedTransformer, seed_transformer, seed_transformer_tiny
 
@@ -123,6 +127,11 @@ __all__ = [
     "ROUTED_MOE_TINY_CONFIG",
     "routed_moe",
     "routed_moe_tiny",
+    "MoELlama",
+    "MOE_LLAMA_TINY_CONFIG",
+    "QWEN3_MOE_CONFIG",
+    "moe_llama",
+    "moe_llama_tiny",
     "example_input",
     "ZOO",
 ]
@@ -173,4 +182,6 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
     "llama3_8b": llama3_8b,  # the Llama 3 8B shape (plans/llama3-8b-long-context.plan); tiny: llama_tiny
     "routed_moe": routed_moe,
     "routed_moe_tiny": routed_moe_tiny,
+    "moe_llama": moe_llama,  # Qwen3-30B-A3B's shape (plans/qwen3-moe-ep-tp.plan)
+    "moe_llama_tiny": moe_llama_tiny,
 }
