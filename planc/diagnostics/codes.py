@@ -533,6 +533,12 @@ CODES: dict[str, Code] = {
     "P706": Code("unknown fsdp_config key", "A key under `fsdp_config` is not one accelerate reads; it is "
                  "probably misspelled and accelerate ignores it.", "warning"),
     # --- pipeline stages on the model (ppverify: P456)
+    "P450": Code("a memory bound with little headroom under a split-backward schedule", "planc's memory per "
+                 "pipeline rank does not yet model everything a split backward (InterleavedZeroBubble, ZBVZeroBubble, "
+                 "DualPipeV) keeps between a microbatch's input and weight gradients: against a hook-free count of "
+                 "live bytes on real gloo runs it was up to 9.3% low (benchmarks/RESULTS.md). An `expect memory...` "
+                 "upper bound that holds by less than that may not hold on a real run. Leave that much headroom, or "
+                 "use a schedule without a split backward.", "warning"),
     "P456": Code("the forward is not a chain of the stages", "Each pipeline stage runs the model's forward with "
                  "the modules outside it passed through (they return their first argument). A forward that "
                  "indexes its blocks or carries state across them breaks that: GPT adds `wpe(positions)` to the "
