@@ -138,8 +138,7 @@ unit layers.*
 def dcp_round_trip(rank: int, world: int, folder: str) -> dict:
     """Save under expert x tensor (SP_PLAN), load into plain 1-D FSDP (other initial values), save
     that, load into expert x tensor again: max abs difference to the saved values at each end."""
-    import torch.distributed.checkpoint as dcp
-    from expert_workers import _whole
+    from expert_workers import round_trip
 
     import planc
 
@@ -148,21 +147,7 @@ def dcp_round_trip(rank: int, world: int, folder: str) -> dict:
         model = _tiny()
         return model, planc.apply(model, planc.loads(plan))
 
-    torch.manual_seed(0)
-    saved = {n: p.detach().clone() for n, p in _tiny().named_parameters()}
-    eptp, _ = model_with(SP_PLAN, 0)
-    dcp.save(eptp.state_dict(), checkpoint_id=f"{folder}/eptp")
-    dense, dense_applied = model_with(DENSE_PLAN, 1)
-    state = dense.state_dict()
-    dcp.load(state, checkpoint_id=f"{folder}/eptp")  # in place, into the local shards
-    to_dense = max((t - saved[n]).abs().max().item() for n, t in _whole(dense, dense_applied).items())
-    dcp.save(dense.state_dict(), checkpoint_id=f"{folder}/dense")
-    back, back_applied = model_with(SP_PLAN, 2)
-    state = back.state_dict()
-    dcp.load(state, checkpoint_id=f"{folder}/dense")
-    to_eptp = max((t - saved[n]).abs().max().item() for n, t in _whole(back, back_applied).items())
-    fresh = max((t - saved[n]).abs().max().item() for n, t in _whole(*model_with(SP_PLAN, 3)).items())
-    return {"to_dense": to_dense, "to_eptp": to_eptp, "fresh": fresh}
+    return round_trip(_tiny, model_with, SP_PLAN, DENSE_PLAN, folder)
 
 
 def train_all(rank: int, world: int, folder: str) -> list[dict]:

@@ -192,25 +192,36 @@ def _whole(model, applied) -> dict:
 def dcp_round_trip(rank: int, world: int, folder: str) -> dict:
     """Save under expert parallelism, load into plain FSDP (other initial values), save that,
     load into expert parallelism again: max abs difference to the saved values at each end."""
-    import torch.distributed.checkpoint as dcp
-
     from planc.zoo import routed_moe_tiny
 
+    return round_trip(routed_moe_tiny, _model_with, PLAN, DENSE_PLAN, folder)
+
+
+def round_trip(build, model_with, plan: str, dense_plan: str, folder: str) -> dict:
+    """The DCP round trip of `plan` through `dense_plan` and back, each model `model_with(plan,
+    seed)` from other initial values: max abs difference to the first model's values (seed 0 of
+    `build`) after loading into the dense model (`to_dense`) and back (`to_ep`), and of a fresh
+    model that loaded nothing (`fresh`: the comparison can fail); the keys saved."""
+    import torch.distributed.checkpoint as dcp
+
     torch.manual_seed(0)
-    saved = {n: p.detach().clone() for n, p in routed_moe_tiny().named_parameters()}
-    ep_model, _ = _model_with(PLAN, 0)
-    dcp.save(ep_model.state_dict(), checkpoint_id=f"{folder}/ep")
-    dense, dense_applied = _model_with(DENSE_PLAN, 1)
+    saved = {n: p.detach().clone() for n, p in build().named_parameters()}
+
+    def error(model, applied) -> float:
+        return max((t - saved[n]).abs().max().item() for n, t in _whole(model, applied).items())
+
+    first, _ = model_with(plan, 0)
+    dcp.save(first.state_dict(), checkpoint_id=f"{folder}/ep")
+    dense, dense_applied = model_with(dense_plan, 1)
     state = dense.state_dict()
     dcp.load(state, checkpoint_id=f"{folder}/ep")  # in place, into the local shards
-    to_dense = max((t - saved[n]).abs().max().item() for n, t in _whole(dense, dense_applied).items())
+    to_dense = error(dense, dense_applied)
     dcp.save(dense.state_dict(), checkpoint_id=f"{folder}/dense")
-    back, back_applied = _model_with(PLAN, 2)
+    back, back_applied = model_with(plan, 2)
     state = back.state_dict()
     dcp.load(state, checkpoint_id=f"{folder}/dense")
-    to_ep = max((t - saved[n]).abs().max().item() for n, t in _whole(back, back_applied).items())
-    moved = max((t - saved[n]).abs().max().item() for n, t in _whole(*_model_with(PLAN, 3)).items())
-    return {"to_dense": to_dense, "to_ep": to_ep, "fresh": moved, "keys": sorted(state)}
+    return {"to_dense": to_dense, "to_ep": error(back, back_applied), "fresh": error(*model_with(plan, 3)),
+            "keys": sorted(state)}
 
 
 HF_PLAN = """mesh (shard = *, expert = 2)

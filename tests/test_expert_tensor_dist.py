@@ -59,7 +59,7 @@ def test_dcp_checkpoint_under_expert_by_tensor_loads_one_d_and_back(results):
     (a fresh model of another seed really differs)."""
     for ranks in results:
         trip = ranks[4]
-        assert trip["to_dense"] == 0 and trip["to_eptp"] == 0 and trip["fresh"] > 0, trip
+        assert trip["to_dense"] == 0 and trip["to_ep"] == 0 and trip["fresh"] > 0, trip
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
