@@ -139,6 +139,17 @@ def edge(rank: int, world: int, case: str) -> dict:
             held, n = [pp_rank, pp_rank + 2], 4
             sched = get_schedule_class("ZBVZeroBubble")(_linear_stages(held, n, group, pp_rank), n_microbatches=4,
                                                         loss_fn=_loss)
+        elif case in ("checkpoint_split_backward", "wrapper_split_backward"):  # ZBV, V placement, checkpointing
+            held, n = [pp_rank, 3 - pp_rank], 4
+            stages = _linear_stages(held, n, group, pp_rank)
+            for stage in stages:
+                if case == "checkpoint_split_backward":  # torch's composable checkpoint, as planc.apply runs it
+                    from torch.distributed._composable import checkpoint
+                    checkpoint(stage.submod)
+                else:  # torchtitan's: the module wrapped
+                    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+                    stage.submod[0] = checkpoint_wrapper(stage.submod[0])
+            sched = get_schedule_class("ZBVZeroBubble")(stages, n_microbatches=4, loss_fn=_loss)
         elif case == "uneven_microbatches":  # a local batch of 8 in 3 microbatches
             held, n = [pp_rank], 2
             sched = get_schedule_class("1F1B")(_linear_stages(held, n, group, pp_rank)[0], n_microbatches=3,
@@ -164,7 +175,8 @@ def launch(rank: int, world: int) -> dict:
     dist.barrier()
     out["tied"] = tied_across_stages(mesh)
     dist.barrier()
-    for case in ("zbv_loop_placement", "uneven_microbatches"):  # the hang first: a failed case leaves messages behind
+    # the hang first, the failures last: a failed case leaves messages behind
+    for case in ("wrapper_split_backward", "zbv_loop_placement", "uneven_microbatches", "checkpoint_split_backward"):
         out[case] = edge(rank, world, case)
         dist.barrier()
     return out

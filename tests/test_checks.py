@@ -36,10 +36,11 @@ def test_every_registered_check_declares_known_needs_and_is_listed_once():
 
 @pytest.mark.parametrize("available,expected", [
     (frozenset(), {"check_rank_limits", "check_tensor_last", "check_context_sequence",
-                   "check_pipeline_reshard", "check_pipeline_microbatches", "check_pipeline_batch",
+                   "check_pipeline_reshard", "check_pipeline_checkpoint", "check_pipeline_microbatches", "check_pipeline_batch",
                    "check_expert_mesh", "check_expert_layer_styles", "check_metric_lines"}),
     (frozenset({WORLD}), {"check_rank_limits", "check_mesh", "check_tensor_last",
-                          "check_context_sequence", "check_pipeline_reshard", "check_pipeline_microbatches",
+                          "check_context_sequence", "check_pipeline_reshard", "check_pipeline_checkpoint",
+                          "check_pipeline_microbatches",
                           "check_pipeline_batch", "check_expert_mesh", "check_expert_layer_styles",
                           "check_metric_lines"}),
     (frozenset({MODEL, WORLD, MEMORY}), {c.name for c in validate.CHECKS}),

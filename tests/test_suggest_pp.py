@@ -81,8 +81,11 @@ def test_microbatches_divide_the_batch_and_cover_the_stages():
 
 @pytest.mark.parametrize("name", pp.SCHEDULES)
 def test_every_schedule_writes_a_plan_planc_accepts(name):
-    """The split-backward schedules too: the plan never reshards after forward (P465)."""
-    c = next(c for c in pp.choices(WORLD, 16, 1, (2,), (name,), 4) if c.checkpoint == "full")
+    """The split-backward schedules too: the plan never reshards after forward (P465) and does not
+    checkpoint under them (P451); full checkpointing under the others."""
+    offered = list(pp.choices(WORLD, 16, 1, (2,), (name,), 4))
+    c = next(c for c in offered if c.checkpoint == ("none" if name in pp.SPLIT_BACKWARD else "full"))
+    assert name not in pp.SPLIT_BACKWARD or {c.checkpoint for c in offered} == {"none"}
     text = pp.plan_text(model(256).prof.chain, REF, c, ())
     assert "reshard" not in text
     compiled = CompiledPlan(planc.loads(text), graph(), WORLD, check_memory=False)

@@ -1,4 +1,4 @@
-"""Pipeline parallelism, statically (P465-P476, P479): the stages, the units, the schedule, the batch.
+"""Pipeline parallelism, statically (P451, P465-P476, P479): the stages, the units, the schedule, the batch.
 
 The `pipeline` and `stage` lines themselves are resolved in `planc/resolve/pipeline.py`
 (P460-P464, P470, P477, P478); here the stages are checked against the model and the rest
@@ -183,6 +183,22 @@ def check_pipeline_reshard(ctx: Context) -> Iterator[Diagnostic]:
                   ("remove `reshard after_forward` (under a pipeline planc, like torchtitan, keeps each unit "
                    f"unsharded between forward and backward), or use a schedule without a split backward; {FACTS} "
                    "shows the wrong gradients",), related=((pp.span, f"{pp.schedule} splits the backward"),))
+
+
+def check_pipeline_checkpoint(ctx: Context) -> Iterator[Diagnostic]:
+    """P451: activation checkpointing under a split-backward schedule: torch 2.13's composable
+    `checkpoint` (what `planc.apply` runs) fails in the weight backward (`W`) there."""
+    pp = ctx.res.pipeline
+    if pp is None or pp.schedule not in SPLIT_BACKWARD:
+        return
+    found = [((setting.span, setting.rule), path) for path, setting in ctx.res.checkpoint.items()
+             if setting.value not in (None, "none")]
+    for (span, rule), paths in by_key(found).items():
+        yield err("P451", f"`{rule}` checkpoints {listed(paths)} under {pp.schedule}: torch 2.13's checkpoint fails "
+                  "in its weight backward", span, "checkpointing under a split backward",
+                  (f"remove the `checkpoint` line, or use a schedule without a split backward (1F1B, Interleaved1F1B); "
+                   f"{FACTS} shows the failure (AttributeError in `backward_weight_one_chunk`)",),
+                  related=((pp.span, f"{pp.schedule} splits the backward"),))
 
 
 def bubble(pp: Pipeline) -> float:

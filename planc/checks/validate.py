@@ -30,6 +30,7 @@ from planc.checks.experts import (
 from planc.checks.mesh import check_mesh, check_placements, check_rank_limits, check_reshard_size
 from planc.checks.pipeline import (
     check_pipeline_batch,
+    check_pipeline_checkpoint,
     check_pipeline_microbatches,
     check_pipeline_reshard,
     check_pipeline_rules,
@@ -101,6 +102,7 @@ CHECKS: tuple[Check, ...] = (
     Check(check_pipeline_tied, _MODEL),
     Check(check_pipeline_chain, _MODEL),
     Check(check_pipeline_reshard),
+    Check(check_pipeline_checkpoint),
     Check(check_pipeline_microbatches),
     Check(check_pipeline_batch),
     Check(check_expert_mesh),

@@ -539,6 +539,13 @@ CODES: dict[str, Code] = {
                  "live bytes on real gloo runs it was up to 9.3% low (benchmarks/RESULTS.md). An `expect memory...` "
                  "upper bound that holds by less than that may not hold on a real run. Leave that much headroom, or "
                  "use a schedule without a split backward.", "warning"),
+    "P451": Code("activation checkpointing under a split-backward schedule", "InterleavedZeroBubble, "
+                 "ZBVZeroBubble and DualPipeV split each backward into an input half and a weight half run later. "
+                 "On torch 2.13 the composable `checkpoint` planc applies fails in the weight half "
+                 "(`AttributeError: '_GeneratorContextManager' object has no attribute 'args'` in "
+                 "`backward_weight_one_chunk`; tests/test_pipeline_facts_dist.py), so the first step would crash. "
+                 "Remove the `checkpoint` lines, or use a schedule without a split backward.\n\n"
+                 "    pipeline 1F1B { microbatches 8 }\n    checkpoint layers.* full"),
     "P456": Code("the forward is not a chain of the stages", "Each pipeline stage runs the model's forward with "
                  "the modules outside it passed through (they return their first argument). A forward that "
                  "indexes its blocks or carries state across them breaks that: GPT adds `wpe(positions)` to the "

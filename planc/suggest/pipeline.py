@@ -339,7 +339,8 @@ class Model:
 
 def choices(world: int, global_batch: int, tensor: int, pps, schedules, pieces: int):
     """Every (pipeline degree, schedule, stages per rank, microbatches, mode) at `tensor`; the
-    microbatches divide the data-parallel rank's batch and are at least the stages (no P474)."""
+    microbatches divide the data-parallel rank's batch and are at least the stages (no P474); a
+    split-backward schedule without checkpointing (P451)."""
     for pp in pps:
         if pp < 2 or world % (pp * tensor):
             continue
@@ -355,7 +356,8 @@ def choices(world: int, global_batch: int, tensor: int, pps, schedules, pieces: 
                 for m in range(pp * v, local + 1):
                     if local % m or _schedule(name, pp, m, v) is None:
                         continue
-                    for mode in CHECKPOINT_MODES:
+                    # no checkpointing under a split backward: torch 2.13's composable checkpoint fails there (P451)
+                    for mode in ("none",) if name in SPLIT_BACKWARD else CHECKPOINT_MODES:
                         yield PipeChoice(tensor, pp, name, v, m, mode, local)
 
 
