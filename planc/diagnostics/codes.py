@@ -613,7 +613,7 @@ CODES: dict[str, Code] = {
     "P960": Code("no combination of degrees can be searched", "`planc suggest --context-parallel RULES` or "
                  "`--expert-parallel RULES` (with or without `--tensor-parallel`) searches every combination of the "
                  "degrees asked for, each with its axes' `parallel` rules, and every combination was skipped: planc's "
-                 "checks reject it (P482 experts not dividing, P487 experts with a tensor or context axis, P495 a "
+                 "checks reject it (P482 experts not dividing, P487 experts with a context axis, P495 a "
                  "sequence that does not cut into 2 x context chunks, ...), its axes do not divide the world, or the "
                  "model did not run as one rank of it. The message says why per combination; include degree 1 (the "
                  "plan without that axis) or degrees the rules hold at.\n\n"

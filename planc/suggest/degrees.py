@@ -6,7 +6,7 @@ of `--tensor-parallel`, the `context` statements of `--context-parallel`, the `e
 statements of `--expert-parallel`. Rules come from a plan file (its statements of that style) or
 `auto` (`auto_rules`: every module the style fits, as planc's checks decide it). Which
 combinations planc accepts is not decided here: each is compiled and a combination the checks
-reject (P487 expert with tensor or context, P482 experts not dividing, P495 a sequence that does
+reject (P487 expert with context, P482 experts not dividing, P495 a sequence that does
 not cut into 2 x context chunks, ...) is skipped with its code.
 
 What a degree does to the input (`--input-shape BxS`, per rank at degree 1): a tensor group of
