@@ -82,44 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="achievable fraction of peak FLOP/s (default: the profile's, 0.6 built in)")
     e.set_defaults(func=explain.main)
 
-    g = sub.add_parser("suggest", help="search for the fastest plan that fits a per-rank memory budget")
-    g.add_argument("--model", required=True, metavar="MODULE:CALLABLE")
-    g.add_argument("--world-size", type=_world_size, required=True, metavar="N")
-    g.add_argument("--budget", required=True, metavar="BYTES", help="per-rank memory budget, e.g. 40GiB")
-    g.add_argument("--input-shape", metavar="BxS", help="token ids per rank, batch x sequence")
-    g.add_argument("--inputs", metavar="MODULE:FN", help="instead of --input-shape: input factory, fn(model) -> args "
-                   "tuple, kwargs dict or Example, the step's inputs per rank (e.g. an encoder-decoder's decoder ids)")
-    g.add_argument("--hardware", metavar="NAME|FILE", default="h100",
-                   help="hardware profile: h100, h200, a100, b200 or a TOML/JSON file (docs/time-model.md; default h100)")
-    g.add_argument("--optimizer", choices=("adamw", "adamw_fused", "adam", "adam_fused", "sgd", "none"), default="adamw")
-    g.add_argument("--tensor-parallel", metavar="PLAN|hf",
-                   help="also search tensor-parallel degrees with these `parallel` rules: those of a plan file, or "
-                        "`hf` for the model's Hugging Face base_model_tp_plan (docs/suggest.md)")
-    g.add_argument("--tensor", metavar="T,T,...",
-                   help="tensor-parallel degrees to search with --tensor-parallel (default: 1, 2, 4, 8 "
-                        "dividing the world, at most the GPUs per node)")
-    g.add_argument("--context-parallel", metavar="PLAN|auto",
-                   help="also search context-parallel degrees with these `parallel ... context` rules: those of a "
-                        "plan file, or `auto` for every attention the context style fits (docs/suggest.md)")
-    g.add_argument("--context", metavar="C,C,...",
-                   help="context degrees to search with --context-parallel (default: 1, 2, 4, 8 dividing the world, "
-                        "the ones above 1 tried only when nothing without a context axis fits)")
-    g.add_argument("--expert-parallel", metavar="PLAN|auto",
-                   help="also search expert-parallel degrees with these `parallel ... expert` rules: those of a plan "
-                        "file, or `auto` for every experts container the expert style fits (docs/suggest.md)")
-    g.add_argument("--expert", metavar="E,E,...",
-                   help="expert degrees to search with --expert-parallel (default: 1, 2, 4, 8 dividing the world)")
-    g.add_argument("--pipeline", metavar="P,P,...", nargs="?", const="",
-                   help="also search pipeline plans: degrees P (default 1, 2, 4, 8, 16 dividing the world), the "
-                        "schedule, stages per rank, microbatches and the split (docs/suggest.md)")
-    g.add_argument("--schedules", metavar="NAME,...",
-                   help="torch's schedules the pipeline search tries (default 1F1B,Interleaved1F1B,ZBVZeroBubble)")
-    g.add_argument("--global-batch", type=int, metavar="G",
-                   help="sequences per step over the whole world (default: world size x B of --input-shape); "
-                        "every degree searched trains G sequences a step")
-    g.add_argument("-o", "--output", metavar="FILE", help="write the plan here (default: stdout)")
-    g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    g.set_defaults(func=suggest.main)
+    _add_suggest(sub)
 
     m = sub.add_parser("emit", help="print the equivalent hand-written fully_shard code")
     m.add_argument("plan")
@@ -151,6 +114,50 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("code", nargs="?")
     k.set_defaults(func=codes.cmd_codes)
     return p
+
+
+# per axis `suggest` searches the degree of: (metavar, help) of its rules flag and of its degrees flag
+_SUGGEST_AXES = (
+    ("tensor", ("PLAN|hf", "also search tensor-parallel degrees with these `parallel` rules: those of a plan file, or "
+                           "`hf` for the model's Hugging Face base_model_tp_plan (docs/suggest.md)"),
+     ("T,T,...", "tensor-parallel degrees to search with --tensor-parallel (default: 1, 2, 4, 8 dividing the world, at "
+                 "most the GPUs per node)")),
+    ("context", ("PLAN|auto", "also search context-parallel degrees with these `parallel ... context` rules: those of a "
+                              "plan file, or `auto` for every attention the context style fits (docs/suggest.md)"),
+     ("C,C,...", "context degrees to search with --context-parallel (default: 1, 2, 4, 8 dividing the world, the ones "
+                 "above 1 tried only when nothing without a context axis fits)")),
+    ("expert", ("PLAN|auto", "also search expert-parallel degrees with these `parallel ... expert` rules: those of a "
+                             "plan file, or `auto` for every experts container the expert style fits (docs/suggest.md)"),
+     ("E,E,...", "expert degrees to search with --expert-parallel (default: 1, 2, 4, 8 dividing the world)")),
+)
+
+
+def _add_suggest(sub) -> None:
+    """`planc suggest`'s arguments (planc/cli/suggest.py)."""
+    g = sub.add_parser("suggest", help="search for the fastest plan that fits a per-rank memory budget")
+    g.add_argument("--model", required=True, metavar="MODULE:CALLABLE")
+    g.add_argument("--world-size", type=_world_size, required=True, metavar="N")
+    g.add_argument("--budget", required=True, metavar="BYTES", help="per-rank memory budget, e.g. 40GiB")
+    g.add_argument("--input-shape", metavar="BxS", help="token ids per rank, batch x sequence")
+    g.add_argument("--inputs", metavar="MODULE:FN", help="instead of --input-shape: input factory, fn(model) -> args "
+                   "tuple, kwargs dict or Example, the step's inputs per rank (e.g. an encoder-decoder's decoder ids)")
+    g.add_argument("--hardware", metavar="NAME|FILE", default="h100",
+                   help="hardware profile: h100, h200, a100, b200 or a TOML/JSON file (docs/time-model.md; default h100)")
+    g.add_argument("--optimizer", choices=("adamw", "adamw_fused", "adam", "adam_fused", "sgd", "none"), default="adamw")
+    for axis, rules, degrees in _SUGGEST_AXES:  # --tensor-parallel/--tensor, --context-parallel/--context, ...
+        g.add_argument(f"--{axis}-parallel", metavar=rules[0], help=rules[1])
+        g.add_argument(f"--{axis}", metavar=degrees[0], help=degrees[1])
+    g.add_argument("--pipeline", metavar="P,P,...", nargs="?", const="",
+                   help="also search pipeline plans: degrees P (default 1, 2, 4, 8, 16 dividing the world), the "
+                        "schedule, stages per rank, microbatches and the split (docs/suggest.md)")
+    g.add_argument("--schedules", metavar="NAME,...",
+                   help="torch's schedules the pipeline search tries (default 1F1B,Interleaved1F1B,ZBVZeroBubble)")
+    g.add_argument("--global-batch", type=int, metavar="G",
+                   help="sequences per step over the whole world (default: world size x B of --input-shape); "
+                        "every degree searched trains G sequences a step")
+    g.add_argument("-o", "--output", metavar="FILE", help="write the plan here (default: stdout)")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    g.set_defaults(func=suggest.main)
 
 
 def _unhandled(err: UnknownKind) -> str:
