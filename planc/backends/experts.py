@@ -52,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from planc.lower.job import View
-from planc.model.scale_grad import ScaleGrad
+from planc.model.dispatch import ScaleGrad, expert_major
 from planc.resolve.experts import EFSDP, SORTED, layout
 
 __all__ = ["balanced_routing", "build_expert_mesh", "clip_grad_norm_", "dispatch_experts", "expert_mesh_of",
@@ -74,18 +74,6 @@ def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) ->
     y = funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
     return funcol.wait_tensor(y)
 
-
-def _expert_major(received: torch.Tensor, rows: int) -> torch.Tensor:
-    """Indices that reorder the `rows` rows received source-rank-major ([ranks, local experts]
-    counts) to expert-major, each expert's rows from rank 0 first."""
-    flat = received.reshape(-1)
-    starts = flat.cumsum(0) - flat
-    blocks = torch.arange(flat.numel(), device=flat.device).view(received.shape).t().reshape(-1)
-    counts = flat[blocks]
-    base = torch.repeat_interleave(starts[blocks], counts, output_size=rows)
-    within = torch.arange(rows, device=flat.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
-                                                                              output_size=rows)
-    return base + within
 
 
 _BALANCED: list[bool] = []  # non-empty inside `balanced_routing()`
@@ -162,7 +150,7 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str, tens
         send = counts.view(ep, local).contiguous()  # to rank j: the counts of its experts
         received, in_splits, out_splits = _split_sizes(send, rows.shape[0], group)
         arrived = _a2a(rows, out_splits, in_splits, group)
-        order = _expert_major(received, sum(out_splits))
+        order = expert_major(received, sum(out_splits))
         # NOTE: the parameters are read here, after FSDP's pre-forward put the unsharded ones in
         # place; their gradients scaled by tensor / expert (see the module docstring), put back however forward ends
         own = list(module._parameters.items())

@@ -11,7 +11,7 @@ and receives `rows x top_k / experts` rows for each of its local experts from ea
 `[experts / expert, ...]` parameters and replaces its forward by the runtime's `exchange` with
 local stand-ins for the collectives that allocate what the real ones do on one rank (the
 all-to-all's output, forward and backward; the counts' exchange buffer), and the regrouping
-(`_expert_major`'s index tensors, the two `index_select`s, the `argsort` back) and the
+(`expert_major`'s index tensors, the two `index_select`s, the `argsort` back) and the
 `1 / expert` gradient scaling as the runtime runs them. The runtime is the reference:
 tests/test_expert_memory_dist.py holds the estimate to FSDPMemTracker on real gloo ranks whose
 routing is made balanced.
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from planc.lower.program import DispatchExperts
-from planc.model.scale_grad import ScaleGrad
+from planc.model.dispatch import ScaleGrad, expert_major
 from planc.resolve.experts import SORTED, expert_degrees, layout
 
 ROUTING = ("balanced routing: each rank sends tokens x top_k / expert rows to every expert rank "
@@ -66,17 +66,6 @@ class _AllToAll(torch.autograd.Function):
         return grad.new_empty((ctx.in_rows, *grad.shape[1:])), None, None
 
 
-def _expert_major(received: torch.Tensor, rows: int) -> torch.Tensor:
-    """The runtime's `_expert_major` with its data-dependent sizes given (`rows` received in all)."""
-    flat = received.reshape(-1)
-    starts = flat.cumsum(0) - flat
-    blocks = torch.arange(flat.numel(), device=flat.device).view(received.shape).t().reshape(-1)
-    counts = flat[blocks]
-    base = torch.repeat_interleave(starts[blocks], counts, output_size=rows)
-    within = torch.arange(rows, device=flat.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
-                                                                              output_size=rows)
-    return base + within
-
 
 def _dispatch(module: nn.Module, ep: int, local: int):
     """The dispatched forward of the sorted layout (`forward(rows, offsets)`) on one rank, balanced."""
@@ -87,7 +76,7 @@ def _dispatch(module: nn.Module, ep: int, local: int):
         send = counts.view(ep, local).contiguous()
         received = torch.empty_like(send)  # the counts' all-to-all writes into it
         arrived = _AllToAll.apply(rows, n, n)
-        order = _expert_major(received, n)
+        order = expert_major(received, n)
         own = list(module._parameters.items())
         for key, p in own:
             module._parameters[key] = ScaleGrad.apply(p, 1.0 / ep)
