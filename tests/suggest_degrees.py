@@ -54,3 +54,12 @@ def verified(path: pathlib.Path):
     assert verdict.ok, [d.message for d in verify.diagnostics(compiled, verdict)]
     assert verdict.compared > 10
     return verdict
+
+
+def tight_budget(searched) -> int:
+    """A budget below every plan's peak without the axis (`searched(budget, (1,))`) and above its
+    degree 2's smallest (`searched(budget, (2,))`), in whole KiB: only the axis fits it."""
+    smallest_1d = searched(1024, (1,)).smallest.peak
+    smallest_2 = searched(1024, (2,)).smallest.peak
+    assert smallest_2 < smallest_1d, (smallest_2, smallest_1d)
+    return (smallest_1d + smallest_2) // 2 // 1024 * 1024

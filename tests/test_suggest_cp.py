@@ -15,7 +15,7 @@ import functools
 import pathlib
 
 import pytest
-from suggest_degrees import checks_clean, explained, verified, write
+from suggest_degrees import checks_clean, explained, tight_budget, verified, write
 
 from planc import zoo
 from planc.model.graph import ModelGraph
@@ -43,10 +43,7 @@ def searched(budget: int, contexts: tuple[int, ...] | None = None, shape=SHAPE):
 @functools.lru_cache(maxsize=None)
 def tight() -> int:
     """A budget below every 1-D plan's peak and above context 2's smallest."""
-    smallest_1d = searched(1024, (1,)).smallest.peak
-    smallest_2 = searched(1024, (2,)).smallest.peak
-    assert smallest_2 < smallest_1d, (smallest_2, smallest_1d)
-    return (smallest_1d + smallest_2) // 2 // 1024 * 1024
+    return tight_budget(searched)
 
 
 def test_auto_rules_are_the_shipped_plans():

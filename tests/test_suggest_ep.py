@@ -18,7 +18,7 @@ import pathlib
 
 import pytest
 from goldens import check_golden
-from suggest_degrees import checks_clean, explained, verified, write
+from suggest_degrees import checks_clean, explained, tight_budget, verified, write
 
 from planc import cli, zoo
 from planc.model.graph import ModelGraph
@@ -48,10 +48,7 @@ def searched(budget: int, experts: tuple[int, ...] | None = None, tensors: tuple
 @functools.lru_cache(maxsize=None)
 def tight() -> int:
     """A budget below every 1-D plan's peak and above expert 2's smallest."""
-    smallest_1d = searched(1024, (1,)).smallest.peak
-    smallest_2 = searched(1024, (2,)).smallest.peak
-    assert smallest_2 < smallest_1d, (smallest_2, smallest_1d)
-    return (smallest_1d + smallest_2) // 2 // 1024 * 1024
+    return tight_budget(searched)
 
 
 def test_auto_rules_are_the_shipped_plans():
