@@ -77,12 +77,10 @@ def _equal(results, name, world):
         # with checkpointing only the block being recomputed holds its masks at the peak
         assert masks == _mask_bytes(cp_rank) // (2 if "checkpoint" in name else 1), (rank, masks)
         real = result[name]
-        # NOTE: with K/V gathered and reduce-scattered as the runtime now does (before the repeat, gloo's list
-        # reduce-scatter) every run measured the trace exactly: 4 of 4 repetitions of "context" on 2 loaded
-        # cores (2026-12-04). With the former all-reduce of the repeated K/V's gradient, rank 1 measured
-        # 49,664 B more in about one run of two. A tensor handed to a gloo collective is also held by its
-        # work object, which gloo's worker thread drops only after `wait` returns: a race that can
-        # delay a free. Not shown: whether the race is gone or its delayed frees now stay under the peak.
+        # NOTE: with the former all-reduce of the repeated K/V's gradient, rank 1 measured 49,664 B more
+        # in about one run of two; since K/V are gathered and reduce-scattered before the repeat, every run
+        # measured the trace exactly. gloo's worker thread can still release a collective's tensors after
+        # `wait` returns: the measurement keeps the lower peak of two (`distributed.lowest_peak`).
         assert est.peak.total == real["peak"], (rank, est.peak.label, est.peak.bytes, real)
         # the same moment, by category: the tracker files unsharded gradients (and the all-reduce +
         # slice's reduce-scatter input) under activations; every other category is equal
