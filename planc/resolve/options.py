@@ -378,3 +378,46 @@ def _show(value: Any) -> str:
 
 
 show_value = _show
+
+
+def bind_block(block: st.Block | None, table: dict[str, OptionSpec], where: str, example: str,
+               diags: list[Diagnostic]) -> list[Assignment]:
+    """The options of a `where { ... }` block (`step`, `pipeline`) bound against `table`, in order:
+    P101 for an option the block does not take (the fix names `table`'s options and `example`), the
+    option's own diagnostic for a bad argument, P207 for a key set twice (`set_twice`)."""
+    assigned: list[Assignment] = []
+    for opt in block.options if block is not None else ():
+        spec = table.get(opt.name)
+        if spec is None:
+            diags.append(Diagnostic(
+                code="P101", severity="error", message=f"unknown option `{opt.name}` in a `{where}` block",
+                span=opt.name_span, label=f"not a {where} option",
+                help=suggestion(opt.name, table) or
+                (f"a `{where}` block takes " + ", ".join(f"`{o}`" for o in table) + f", e.g. `{example}`",)))
+            continue
+        try:
+            assigned += [Assignment(k, v, opt.span, opt.name) for k, v in _bind(spec, opt).items()]
+        except _Bad as bad:
+            diags.append(bad.diag)
+    diags.extend(set_twice(assigned))
+    return assigned
+
+
+def set_twice(assigned: list[Assignment]) -> list[Diagnostic]:
+    """P207 (warning): one block sets a key twice; the first assignment has no effect."""
+    last = {a.key: a for a in assigned}
+    return [Diagnostic(code="P207", severity="warning", span=a.span,
+                       message=f"`{a.key}` is set twice in one block: this value has no effect",
+                       label="set again later in this block", related=((last[a.key].span, "this one counts"),),
+                       help=(f"keep one `{a.option}` for `{a.key}`",))
+            for a in assigned if last[a.key] is not a and last[a.key].span != a.span]
+
+
+def replaced(stale, last, word: str, file: str) -> list[Diagnostic]:
+    """P207 (warning) for a `word` line (`mesh`, `model`, `step`, `pipeline`) that a later one replaces;
+    none for a line of an included plan (overriding a base plan is what `include` is for)."""
+    if stale.span.file != file:
+        return []
+    return [Diagnostic(code="P207", severity="warning", span=stale.span,
+                       message=f"this `{word}` line has no effect: a later `{word}` line replaces it",
+                       label="replaced", related=((last.span, "this one counts"),), help=(f"keep one `{word}` line",))]

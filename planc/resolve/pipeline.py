@@ -25,7 +25,7 @@ from planc.diagnostics import Diagnostic, Span, suggestion
 from planc.lang import syntax as st
 from planc.model.graph import ModelGraph
 from planc.resolve.mesh import Mesh, Role
-from planc.resolve.options import OptionSpec, Param, _Bad, _bind, enum, positive_int
+from planc.resolve.options import OptionSpec, Param, bind_block, enum, positive_int, replaced
 from planc.resolve.selectors import match_modules
 from planc.resolve.split import SplitError, auto_split
 
@@ -124,29 +124,9 @@ def _err(code: str, message: str, span: Span, label: str, help_: tuple[str, ...]
 
 
 def _options(stmt: st.PipelineStmt, diags: list[Diagnostic]) -> tuple[dict, dict[str, Span]]:
-    values: dict = {}
-    spans: dict[str, Span] = {}
-    for opt in stmt.block.options if stmt.block is not None else ():
-        spec = PIPELINE_OPTIONS.get(opt.name)
-        if spec is None:
-            diags.append(_err("P101", f"unknown option `{opt.name}` in a `pipeline` block", opt.name_span,
-                              "not a pipeline option", suggestion(opt.name, PIPELINE_OPTIONS) or (
-                                  "a `pipeline` block takes " + ", ".join(f"`{o}`" for o in PIPELINE_OPTIONS)
-                                  + ", e.g. `pipeline Interleaved1F1B { microbatches 8, stages_per_rank = 2 }`",)))
-            continue
-        try:
-            bound = _bind(spec, opt)
-        except _Bad as bad:
-            diags.append(bad.diag)
-            continue
-        for key in bound:
-            if key in values:
-                diags.append(_err("P207", f"`{key}` is set twice in one block: this value has no effect", spans[key],
-                                  "set again later in this block", (f"keep one `{key}`",), "warning",
-                                  ((opt.span, "this one counts"),)))
-            spans[key] = opt.span
-        values.update(bound)
-    return values, spans
+    assigned = bind_block(stmt.block, PIPELINE_OPTIONS, "pipeline",
+                          "pipeline Interleaved1F1B { microbatches 8, stages_per_rank = 2 }", diags)
+    return {a.key: a.value for a in assigned}, {a.key: a.span for a in assigned}
 
 
 def resolve_pipeline(stmts: tuple, file: str, mesh: Mesh, graph: ModelGraph | None,
@@ -173,10 +153,7 @@ def resolve_pipeline(stmts: tuple, file: str, mesh: Mesh, graph: ModelGraph | No
                                "`pipeline 1F1B { microbatches 8 }`, or remove the `stage` lines",)))
         return None
     for stale in lines[:-1]:
-        if stale.span.file == file:
-            diags.append(_err("P207", "this `pipeline` line has no effect: a later `pipeline` line replaces it",
-                              stale.span, "replaced", ("keep one `pipeline` line",), "warning",
-                              ((lines[-1].span, "this one counts"),)))
+        diags += replaced(stale, lines[-1], "pipeline", file)
     stmt = lines[-1]
     values, spans = _options(stmt, diags)
     name = stmt.schedule.value

@@ -24,7 +24,7 @@ from planc.resolve.context import context_style, is_context
 from planc.resolve.experts import expert_style, is_expert
 from planc.resolve.ir import DEFAULT_SETTINGS, Resolution, Setting, Unit
 from planc.resolve.mesh import Role, resolve_mesh
-from planc.resolve.options import CHECKPOINT_MODES, MODULE_SETTINGS, Assignment, parse_option
+from planc.resolve.options import CHECKPOINT_MODES, MODULE_SETTINGS, Assignment, parse_option, replaced, set_twice
 from planc.resolve.pipeline import resolve_pipeline
 from planc.resolve.selectors import check_regexes, match_modules, match_params
 from planc.resolve.step import resolve_step
@@ -51,18 +51,8 @@ def _block(block: st.Block | None, context, diags: list[Diagnostic]) -> list[Ass
         assignments, errs = parse_option(opt, context)
         out.extend(assignments)
         diags.extend(errs)
-    diags.extend(_set_twice(out))
+    diags.extend(set_twice(out))
     return out
-
-
-def _set_twice(assigned: list[Assignment]) -> list[Diagnostic]:
-    """P207 (warning): one block sets a setting twice; the first assignment has no effect."""
-    last = {a.key: a for a in assigned}
-    return [Diagnostic(code="P207", severity="warning", span=a.span,
-                       message=f"`{a.key}` is set twice in one block: this value has no effect",
-                       label="set again later in this block", related=((last[a.key].span, "this one counts"),),
-                       help=(f"keep one `{a.option}` for `{a.key}`",))
-            for a in assigned if last[a.key] is not a and last[a.key].span != a.span]
 
 
 class Resolver:
@@ -88,10 +78,10 @@ class Resolver:
             found: list[Diagnostic] = []
             resolve_mesh(stale, found)
             self.diags.extend(d for d in found if d.is_error)
-            self._replaced(stale, meshes[-1], "mesh")
+            self.diags += replaced(stale, meshes[-1], "mesh", self.plan.file)
         models = [s for s in stmts if isinstance(s, st.ModelStmt)]
         for stale in models[:-1]:
-            self._replaced(stale, models[-1], "model")
+            self.diags += replaced(stale, models[-1], "model", self.plan.file)
         self.out.step = resolve_step(stmts, self.plan.file, self.diags)
         if self._mesh_ok:  # a broken mesh has no pipeline axis to speak of
             self.out.pipeline = resolve_pipeline(stmts, self.plan.file, self.out.mesh, self.graph, self.diags)
@@ -190,17 +180,6 @@ class Resolver:
                     message="this rule has no effect: later rules set everything it sets", label="overridden",
                     related=((later[assigned[0].key].span, "overridden here"),),
                     help=("remove it, or move it after the rules that override it",)))
-
-    def _replaced(self, stale, last, word: str) -> None:
-        """P207 for a `mesh`/`model` line that a later one replaces (not in included plans:
-        overriding a base plan is what `include` is for)."""
-        if stale.span.file != self.plan.file:
-            return
-        self.diags.append(Diagnostic(
-            code="P207", severity="warning", span=stale.span,
-            message=f"this `{word}` line has no effect: a later `{word}` line replaces it",
-            label="replaced", related=((last.span, "this one counts"),),
-            help=(f"keep one `{word}` line",)))
 
     def _check_without_model(self) -> None:
         for s in self.plan.statements:

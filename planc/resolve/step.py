@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planc.diagnostics import Diagnostic, suggestion
+from planc.diagnostics import Diagnostic
 from planc.lang import syntax as st
 from planc.resolve.ir import Setting
-from planc.resolve.options import OptionSpec, Param, _Bad, _bind, enum, positive_int
+from planc.resolve.options import OptionSpec, Param, bind_block, enum, positive_int, replaced
 
 # When the gradients are reduced over the data-parallel axes (see the module docstring).
 GRADIENT_SYNC = ("every", "last")
@@ -77,11 +77,7 @@ def resolve_step(stmts: tuple, file: str, diags: list[Diagnostic]) -> Setting | 
     if not steps:
         return None
     for _, stale in steps[:-1]:
-        if stale.span.file == file:
-            diags.append(Diagnostic(
-                code="P207", severity="warning", span=stale.span,
-                message="this `step` line has no effect: a later `step` line replaces it",
-                label="replaced", related=((steps[-1][1].span, "this one counts"),), help=("keep one `step` line",)))
+        diags += replaced(stale, steps[-1][1], "step", file)
     setting = None
     for order, stmt in steps:  # a replaced line's mistakes are still mistakes
         setting = _resolve_block(order, stmt, diags)
@@ -89,29 +85,7 @@ def resolve_step(stmts: tuple, file: str, diags: list[Diagnostic]) -> Setting | 
 
 
 def _resolve_block(order: int, stmt: st.StepStmt, diags: list[Diagnostic]) -> Setting:
-    values: dict = {}
-    seen: st.Option | None = None
-    for opt in stmt.block.options:
-        spec = STEP_OPTIONS.get(opt.name)
-        if spec is None:
-            diags.append(Diagnostic(
-                code="P101", severity="error", message=f"unknown option `{opt.name}` in a `step` block",
-                span=opt.name_span, label="not a step option",
-                help=suggestion(opt.name, STEP_OPTIONS) or
-                ("a `step` block takes " + ", ".join(f"`{o}`" for o in STEP_OPTIONS)
-                 + ", e.g. `step { accumulate 4, sync = last }`",)))
-            continue
-        try:
-            bound = _bind(spec, opt)
-        except _Bad as bad:
-            diags.append(bad.diag)
-            continue
-        if seen is not None:
-            diags.append(Diagnostic(
-                code="P207", severity="warning", span=seen.span,
-                message=f"`{opt.name}` is set twice in one block: this value has no effect",
-                label="set again later in this block", related=((opt.span, "this one counts"),),
-                help=(f"keep one `{opt.name}`",)))
-        seen, values = opt, bound
-    span = seen.span if seen is not None else stmt.span
+    assigned = bind_block(stmt.block, STEP_OPTIONS, "step", "step { accumulate 4, sync = last }", diags)
+    values = {a.key: a.value for a in assigned}
+    span = assigned[-1].span if assigned else stmt.span
     return Setting(Accumulation(values.get("microbatches", 1), values.get("sync", "every")), span, "step", order)
