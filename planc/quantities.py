@@ -1,4 +1,4 @@
-"""Numbers for people in messages: byte sizes (`70.00 GiB`) and shapes (`2x512`)."""
+"""Numbers for people in messages: byte sizes (`70.00 GiB`), counts (`8.03B`) and shapes (`2x512`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,14 @@ def show_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def show_count(n: float) -> str:
+    """`8.03B`, `45.18K`, `512`: a parameter or token count in decimal units."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
 
 
 def show_shape(shape: tuple[int, ...]) -> str:

@@ -26,8 +26,8 @@ from pytest_lsp.client import DEFAULT_CLIENT_FEATURES, register_lsp_features  # 
 from test_fuzz import KEYWORDS, PUNCT, WORDS, plans  # noqa: E402  (the parser's fuzz corpus)
 
 import planc  # noqa: E402
-from planc.analysis.explain import gib  # noqa: E402
 from planc.lang.fmt import format_plan  # noqa: E402
+from planc.quantities import show_bytes
 from planc.resolve.options import OPTIONS  # noqa: E402
 
 ASYNC = pytest.mark.asyncio(loop_scope="module")  # every test shares the module's server
@@ -225,7 +225,7 @@ async def test_hover_selector_option_and_expect(client):
     # the estimate shown is the one the compiler makes
     expected = planc.compile(planc.loads(GPT), planc.zoo.gpt_tiny()).memory_at(8).metric("memory.peak")
     exp = await hover(client, uri, GPT, "memory.peak")
-    assert f"current estimate: **{gib(expected)}** per rank" in exp
+    assert f"current estimate: **{show_bytes(expected)}** per rank" in exp
     assert await hover(client, uri, GPT, "\n\ndefaults", 1) == ""
 
 
@@ -298,11 +298,11 @@ async def test_hover_on_the_pipeline_shows_each_rank_s_peak(client):
     whole = await hover(client, uri, text, "pipeline 1F1B")
     assert "| units | peak/rank | modules |" in whole
     for rank in (0, 1):  # stage, rank, parameters, units, the rank's peak
-        assert re.search(rf"\| {rank} \| {rank} \| [^|]+ \| 2 \| {re.escape(gib(peaks[rank]))} \|", whole)
+        assert re.search(rf"\| {rank} \| {rank} \| [^|]+ \| 2 \| {re.escape(show_bytes(peaks[rank]))} \|", whole)
     binding = max(range(2), key=lambda r: peaks[r])
-    assert f"peak per rank at world 4, input 8x16 (line 7); binding rank {binding}: {gib(peaks[binding])}" in whole
+    assert f"peak per rank at world 4, input 8x16 (line 7); binding rank {binding}: {show_bytes(peaks[binding])}" in whole
     exp = await hover(client, uri, text, "memory.peak")
-    assert f"current estimate: **{gib(peaks[binding])}** per rank on pipeline rank {binding} of 2 at" in exp
+    assert f"current estimate: **{show_bytes(peaks[binding])}** per rank on pipeline rank {binding} of 2 at" in exp
 
 
 @ASYNC

@@ -195,7 +195,7 @@ def test_the_405b_recipe_lowers_to_torchtitans_stages(capsys):
     assert sum(len(p.program.of_type(Parallelize)) for p in job.parts) == len(c.resolution.parallel)
     assert main(["explain", str(path), "--world-size", "512"]) == 0
     out = capsys.readouterr().out
-    assert "   15     7   24.4B      8  layers[119:126], norm, output" in out
+    assert "   15     7  24.42B      8  layers[119:126], norm, output" in out
 
 
 @pytest.mark.parametrize("name", list(planc.resolve.pipeline.SCHEDULES))

@@ -28,6 +28,7 @@ from planc.lower.program import (
     SetPrefetch,
     UnitMethod,
 )
+from planc.quantities import show_bytes, show_count
 from planc.resolve.experts import expert_degrees
 from planc.resolve.ir import Unit
 from planc.resolve.mesh import Role
@@ -43,19 +44,8 @@ SHOWN_SETTINGS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_inputs", 
                   "offload", "prefetch_forward", "prefetch_backward", "checkpoint", "compile")
 
 
-def gib(n: float) -> str:
-    """Bytes for people: B, KiB, MiB, GiB (binary, as memory is sold)."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
 
 
-def count(n: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(n)
 
 
 # ===================================================================== placements per mesh axis
@@ -321,7 +311,7 @@ def _tree(compiled, style: _Style) -> list[str]:
             tag = ""
             if u is not None:
                 tag = "  " + style.bold(f"unit {u.name}" if i == j else f"{j - i + 1} units")
-            lines.append(f"{prefix}{branch}{label}  {g.cls(kids[i])}  {count(g.subtree_numel[kids[i]])}"
+            lines.append(f"{prefix}{branch}{label}  {g.cls(kids[i])}  {show_count(g.subtree_numel[kids[i]])}"
                          f"{' each' if j > i else ''}{tag}")
             walk(kids[i], prefix + cont)
             i = j + 1
@@ -431,7 +421,8 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
         s = u["settings"]
         pf, pb = _prefetch_cell(group, "prefetch_forward"), _prefetch_cell(group, "prefetch_backward")
         each = " each" if len(group) > 1 else ""
-        rows.append([_run_name(group), count(u["params"]) + each, gib(u["sharded_bytes"]), gib(u["unsharded_bytes"]),
+        rows.append([_run_name(group), show_count(u["params"]) + each, show_bytes(u["sharded_bytes"]),
+                     show_bytes(u["unsharded_bytes"]),
                      f"{s['param_dtype']['value']}/{s['reduce_dtype']['value']}", s["reshard_after_forward"]["value"],
                      "cpu" if u["offload"] else "-", f"{pf} / {pb}"])
     out += _table(rows, ["unit", "params", "sharded/rank", "unsharded", "param/reduce", "reshard", "offload",
@@ -455,20 +446,22 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
         own = _own_settings(u)
         out.append(f"  {_run_name(group):<{width}}  {origin}" + (": " + ", ".join(own) if own else ""))
     t = data["totals"]
-    out += ["", f"total: {count(t['params'])} params in {t['units']} units; per rank "
-                f"{gib(t['sharded_state_bytes'])} params+grads+optimizer state on the device"
-                + (f", {gib(t['host_bytes'])} on the host (offloaded)" if t["host_bytes"] else "")
-                + (f"; {gib(t['replicated_param_bytes'])} of parameters not sharded" if t["replicated_param_bytes"] else ""),
+    out += ["", f"total: {show_count(t['params'])} params in {t['units']} units; per rank "
+                f"{show_bytes(t['sharded_state_bytes'])} params+grads+optimizer state on the device"
+                + (f", {show_bytes(t['host_bytes'])} on the host (offloaded)" if t["host_bytes"] else "")
+                + (f"; {show_bytes(t['replicated_param_bytes'])} of parameters not sharded"
+                   if t["replicated_param_bytes"] else ""),
             ""]
-    out.append(style.bold(f"memory per rank, one training step: peak {gib(mem['peak_bytes'])}") +
+    out.append(style.bold(f"memory per rank, one training step: peak {show_bytes(mem['peak_bytes'])}") +
                f" at {mem['moment']}")
     for key in CATEGORIES:
         v = mem["breakdown"].get(key)
         if v:
-            out.append(f"  {LABELS[key]:<22} {gib(v):>12}")
-    out.append(f"  {'lower bound':<22} {gib(mem['lower_bound_bytes']):>12}  (state kept on the device, plus the largest of: "
+            out.append(f"  {LABELS[key]:<22} {show_bytes(v):>12}")
+    out.append(f"  {'lower bound':<22} {show_bytes(mem['lower_bound_bytes']):>12}  "
+               "(state kept on the device, plus the largest of: "
                f"one module gathered, the activations, the sharded grads; peak is {mem['ratio_to_lower_bound']:.2f}x)")
-    out.append(f"  {'unsharded (DDP-like)':<22} {gib(mem['unsharded_baseline_bytes']):>12}  (the same model, no sharding)")
+    out.append(f"  {'unsharded (DDP-like)':<22} {show_bytes(mem['unsharded_baseline_bytes']):>12}  (the same model, no sharding)")
     out.append(style.dim(f"  activations from: {mem['activations_from']}"))
     out.append(style.dim("  tensor bytes only: no CUDA context, NCCL workspaces or allocator fragmentation; "
                          "leave headroom"))
@@ -479,12 +472,12 @@ def render_text(data: dict[str, Any], compiled, color: bool = False) -> str:
     sim = data.get("simulated")
     if sim:
         out += ["", style.bold(f"simulated (fake process group, rank {sim['rank']} of {data['world_size']}): "
-                               f"peak {gib(sim['peak_bytes'])}") + f" at {sim['moment']}; estimate/measured "
+                               f"peak {show_bytes(sim['peak_bytes'])}") + f" at {sim['moment']}; estimate/measured "
                                                                    f"{sim['estimate_over_measured']}"]
         for key in CATEGORIES:
             a, m = mem["breakdown"].get(key, 0), sim["breakdown"].get(key, 0)
             if a or m:
-                out.append(f"  {LABELS.get(key, key):<22} {gib(a):>12} estimated {gib(m):>12} measured")
+                out.append(f"  {LABELS.get(key, key):<22} {show_bytes(a):>12} estimated {show_bytes(m):>12} measured")
     return "\n".join(out)
 
 
@@ -535,11 +528,11 @@ def _time_text(t: dict[str, Any], style: _Style) -> list[str]:
         each = " each" if len(group) > 1 else ""
         fsdp = [c for c in u["collectives"] if c["axis"] != "tensor"]
         rows.append([_run_name(group),
-                     gib(_unit_bytes(u, "all_gather", "forward", "shard")) + each,
-                     gib(_unit_bytes(u, "all_gather", "backward", "shard")),
-                     gib(_unit_bytes(u, "reduce_scatter", "backward", "shard")),
-                     gib(_unit_bytes(u, "all_reduce", "backward", "replicate")),
-                     gib(sum(c["bytes"] for c in u["collectives"] if c["axis"] == "tensor")),
+                     show_bytes(_unit_bytes(u, "all_gather", "forward", "shard")) + each,
+                     show_bytes(_unit_bytes(u, "all_gather", "backward", "shard")),
+                     show_bytes(_unit_bytes(u, "reduce_scatter", "backward", "shard")),
+                     show_bytes(_unit_bytes(u, "all_reduce", "backward", "replicate")),
+                     show_bytes(sum(c["bytes"] for c in u["collectives"] if c["axis"] == "tensor")),
                      flops(u["forward_flops"] + u["backward_flops"] + u["recompute_flops"]),
                      seconds(u["forward_s"] + u["backward_s"]),
                      seconds(u["comm_s"]) if fsdp or u["collectives"] else "-",
@@ -549,7 +542,7 @@ def _time_text(t: dict[str, Any], style: _Style) -> list[str]:
     by_kind = []
     for kind, axes in tot["bytes"].items():
         for axis, n in axes.items():
-            by_kind.append(f"{_KIND.get(kind, kind)} {gib(n)} ({axis})")
+            by_kind.append(f"{_KIND.get(kind, kind)} {show_bytes(n)} ({axis})")
     out.append("  bytes per rank: " + (", ".join(by_kind) if by_kind else "none"))
     out.append(f"  compute {seconds(tot['compute_s'])} ({flops(tot['flops'])}), collectives busy {seconds(tot['comm_s'])}, "
                f"exposed {seconds(tot['exposed_comm_s'])}, optimizer step {seconds(tot['optimizer_s'])}")

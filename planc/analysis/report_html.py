@@ -15,7 +15,7 @@ import re
 from html import escape
 from typing import Any
 
-from planc.analysis.explain import count, gib
+from planc.quantities import show_bytes, show_count
 
 # Distinct, light enough to read black text on; units beyond the list reuse it in turn.
 PALETTE = ("#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#8dd3c7", "#fccde5",
@@ -87,7 +87,7 @@ def _tree(data: dict[str, Any], compiled, color: dict[str, str]) -> str:
         style = f" style='background:{color[unit]}'" if unit else ""
         badge = f"<span class=badge style='background:{color[unit]}'>unit {escape(unit)}</span>" if unit else ""
         return (f"<span class='mod mono'{style}>{escape(name)}</span> <span class=cls>{escape(g.cls(path))}</span> "
-                f"<span class=n>{count(g.subtree_numel[path])}</span>{badge}")
+                f"<span class=n>{show_count(g.subtree_numel[path])}</span>{badge}")
 
     def walk(path: str) -> str:
         items = []
@@ -115,8 +115,8 @@ def _units_table(data: dict[str, Any], color: dict[str, str]) -> str:
         bwd = ", ".join(u["prefetch_backward"]) or "-"
         rows.append(
             f"<tr><td><span class=swatch style='background:{color[u['name']]}'></span><code>{escape(u['name'])}</code></td>"
-            f"<td class=num>{count(u['params'])}</td><td class=num>{gib(u['sharded_bytes'])}</td>"
-            f"<td class=num>{gib(u['unsharded_bytes'])}</td>"
+            f"<td class=num>{show_count(u['params'])}</td><td class=num>{show_bytes(u['sharded_bytes'])}</td>"
+            f"<td class=num>{show_bytes(u['unsharded_bytes'])}</td>"
             f"<td>{escape(s['param_dtype']['value'])}/{escape(s['reduce_dtype']['value'])}</td>"
             f"<td>{escape(s['reshard_after_forward']['value'])}</td><td>{'yes' if u['offload'] else '-'}</td>"
             f"<td>{escape(fwd)} / {escape(bwd)}</td>"
@@ -127,15 +127,15 @@ def _units_table(data: dict[str, Any], color: dict[str, str]) -> str:
 def _memory(data: dict[str, Any]) -> str:
     """The peak and its breakdown, the bounds, and the estimate's notes."""
     m = data["memory"]
-    rows = [f"<tr><th>peak</th><td class=num>{gib(m['peak_bytes'])}</td><td>at {escape(m['moment'])}</td></tr>"]
-    rows += [f"<tr><td>{escape(k.replace('_', ' '))}</td><td class=num>{gib(v)}</td><td></td></tr>"
+    rows = [f"<tr><th>peak</th><td class=num>{show_bytes(m['peak_bytes'])}</td><td>at {escape(m['moment'])}</td></tr>"]
+    rows += [f"<tr><td>{escape(k.replace('_', ' '))}</td><td class=num>{show_bytes(v)}</td><td></td></tr>"
              for k, v in m["breakdown"].items()]
-    rows.append(f"<tr><td>lower bound</td><td class=num>{gib(m['lower_bound_bytes'])}</td>"
+    rows.append(f"<tr><td>lower bound</td><td class=num>{show_bytes(m['lower_bound_bytes'])}</td>"
                 f"<td>peak is {m['ratio_to_lower_bound']}x</td></tr>")
-    rows.append(f"<tr><td>unsharded (DDP-like)</td><td class=num>{gib(m['unsharded_baseline_bytes'])}</td><td></td></tr>")
+    rows.append(f"<tr><td>unsharded (DDP-like)</td><td class=num>{show_bytes(m['unsharded_baseline_bytes'])}</td><td></td></tr>")
     if "simulated" in data:
         s = data["simulated"]
-        rows.append(f"<tr><td>simulated (rank {s['rank']})</td><td class=num>{gib(s['peak_bytes'])}</td>"
+        rows.append(f"<tr><td>simulated (rank {s['rank']})</td><td class=num>{show_bytes(s['peak_bytes'])}</td>"
                     f"<td>at {escape(str(s['moment']))}</td></tr>")
     notes = "".join(f"<li>{escape(n)}</li>" for n in m["notes"])
     return ("<table>" + "".join(rows) + "</table>" +

@@ -60,7 +60,8 @@ def report(compiled, est: Estimate, model_ref: str | None = None, step_time=None
 
 def render_text(data: dict[str, Any], color: bool = False) -> str:
     """The pipeline section as text."""
-    from planc.analysis.explain import LABELS, _Style, _table, count, gib, seconds
+    from planc.analysis.explain import LABELS, _Style, _table, seconds
+    from planc.quantities import show_bytes, show_count
 
     style = _Style(color)
     pp = data["pipeline"]
@@ -70,20 +71,20 @@ def render_text(data: dict[str, Any], color: bool = False) -> str:
     timed = "busy_s" in pp["stages"][0]
     rows = []
     for s in pp["stages"]:
-        row = [str(s["stage"]), str(s["rank"]), ", ".join(_runs(tuple(s["modules"]))), count(s["params"]),
-               gib(s["sharded_state_bytes"]), gib(s["peak_bytes"])]
+        row = [str(s["stage"]), str(s["rank"]), ", ".join(_runs(tuple(s["modules"]))), show_count(s["params"]),
+               show_bytes(s["sharded_state_bytes"]), show_bytes(s["peak_bytes"])]
         if timed:
             row += [seconds(s["busy_s"]), f"{s['bubble']:.1%}"]
         rows.append(row)
     header = ["stage", "rank", "modules", "params", "state/rank", "peak/rank"] + (["busy", "idle"] if timed else [])
     out += _table(rows, header, style)
     mem = data["memory"]
-    out += ["", style.bold(f"binding rank {pp['binding_rank']}: peak {gib(mem['peak_bytes'])}") +
+    out += ["", style.bold(f"binding rank {pp['binding_rank']}: peak {show_bytes(mem['peak_bytes'])}") +
             f" at {mem['moment']} (the largest peak of the pipeline ranks)"]
     for key in CATEGORIES:
         v = mem["breakdown"].get(key)
         if v:
-            out.append(f"  {LABELS[key]:<22} {gib(v):>12}")
+            out.append(f"  {LABELS[key]:<22} {show_bytes(v):>12}")
     out.append(style.dim(f"  activations from: {mem['activations_from']}"))
     for note in mem["notes"]:
         out.append(style.dim(f"  note: {note}"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from planc.quantities import show_count
 from planc.resolve.pipeline import SINGLE_STAGE
 
 
@@ -64,11 +65,6 @@ def pipeline_summary(compiled) -> dict[str, Any]:
             "line": f"{pp.span.file}:{pp.span.line}", "stages": stage_rows(compiled)}
 
 
-def count(n: int) -> str:
-    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return str(n)
 
 
 def render_stages(summary: dict[str, Any]) -> str:
@@ -79,7 +75,7 @@ def render_stages(summary: dict[str, Any]) -> str:
             f"{summary['microbatches']} microbatches, split {summary['split']} ({summary['line']})")
     rows = [("stage", "rank", "params", "units", "modules")]
     for r in summary["stages"]:
-        rows.append((str(r["stage"]), str(r["pipeline_rank"]), count(r["params"]), str(len(r["units"])),
+        rows.append((str(r["stage"]), str(r["pipeline_rank"]), show_count(r["params"]), str(len(r["units"])),
                      ", ".join(r["modules"])))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [head, ""]

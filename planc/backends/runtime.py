@@ -59,6 +59,7 @@ from planc.lower.program import (
     UnitMethod,
 )
 from planc.model.graph import ModelGraph
+from planc.quantities import show_bytes, show_count
 from planc.resolve.ir import Unit
 from planc.resolve.mesh import Mesh
 from planc.resolve.step import MicrobatchError, check_splits  # noqa: F401  (MicrobatchError: what accumulate raises)
@@ -397,12 +398,12 @@ class AppliedPlan:
         total = sum(p.numel() * (ep if n in experts_ else 1) for n, p in self.model.named_parameters())
         lines = [f"planc: {self.compiled.plan.file}: {len(self.units)} units on mesh "
                  f"{dict(zip(self.mesh.mesh_dim_names or (), self.mesh.shape))} ({self.mesh.device_type}); "
-                 f"{_count(total)} parameters, rank {rank} holds {_bytes(self.local_param_bytes())}"]
+                 f"{show_count(total)} parameters, rank {rank} holds {show_bytes(self.local_param_bytes())}"]
         width = max((len(u.name) for u in self.units), default=0)
         for applied in self.units:
             u = applied.unit
             numel = sum(self.model.get_parameter(n).numel() * (ep if n in experts_ else 1) for n in u.params)
-            lines.append(f"  {u.name:<{width}}  {_count(numel):>7} params  {_bytes(self.unit_local_bytes(u)):>10}/rank  "
+            lines.append(f"  {u.name:<{width}}  {show_count(numel):>7} params  {show_bytes(self.unit_local_bytes(u)):>10}/rank  "
                          f"{_describe(applied.op.policy)}{self._expert_slices(u)}")
         if self.expert_mesh is not None:
             lines.append(f"  experts: {len(experts_)} parameters on the expert mesh "
@@ -437,18 +438,8 @@ def _describe(policy) -> str:
     return " ".join(parts)
 
 
-def _count(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)
 
 
-def _bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 # ===================================================================== apply

@@ -11,11 +11,11 @@ import fnmatch
 import re
 from dataclasses import dataclass
 
-from planc.analysis.explain import count
 from planc.checks.validate import METRICS
 from planc.lang import vocabulary as vocab
 from planc.lsp.hover import values_of
 from planc.model.graph import ModelGraph
+from planc.quantities import show_count
 from planc.resolve.options import DTYPES, FSDP1_MESH, OPTIONS
 from planc.resolve.pipeline import PIPELINE_OPTIONS, SCHEDULES
 from planc.resolve.step import STEP_OPTIONS
@@ -204,7 +204,7 @@ def _children_items(graph: ModelGraph, nodes: set[str]) -> list[Item]:
                 if int(cname) >= MAX_INDICES:
                     continue
             if cname not in seen:
-                seen[cname] = Item(cname, "module", f"{graph.cls(child)}  {count(graph.subtree_numel[child])} params")
+                seen[cname] = Item(cname, "module", f"{graph.cls(child)}  {show_count(graph.subtree_numel[child])} params")
     items = list(seen.values())
     if items:
         items += [Item("*", "module", f"every child ({numbered} numbered)" if numbered else "every child"),

@@ -11,7 +11,7 @@ import os
 from collections import Counter
 from typing import Any
 
-from planc.analysis.explain import SHOWN_SETTINGS, count, gib
+from planc.analysis.explain import SHOWN_SETTINGS
 from planc.analysis.explain import _setting as setting_data
 from planc.checks.validate import METRICS
 from planc.diagnostics import CODES, Span
@@ -19,6 +19,7 @@ from planc.lang import syntax as st
 from planc.lsp.analysis import Analysis
 from planc.lsp.locate import chain_at
 from planc.lsp.positions import contains
+from planc.quantities import show_bytes, show_count
 from planc.resolve.context import CONTEXT_STYLE
 from planc.resolve.experts import EXPERT_STYLE
 from planc.resolve.mesh import Role
@@ -116,8 +117,8 @@ def _pipeline_hover(analysis: Analysis, stmt) -> str:
     peaks, note = _stage_peaks(analysis)
     peak_head, peak_rule = ("| peak/rank ", "|---") if peaks else ("", "")
     lines = [head, "", f"| stage | rank | parameters | units {peak_head}| modules |", f"|---|---|---|---{peak_rule}|---|"]
-    lines += [f"| {r['stage']} | {r['pipeline_rank']} | {count(r['params'])} | {len(r['units'])} | "
-              + (f"{gib(peaks[r['pipeline_rank']])} | " if peaks else "") + f"{', '.join(r['modules'])} |" for r in rows]
+    lines += [f"| {r['stage']} | {r['pipeline_rank']} | {show_count(r['params'])} | {len(r['units'])} | "
+              + (f"{show_bytes(peaks[r['pipeline_rank']])} | " if peaks else "") + f"{', '.join(r['modules'])} |" for r in rows]
     return "\n".join(lines + ["", note])
 
 
@@ -146,7 +147,7 @@ def _stage_peaks(analysis: Analysis) -> tuple[list[int], str]:
     shape = "x".join(map(str, line.input_shape))
     return [role.peak.total for role in est.roles], (
         f"peak per rank at world {world}, input {shape} (line {line.span.line}); binding rank {r}: "
-        f"{gib(est.roles[r].peak.total)} at {est.roles[r].peak.label}")
+        f"{show_bytes(est.roles[r].peak.total)} at {est.roles[r].peak.label}")
 
 
 def _step_hover(analysis: Analysis) -> str:
@@ -221,7 +222,7 @@ def _selector_hover(analysis: Analysis, sel: st.Selector, params: bool) -> str:
     head = f"`{sel}` matches **{len(m.paths)}** module{'s' * (len(m.paths) != 1)}"
     if classes:
         head += " (" + ", ".join(f"{n} x {c}" if n > 1 else c for c, n in classes.most_common()) + ")"
-    lines = [f"- `{p or '<root>'}`  {graph.cls(p)}  {count(graph.subtree_numel[p])} params" for p in m.paths[:SHOW_PATHS]]
+    lines = [f"- `{p or '<root>'}`  {graph.cls(p)}  {show_count(graph.subtree_numel[p])} params" for p in m.paths[:SHOW_PATHS]]
     if len(m.paths) > SHOW_PATHS:
         lines.append(f"- ... and {len(m.paths) - SHOW_PATHS} more")
     text = head + ("\n\n" + "\n".join(lines) if lines else "")
@@ -257,7 +258,7 @@ def _units_of(analysis: Analysis, paths: list[str]) -> str | None:
             shown = setting_data(u, key, policy)["value"] if policy is not None else u.settings[key].show()
             origin = u.settings[key].origin.replace(analysis.folder + os.sep, "")
             rows.append(f"{key:<22} {shown:<10} {origin}")
-    return f"{head}\n\nunit `{u.name}` ({count(sum(graph.params[c].numel for c in u.params))} params):\n```\n" \
+    return f"{head}\n\nunit `{u.name}` ({show_count(sum(graph.params[c].numel for c in u.params))} params):\n```\n" \
            + "\n".join(rows) + "\n```"
 
 
@@ -319,7 +320,7 @@ def _expect_hover(analysis: Analysis, s: st.ExpectMetric) -> str:
     if est.roles:  # a pipeline: the largest of its ranks'
         where = f" on pipeline rank {est.roles.index(role)} of {len(est.roles)}{where}"
     shape = "x".join(map(str, s.input_shape)) if s.input_shape else None
-    return (text + f"\n\ncurrent estimate: **{gib(value)}** per rank{where} (world {world}"
+    return (text + f"\n\ncurrent estimate: **{show_bytes(value)}** per rank{where} (world {world}"
             + (f", input {shape}" if shape else ", activations not counted") + ")")
 
 
@@ -327,4 +328,4 @@ def _model_hover(analysis: Analysis, s: st.ModelStmt) -> str:
     g = analysis.graph
     if g is None or analysis.plan is None or analysis.plan.model_ref != s.ref:
         return f"model `{s.ref}`"
-    return f"model `{s.ref}`: {g.cls('')}, {count(g.numel)} parameters, {len(g)} modules (built on meta)"
+    return f"model `{s.ref}`: {g.cls('')}, {show_count(g.numel)} parameters, {len(g)} modules (built on meta)"

@@ -395,8 +395,6 @@ def search(models: dict[int, Model], world: int, global_batch: int, budget: int,
     return fitting, smallest, searched, pruned
 
 
-def _describe_budget(n: int) -> str:
-    return show_bytes(n)
 
 
 __all__ = ["DEFAULT_SCHEDULES", "SCHEDULES", "SPLIT_BACKWARD", "Model", "PipeChoice", "PipeOption", "PipeSuggestion",

@@ -12,7 +12,7 @@ import torch
 from planc.estimate import memory as mem_model
 from planc.estimate.hardware import hardware as hardware_of
 from planc.estimate.trace import Example, TraceError, default_input, trace_for
-from planc.quantities import show_bytes as format_bytes
+from planc.quantities import show_bytes
 from planc.suggest.cost import context as cost_context
 from planc.suggest.cost import cost
 from planc.suggest.degrees import (
@@ -195,7 +195,7 @@ def _search_degrees(graph, model_ref, world, budget, shape, d: Degrees, rules: t
         if d == Degrees():
             raise
         return d, None, f"the model did not run as one rank of these degrees: {str(err).splitlines()[0][:160]}"
-    return d, r, "" if r.best is not None else f"nothing fits the budget (smallest peak found {format_bytes(r.smallest.peak)})"
+    return d, r, "" if r.best is not None else f"nothing fits the budget (smallest peak found {show_bytes(r.smallest.peak)})"
 
 
 def _suggest_one(graph, model_ref: str | None, world: int, budget: int, shape: tuple[int, ...] | None, *,
@@ -374,7 +374,7 @@ def _degree_lines(ev: Evaluator, best: Option, degrees, axes, batch: int) -> lis
         mark = " (this plan)" if d == mine else \
             f" (+{(d.per_sequences(o.seconds) / mine.per_sequences(best.seconds) - 1) * 100:.1f}%)"
         scaled = f" ({d.per_sequences(o.seconds) * 1e3:.3g} ms per {ev.world * batch} sequences)" if d.context > 1 else ""
-        lines.append(f"  {d.describe(axes)}: {o.seconds * 1e3:.3g} ms{scaled}{mark}, peak {format_bytes(o.peak)}: "
+        lines.append(f"  {d.describe(axes)}: {o.seconds * 1e3:.3g} ms{scaled}{mark}, peak {show_bytes(o.peak)}: "
                      f"{o.candidate.describe()}")
     return lines
 
@@ -410,8 +410,8 @@ def render(ev: Evaluator, best: Option, others: list[Option], budget: int, budge
     header = [
         *([f"{first} {inp}"] if ev.tensor == 1 and ev.context == 1 else [first, inp]),
         f"per-rank budget {budget_text}. Estimates (planc's models, not measurements):",
-        f"  peak {format_bytes(best.peak)} per rank at {best.where}: the binding constraint, "
-        f"{format_bytes(budget - best.peak)} under the budget",
+        f"  peak {show_bytes(best.peak)} per rank at {best.where}: the binding constraint, "
+        f"{show_bytes(budget - best.peak)} under the budget",
         f"  step time {best.seconds * 1e3:.3g} ms (planc's step-time model, docs/time-model.md; "
         f"{hw_text(hardware)})",
         f"  choice: {c.describe()}",
@@ -423,7 +423,7 @@ def render(ev: Evaluator, best: Option, others: list[Option], budget: int, budge
     header.append("Next best (linear-model peaks):")
     for o in others:
         header.append(f"  {o.seconds * 1e3:.3g} ms (+{(o.seconds / best.seconds - 1) * 100:.1f}%), "
-                      f"peak ~{format_bytes(o.peak)}: {o.candidate.describe()}")
+                      f"peak ~{show_bytes(o.peak)}: {o.candidate.describe()}")
     if not others:
         header.append("  none: no other global choice fits")
     if given:
