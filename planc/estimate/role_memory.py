@@ -137,15 +137,23 @@ def stage_traces(trace: Trace, whole: Program, job: Job, boundary: list[int]) ->
     return out
 
 
+_TORCH_PEAK = {BACKWARD_INPUT: "input backward (torch retains the graph: no saved tensor freed)",
+               BACKWARD_WEIGHT: "weight backward (torch's stage_backward_weight)",
+               FULL_BACKWARD: "full backward (each weight's gradient allocated, then added to the kept one)"}
+
+
 class _StageReplay(_Replay):
     """`memory._Replay` as torch's `PipelineStage` drives FSDP2, with microbatches in flight."""
 
-    def __init__(self, *args, held: int = 0, output: int = 0, kept_after: int = 0, deferred: int | None = 0, **kwargs):
+    def __init__(self, *args, held: int = 0, output: int = 0, kept_after: int = 0, split=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.held, self.output, self.others = held, output, 0
-        # a split backward (`split_backward.SplitCost.kept`): bytes each microbatch keeps from its
-        # input backward to its weight backward; None: its input backward does nothing (first stage)
-        self.deferred, self.waiting = deferred, set()
+        # a split backward (`split_backward.SplitCost`, None under other schedules): `deferred`, the bytes
+        # each microbatch keeps from its input backward to its weight backward (None: its input backward
+        # does nothing, the first stage); the peak of each torch action above its start
+        self.split = split
+        self.deferred, self.waiting = (0 if split is None else split.kept), set()
+        self.weight_grads = split is None   # whether a `W` or a full backward made the weights' gradients yet
         self.kept_after, self.backwards = kept_after, 0  # bytes each backward leaves to the step's end; done
         self.in_flight: set[int] = set()   # microbatches whose forward ran and backward has not
         self.outputs = 0                    # last stage: microbatches whose output the schedule keeps
@@ -187,7 +195,10 @@ class _StageReplay(_Replay):
             self.others = self._others()
             self.reduces = action.microbatch == self.schedule.microbatches - 1  # PipelineStage: the last only
             self.reduced_now = {i: set() for i in range(len(self.mem))}
+            start = len(self.timeline)
+            self.weight_grads |= action.kind == FULL_BACKWARD
             self._play(self.trace.events[split:])
+            self._torch_peak(action, start)
             self.backwards += 1
             if action.kind == BACKWARD_INPUT:  # what it keeps for its weight backward, from now on
                 self.waiting.add(action.microbatch)
@@ -199,16 +210,51 @@ class _StageReplay(_Replay):
         (the trace's backward, the gradients included; the microbatch then keeps `deferred` bytes
         until its weight half, which frees them), or on the first stage, whose input half does
         nothing (its input needs no gradient), the weight half."""
+        first = self.deferred is None
+        if action.kind == BACKWARD_WEIGHT and not first:
+            self._weight_peak(action.microbatch)
         if action.kind == BACKWARD_WEIGHT:
             self.waiting.discard(action.microbatch)
-        first = self.deferred is None
         return (action.kind == FULL_BACKWARD or (action.kind == BACKWARD_INPUT and not first)
                 or (action.kind == BACKWARD_WEIGHT and first))
 
+    def _torch_peak(self, action, start: int) -> None:
+        """Under a split-backward schedule, the peak torch's action reaches above the backward's first
+        moment (`split_backward.SplitCost`): `I` retains the graph (frees no saved tensor), a full
+        backward allocates each weight's gradient before adding it to the kept one, the first stage's
+        `W` is its whole backward; the trace's backward shows neither."""
+        if self.split is None or len(self.timeline) <= start:
+            return
+        peak = {BACKWARD_INPUT: self.split.input_peak, BACKWARD_WEIGHT: self.split.weight_peak,
+                FULL_BACKWARD: self.split.full_peak}[action.kind]
+        base = self.timeline[start]
+        moment = Moment(f"microbatch {action.microbatch}: {_TORCH_PEAK[action.kind]}", "backward", base.unit,
+                        dict(base.bytes))
+        moment.bytes["activations"] += peak
+        self.timeline.insert(start + 1, moment)
+
+    def _weight_peak(self, microbatch: int) -> None:
+        """A weight backward (`W`) of a stage past the first: what the microbatch kept from its `I`
+        plus the most `stage_backward_weight` holds above it."""
+        if self.split is None or not self.split.weight_peak:
+            return
+        live, grads = self.live, self.live_grads
+        self.live = self.live_grads = 0
+        self.others = self._others()  # its kept bytes among them (still waiting)
+        self.prefix, self.phase = f"microbatch {microbatch}: ", "backward"
+        self.transient = {"activations": self.split.weight_peak}
+        self.snapshot(_TORCH_PEAK[BACKWARD_WEIGHT])
+        self.transient = {}
+        self.live, self.live_grads = live, grads
+        self.weight_grads = True
+
     def snapshot(self, label: str) -> None:
+        saved = self.live, self.live_grads, self.kept
+        if self.deferred and not self.weight_grads:  # an `I` makes no weight gradient: torch makes them in `W`
+            self.live, self.live_grads, self.kept = self.live - self.live_grads, 0, {}
         self.live += self.others
         super().snapshot(label)
-        self.live -= self.others
+        self.live, self.live_grads, self.kept = saved
         for k, v in self.extra.items():
             self.timeline[-1].bytes[k] += v
 
@@ -310,7 +356,7 @@ def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "
     boundary = boundaries(job, graph, example, tp=tp, repeat=compressed)
     input_bytes = 0 if step is None else sum(t.nbytes for t in step.tensors())
     traces = stage_traces(compress(trace) if compressed else trace, whole, job, boundary)
-    deferred = _deferred(shim, job, example, loss)
+    splits = _split(shim, job, example, loss)
     last = len(job.parts) - 1
     out = []
     for rank, held in enumerate(sched.stages):
@@ -319,7 +365,7 @@ def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "
         given = next((s for s in held if s in (0, last)), None)
         replays = {s: _replay(job.parts[s], graph, n, optimizer, traces[s][0],
                               (traces[s][1], boundary[-1] if s == last else 0), sched,
-                              input_bytes if s == given else 0, boundary, deferred[s]) for s in held}
+                              input_bytes if s == given else 0, boundary, splits[s]) for s in held}
         out.append(_estimate(world, n, rank, parts, replays, sched, step))
     return out
 
@@ -333,19 +379,19 @@ def estimate_roles(compiled, world: int, **kwargs) -> Estimate:
         f"the binding rank of {len(ests)} pipeline ranks (the largest peak)"])
 
 
-def _deferred(shim, job: Job, example, loss) -> list[int | None]:
-    """Per stage, what a microbatch keeps from its input backward to its weight backward under a
-    split-backward schedule (`split_backward.split_costs`: torch's own halves on fake tensors;
-    None: the input half does nothing); 0s under other schedules or without an input."""
+def _split(shim, job: Job, example, loss) -> list:
+    """Per stage, its split backward under a split-backward schedule (`split_backward.split_costs`:
+    torch's own halves on fake tensors: what a microbatch keeps from `I` to `W`, each action's
+    peak); Nones under other schedules or without an input."""
     from planc.estimate.split_backward import has_split_backward, split_costs
 
     if example is None or not has_split_backward(job.schedule):
-        return [0] * len(job.parts)
-    return [c.kept for c in split_costs(shim, job, example, loss)]
+        return [None] * len(job.parts)
+    return split_costs(shim, job, example, loss)
 
 
 def _replay(part: Part, graph, world: int, optimizer: str, trace: Trace, kept: tuple[int, int], sched: Schedule,
-            input_bytes: int, boundary: list[int], deferred: int | None = 0) -> _StageReplay:
+            input_bytes: int, boundary: list[int], split=None) -> _StageReplay:
     """One stage's replay: its units' bytes on its data-parallel ranks, its parameters no unit manages.
 
     torch's multi-stage runtime waits for its sends only at the end of the step, and a send holds
@@ -367,7 +413,7 @@ def _replay(part: Part, graph, world: int, optimizer: str, trace: Trace, kept: t
     kept_after = to_next + from_prev + (to_next if sched.name not in SINGLE_STAGE else 0)
     return _StageReplay(program, mem, optimizer, replicated, trace, mesh_sizes(program, world)[1],
                         _buffers(graph, part.modules), role, input_bytes, held=held, output=output,
-                        kept_after=kept_after, deferred=deferred)
+                        kept_after=kept_after, split=split)
 
 
 def _estimate(world: int, stage_world: int, rank: int, parts: list[Part], replays: dict[int, _StageReplay],
