@@ -203,8 +203,8 @@ class _StageReplay(_Replay):
             self.others = self._others()
             self.reduces = action.microbatch == self.schedule.microbatches - 1  # PipelineStage: the last only
             self.reduced_now = {i: set() for i in range(len(self.mem))}
-            start = len(self.timeline)
             self.weight_grads |= action.kind == FULL_BACKWARD
+            start = len(self.timeline)
             self._play(self.trace.events[split:])
             self._torch_peak(action, start)
             self.backwards += 1
@@ -227,15 +227,23 @@ class _StageReplay(_Replay):
                 or (action.kind == BACKWARD_WEIGHT and first))
 
     def _torch_peak(self, action, start: int) -> None:
-        """Under a split-backward schedule, the peak torch's action reaches above the backward's first
-        moment (`split_backward.SplitCost`): `I` retains the graph (frees no saved tensor), a full
-        backward allocates each weight's gradient before adding it to the kept one, the first stage's
-        `W` is its whole backward; the trace's backward shows neither."""
-        if self.split is None or len(self.timeline) <= start:
+        """Under a split-backward schedule, the peak torch's backward action reaches above its start
+        (`split_backward.SplitCost`): `I` retains the graph (frees no saved tensor), a full backward
+        allocates each weight's gradient before adding it to the kept one, the first stage's `W` is its
+        whole backward; the trace's backward shows neither. The start: the largest moment of the
+        backward's first run of ops (the loss's backward on the last stage; kept by `trace.compress`),
+        measured where torch's action starts on real runs (benchmarks/RESULTS.md)."""
+        if self.split is None:
             return
+        events = self.trace.events[next(k for k, ev in enumerate(self.trace.events) if ev.kind == "bwd_start"):]
+        first = next((k for k, ev in enumerate(events) if ev.kind == "op"), len(events))
+        run = next((k for k, ev in enumerate(events[first:]) if ev.kind != "op"), len(events) - first)
+        ops = [m for m in self.timeline[start:] if m.label.startswith(f"{self.prefix}backward of ")][:run]
+        if not ops:
+            return
+        base = max(ops, key=lambda m: m.total)
         peak = {BACKWARD_INPUT: self.split.input_peak, BACKWARD_WEIGHT: self.split.weight_peak,
                 FULL_BACKWARD: self.split.full_peak}[action.kind]
-        base = self.timeline[start]
         moment = Moment(f"microbatch {action.microbatch}: {_TORCH_PEAK[action.kind]}", "backward", base.unit,
                         dict(base.bytes))
         moment.bytes["activations"] += peak
