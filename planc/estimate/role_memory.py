@@ -36,7 +36,9 @@ intermediates' gradients), measured per stage by running torch's halves on fake 
 (`planc/estimate/split_backward.py`). On the first stage `I` does nothing (its input needs
 no gradient): the microbatch stays in flight and `W` plays the whole backward. The trace's
 backward is not what torch's split actions hold at their peaks, so each gets its own moment,
-torch's action measured on fake tensors put on top of the action's first moment: `I` frees no
+torch's action measured on fake tensors put on top of the largest moment of the backward's first
+run of ops (where the real action starts, measured; a `W` past the first stage: on what the rank
+holds with the microbatch's kept bytes): `I` frees no
 saved tensor while it makes the activations' gradients (`autograd.grad(retain_graph=True)`:
 the head stage of llama_tiny 65,540 B above its start where the trace's backward shows 8,320, a
 block 114,688 B), `W` and a full backward allocate each weight's gradient before adding it to
@@ -51,8 +53,8 @@ per rank within 3%; the split-backward schedules, which FSDPMemTracker cannot ru
 hooks fail on `autograd.grad` of the stage inputs), against a hook-free live-bytes counter
 (tests/pp_memory_workers.py `LiveBytes`, itself up to 3.4% over FSDPMemTracker where both run:
 torch's receive buffers, one per microbatch and boundary, made at the first step and alive
-across steps): within 1.4% on every rank (InterleavedZeroBubble +0.00% / -0.96%, ZBVZeroBubble
--1.33% / -1.36%, DualPipeV -1.39% / -0.04%; was -5.0% / +3.0%, -9.3% / -4.8%, -5.5% / -1.4%;
+across steps): within 1.4% on every rank (InterleavedZeroBubble +1.11% / -0.40%, ZBVZeroBubble
+-1.33% / -0.66%, DualPipeV -1.39% / +0.64%; was -5.0% / +3.0%, -9.3% / -4.8%, -5.5% / -1.4%;
 benchmarks/RESULTS.md, tests/test_roles_memory_dist.py). Not modelled: the last microbatch's
 gradient reduction happens at its `W` in torch, at its `I` here (its bytes move by the
 reduction's output between the two).
