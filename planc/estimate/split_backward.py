@@ -59,7 +59,7 @@ class SplitCost:
     # the most each torch action holds above the live bytes it starts with (the module docstring):
     input_peak: int = 0    # `I` (`stage_backward_input`, the graph retained: no saved tensor freed)
     weight_peak: int = 0   # `W` (`stage_backward_weight`; the first stage: its whole backward)
-    full_peak: int = 0     # a full backward `B` (`stage_backward`) whose weights' gradients already exist
+    full_peak: int = 0     # a full backward `B` (`stage_backward`) whose weights' gradients exist (0: the schedule has none)
 
     @property
     def input_share(self) -> float:
@@ -73,8 +73,11 @@ def has_split_backward(schedule) -> bool:
     """Whether a schedule's actions split a backward into input and weight halves."""
     from planc.lower.job import BACKWARD_INPUT
 
-    return any(a.kind == BACKWARD_INPUT for actions in schedule.actions for action in actions
-               for a in (action.sub or (action,)))
+    return _has(schedule, BACKWARD_INPUT)
+
+
+def _has(schedule, kind: str) -> bool:
+    return any(a.kind == kind for actions in schedule.actions for action in actions for a in (action.sub or (action,)))
 
 
 def split_costs(shim, job, example, loss=None) -> list[SplitCost]:
@@ -86,20 +89,22 @@ def split_costs(shim, job, example, loss=None) -> list[SplitCost]:
         TraceError: a stage did not run on fake tensors (the memory estimate reports it as it
             reports the trace's; the step time keeps the halves at half each)."""
     cache = _COSTS.setdefault(shim.graph, {})
+    from planc.lower.job import FULL_BACKWARD
     from planc.lower.program import Checkpoint
 
     program = shim.program  # what the stages' runs depend on: units' precision, checkpointing
+    full = _has(job.schedule, FULL_BACKWARD)  # a full backward's peak asked for (DualPipeV's `B`s)
     key = (tuple(part.modules for part in job.parts), tuple((u.modules, u.policy.precision) for u in program.units),
-           tuple(sorted((op.module, op.mode) for op in program.of_type(Checkpoint))), example.key(), loss)
+           tuple(sorted((op.module, op.mode) for op in program.of_type(Checkpoint))), example.key(), loss, full)
     if key not in cache:
-        cache[key] = _split_costs(shim, job, example, loss)
+        cache[key] = _split_costs(shim, job, example, loss, full)
     return cache[key]
 
 
 _COSTS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
 
 
-def _split_costs(shim, job, example, loss) -> list[SplitCost]:
+def _split_costs(shim, job, example, loss, full: bool) -> list[SplitCost]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._composable.checkpoint_activation import checkpoint as checkpoint_module
 
@@ -124,7 +129,7 @@ def _split_costs(shim, job, example, loss) -> list[SplitCost]:
                 stage = split(model, part.modules)
                 args = example.args if part.stage == 0 else (out.detach().requires_grad_(),)
                 cost, out = _stage_cost(stage, part.stage, args, example, step_loss if part.stage == last else None,
-                                        fake_mode)
+                                        fake_mode, full)
             except Exception as err:  # any model code can fail run stage by stage
                 raise TraceError(f"the split backward of stage {part.stage} ({', '.join(part.modules)}) did not run "
                                  f"on fake tensors: {type(err).__name__}: {err}") from err
@@ -132,21 +137,12 @@ def _split_costs(shim, job, example, loss) -> list[SplitCost]:
     return costs
 
 
-def _stage_cost(stage, index: int, args: tuple, example, loss, fake_mode) -> tuple[SplitCost, torch.Tensor]:
-    """One stage's forward, then torch's `I` and `W` on it; its cost and its output (the next
-    stage's input). Bytes and FLOPs are two runs: `FlopCounterMode` decomposes some backward ops
-    (the CPU attention's), which would allocate what the runtime's kernels do not (the block's
-    `I` peak read 139,264 B under it, 114,688 B without, as the real run does). The bytes run goes
-    first: its `W` finds no weight gradient, as the first microbatch's does."""
-    kept, input_peak, weight_peak, full_peak, _, _, out = _halves(stage, index, args, example, loss, fake_mode, False)
-    *_, input_flops, weight_flops, _ = _halves(stage, index, args, example, loss, fake_mode, True)
-    return SplitCost(index, kept, input_flops, weight_flops, input_peak, weight_peak, full_peak), out
-
-
-def _halves(stage, index: int, args: tuple, example, loss, fake_mode, flops: bool) -> tuple:
-    """torch's `I` and `W` after a forward of the stage: (kept, input_peak, weight_peak, full_peak,
-    input_flops, weight_flops, the output detached); FLOPs counted when `flops` (then the peaks are not
-    the runtime's), the full backward's peak run when not."""
+def _stage_cost(stage, index: int, args: tuple, example, loss, fake_mode, full: bool) -> tuple[SplitCost, torch.Tensor]:
+    """One stage's forward, then torch's `I` and `W` on it (then, when `full`, a full backward on a second forward);
+    its cost and its output (the next stage's input). FlopCounterMode sits below the live-bytes
+    counter: it decomposes some backward ops (the CPU attention's), whose pieces would allocate what
+    the runtime's kernels do not if the counter saw them (the block's `I` peak read 139,264 B so,
+    114,688 B as the real run). `W` finds no weight gradient, as the first microbatch's does."""
     from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -155,11 +151,15 @@ def _halves(stage, index: int, args: tuple, example, loss, fake_mode, flops: boo
     peak = [0]
     mode = _LiveBytes(lambda func: peak.__setitem__(0, max(peak[0], mode.live)))
 
-    def above(fn, *args):  # fn's result, its FLOPs (0 unless counted), the most live bytes during it above its start
-        start = peak[0] = mode.live
-        with FlopCounterMode(display=False) if flops else contextlib.nullcontext() as counter:
-            result = fn(*args)
-        return result, counter.get_total_flops() if flops else 0, max(peak[0] - start, 0)
+    def above(fn, *args):  # fn's result, its FLOPs, the most live bytes during it above its start
+        mode.__exit__(None, None, None)  # the counter goes under it (and only around the half: its module
+        try:                             # hooks would break `autograd.grad` of a forward run under it)
+            with FlopCounterMode(display=False) as counter, mode:
+                start = peak[0] = mode.live
+                result = fn(*args)
+        finally:
+            mode.__enter__()
+        return result, counter.get_total_flops(), max(peak[0] - start, 0)
     params = list(stage.parameters())
     inputs = [a for a in args if isinstance(a, torch.Tensor)]
     with fake_mode, mode:
@@ -173,17 +173,16 @@ def _halves(stage, index: int, args: tuple, example, loss, fake_mode, flops: boo
         grads = None if grad is None else [grad]
         if not any(t.requires_grad for t in inputs):  # torch: `I` does nothing on a stage whose input needs no gradient
             _, weight_flops, weight_peak = above(stage_backward, roots, grads, list(args))
-            return None, 0, weight_peak, weight_peak, 0, weight_flops, out.detach()
-        (dinputs, groups), input_flops, input_peak = above(
-            stage_backward_input, roots, grads, inputs, iter(params))
+            return SplitCost(index, None, 0, weight_flops, 0, weight_peak, weight_peak), out.detach()
+        (dinputs, groups), input_flops, input_peak = above(stage_backward_input, roots, grads, inputs, iter(params))
         del dinputs, value, roots, grads  # the loss, the gradient received: the schedule's
         for t in inputs:
             t.grad = None  # on the receive buffer: `role_memory` counts it
         kept = max(mode.live - _nbytes(out), 0)
         _, weight_flops, weight_peak = above(stage_backward_weight, iter(params), groups)
         del groups
-        full_peak = 0 if flops else _full_peak(stage, index, args, example, loss, grad, above)
-    return kept, input_peak, weight_peak, full_peak, input_flops, weight_flops, out.detach()
+        full_peak = _full_peak(stage, index, args, example, loss, grad, above) if full else 0
+    return SplitCost(index, kept, input_flops, weight_flops, input_peak, weight_peak, full_peak), out.detach()
 
 
 def _full_peak(stage, index: int, args: tuple, example, loss, grad, above) -> int:
