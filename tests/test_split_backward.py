@@ -5,12 +5,15 @@ Embed / Block / Head, not planc's `split`), each stage run on real CPU tensors o
 one's detached output, then torch's `stage_backward_input` and `stage_backward_weight` (the
 first stage: `stage_backward`, as `PipelineStage` runs it there) under FlopCounterMode, and the
 bytes alive after the input half (what `PipelineStage.backward_state` holds until the weight
-half) under `pp_memory_workers.LiveBytes` (a storage counter on real tensors). planc runs its own
-split on fake tensors; the FLOPs of each half must be equal, the kept bytes within 1%.
+half) under `pp_memory_workers.LiveBytes` (a storage counter on real tensors), with the most each
+half holds above its start (and a full backward on a second forward, once the weights have
+gradients). planc runs its own split on fake tensors; the FLOPs of each half must be equal, the
+kept bytes within 1%, the peaks equal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import pytest
@@ -38,8 +41,9 @@ FOUR = [("tok_embeddings",), ("layers.0",), ("layers.1",), ("norm", "output")]
 MICRO, BATCH, SEQ = 4, 8, 16
 
 
-def _torch_halves() -> list[tuple[int | None, int, int]]:
-    """Per stage, on real tensors: (bytes kept from I to W, or None where I does nothing; I FLOPs; W FLOPs)."""
+def _torch_halves() -> list[tuple[int | None, int, int, tuple[int, int, int]]]:
+    """Per stage, on real tensors: (bytes kept from I to W, or None where I does nothing; I FLOPs; W FLOPs;
+    the peaks of I, W and a full backward above each one's start)."""
     torch.manual_seed(0)
     model = llama_tiny()
     tokens = torch.randint(0, 128, (BATCH // MICRO, SEQ))
@@ -54,24 +58,42 @@ def _torch_halves() -> list[tuple[int | None, int, int]]:
 
 def _torch_half(mod, inp, tokens, last: bool):
     """One stage's halves as `PipelineStage` runs them (a function: nothing of the previous stage's
-    step is alive while the counter runs but its output, this stage's input)."""
+    step is alive while the counter runs but its output, this stage's input). FLOPs and bytes are
+    counted in separate runs (FlopCounterMode decomposes some backward ops, which allocates)."""
+    (i, w), _ = _run_halves(mod, inp, tokens, last, flops=True)
+    for p in mod.parameters():
+        p.grad = None  # the bytes run's `W` makes the weights' gradients, as the first microbatch's does
+    (kept, peaks), out = _run_halves(mod, inp, tokens, last, flops=False)
+    return (kept, i, w, peaks), out
+
+
+def _run_halves(mod, inp, tokens, last: bool, flops: bool):
+    def half(live, fn, *args):  # (result, FLOPs or the most live bytes above its start)
+        live._read()
+        start = live.peak = live.cur
+        with FlopCounterMode(display=False) if flops else contextlib.nullcontext() as counter:
+            result = fn(*args)
+        return result, counter.get_total_flops() if flops else live.peak - start
+
     with LiveBytes(alive()) as live:  # only what this stage's step makes is counted
         out = mod(inp)
         loss = lm_loss(out, tokens) if last else None
         roots, grads = ([loss], None) if last else ([out], [torch.ones_like(out)])
         if not inp.is_floating_point():  # the first stage: I does nothing, W is `stage_backward`
-            with FlopCounterMode(display=False) as w:
-                stage_backward(roots, grads, [inp])
-            return (None, 0, w.get_total_flops()), out
-        with FlopCounterMode(display=False) as i:
-            dinputs, groups = stage_backward_input(roots, grads, [inp], iter(mod.parameters()))
+            _, w = half(live, stage_backward, roots, grads, [inp])
+            return ((0, w) if flops else (None, (0, w, w))), out
+        (dinputs, groups), i = half(live, stage_backward_input, roots, grads, [inp], iter(mod.parameters()))
         del dinputs, loss
         inp.grad = None  # the input's gradient (on the receive buffer), the received gradient and the
         roots = grads = None  # output are the schedule's, not the split's: not counted in what it keeps
         kept = live.cur - live.start - out.untyped_storage().nbytes()
-        with FlopCounterMode(display=False) as w:
-            stage_backward_weight(iter(mod.parameters()), groups)
-    return (kept, i.get_total_flops(), w.get_total_flops()), out
+        _, w = half(live, stage_backward_weight, iter(mod.parameters()), groups)
+        if flops:
+            return (i, w), out
+        again = mod(inp)  # a second microbatch's full backward: the weights' gradients exist now
+        roots, grads = (lm_loss(again, tokens), None) if last else ([again], [torch.ones_like(again)])
+        _, full = half(live, stage_backward, roots, grads, [inp])
+    return (kept, (i, w, full)), out
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +102,17 @@ def compiled():
 
 
 def test_split_costs_equal_torchs_halves_on_real_tensors(compiled):
-    job = pipeline_job(compiled.job, FOUR, schedule("ZBVZeroBubble", 2, MICRO, 2))
+    # DualPipeV: input and weight halves, and full backwards (their peak is asked for only then)
+    job = pipeline_job(compiled.job, FOUR, schedule("DualPipeV", 2, MICRO, 2))
     example = Example.of(torch.zeros(BATCH // MICRO, SEQ, dtype=torch.long))
     costs = split_costs(types.SimpleNamespace(graph=compiled.graph, program=whole_program(job)), job, example)
-    for cost, (kept, i, w) in zip(costs, _torch_halves()):
+    for cost, (kept, i, w, peaks) in zip(costs, _torch_halves()):
         assert (cost.input_flops, cost.weight_flops) == (i, w), cost.stage
         # measured: the blocks' equal; the head's 256 bytes over of 41,088 (fake vs real CPU kernels)
         assert cost.kept == kept if kept is None else abs(cost.kept - kept) <= 0.01 * kept, (cost.stage, cost.kept, kept)
+        # measured: equal on every stage (a block's I 114,688 B, the head's 65,540 B; W and a full backward
+        # with the weight gradients allocated, then added)
+        assert (cost.input_peak, cost.weight_peak, cost.full_peak) == peaks, (cost.stage, cost, peaks)
     assert costs[0].kept is None and costs[0].input_share == 0.0  # the first stage: W is the whole backward
     assert all(c.kept > 0 for c in costs[1:])
 
@@ -95,7 +121,7 @@ def test_step_time_splits_each_backward_by_its_counted_flops(compiled):
     job = pipeline_job(compiled.job, FOUR, schedule("ZBVZeroBubble", 2, MICRO, 2))
     pt = estimate_pipeline_time(job, world=2, graph=compiled.graph, input_shape=(BATCH, SEQ))
     costs = _JobCosts(pt.stages, {}, {s: 0 for s in range(4)})
-    for st, (kept, i, w) in zip(pt.stages, _torch_halves()):
+    for st, (kept, i, w, _) in zip(pt.stages, _torch_halves()):
         share = 0.0 if kept is None else i / (i + w)
         assert costs.compute_s(st.stage, BACKWARD_INPUT) == pytest.approx(st.backward_s * share)
         assert costs.compute_s(st.stage, BACKWARD_WEIGHT) == pytest.approx(st.backward_s * (1 - share))

@@ -184,7 +184,6 @@ def _expect_memory(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
     if actual is None:
         return
     if _OPS[s.op](actual, s.value.value):
-        yield from _split_backward_margin(pp, s, actual)
         return
     rank = _binding_rank(ctx, s.metric, world, shape) if pp is not None else ""
     if shape is not None:
@@ -200,25 +199,6 @@ def _expect_memory(ctx: Context, s: st.ExpectMetric) -> Iterator[Diagnostic]:
                      "with B the batch size and S the sequence length (e.g. `2x512`) to count them")
     yield err("P502", f"expected {s.metric} {s.op} {s.value} at world = {world}, but the estimate is "
               f"{show_bytes(actual)}{rank}", s.span, "bound does not hold", help_)
-
-
-def _split_backward_margin(pp, s: st.ExpectMetric, actual: float) -> Iterator[Diagnostic]:
-    """P450 (warning): an upper bound under a split-backward schedule that holds by less than the
-    estimate's measured error there (`role_memory.SPLIT_BACKWARD_UNDER`): a real run may not fit."""
-    from planc.estimate.role_memory import SPLIT_BACKWARD_UNDER
-    from planc.resolve.pipeline import SPLIT_BACKWARD
-
-    if pp is None or pp.schedule not in SPLIT_BACKWARD or s.op not in ("<=", "<"):
-        return
-    if actual * (1 + SPLIT_BACKWARD_UNDER) <= s.value.value:
-        return
-    margin = (s.value.value - actual) / actual * 100
-    yield err("P450", f"`expect {s.metric}` holds by {margin:.1f}% under {pp.schedule}, whose memory planc estimates up "
-              f"to {SPLIT_BACKWARD_UNDER * 100:.1f}% low", s.span, "may not hold on a real run",
-              (f"keep {SPLIT_BACKWARD_UNDER * 100:.0f}% headroom (a bound of at least "
-               f"{show_bytes(int(actual * (1 + SPLIT_BACKWARD_UNDER)))}, or less memory), or use a schedule "
-               "without a split backward (1F1B, Interleaved1F1B), whose estimate is within 3%",),
-              related=((pp.span, f"{pp.schedule} splits the backward"),), severity="warning")
 
 
 # what the memory per pipeline rank has no rule for yet, in the plan's words (its READER: planc/estimate/roles.py)

@@ -533,12 +533,6 @@ CODES: dict[str, Code] = {
     "P706": Code("unknown fsdp_config key", "A key under `fsdp_config` is not one accelerate reads; it is "
                  "probably misspelled and accelerate ignores it.", "warning"),
     # --- pipeline stages on the model (ppverify: P456)
-    "P450": Code("a memory bound with little headroom under a split-backward schedule", "planc's memory per "
-                 "pipeline rank does not yet model everything a split backward (InterleavedZeroBubble, ZBVZeroBubble, "
-                 "DualPipeV) keeps between a microbatch's input and weight gradients: against a hook-free count of "
-                 "live bytes on real gloo runs it was up to 9.3% low (benchmarks/RESULTS.md). An `expect memory...` "
-                 "upper bound that holds by less than that may not hold on a real run. Leave that much headroom, or "
-                 "use a schedule without a split backward.", "warning"),
     "P451": Code("activation checkpointing under a split-backward schedule", "InterleavedZeroBubble, "
                  "ZBVZeroBubble and DualPipeV split each backward into an input half and a weight half run later. "
                  "On torch 2.13 the composable `checkpoint` planc applies fails in the weight half "

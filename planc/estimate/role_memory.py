@@ -34,15 +34,30 @@ microbatch keeps what torch's `stage_backward_input` leaves for `stage_backward_
 retained graph below the weight-gradient intermediates with its saved tensors, the
 intermediates' gradients), measured per stage by running torch's halves on fake tensors
 (`planc/estimate/split_backward.py`). On the first stage `I` does nothing (its input needs
-no gradient): the microbatch stays in flight and `W` plays the whole backward.
+no gradient): the microbatch stays in flight and `W` plays the whole backward. The trace's
+backward is not what torch's split actions hold at their peaks, so each gets its own moment,
+torch's action measured on fake tensors put on top of the largest moment of the backward's first
+run of ops (where the real action starts, measured; a `W` past the first stage: on what the rank
+holds with the microbatch's kept bytes): `I` frees no
+saved tensor while it makes the activations' gradients (`autograd.grad(retain_graph=True)`:
+the head stage of llama_tiny 65,540 B above its start where the trace's backward shows 8,320, a
+block 114,688 B), `W` and a full backward allocate each weight's gradient before adding it to
+the kept one (the head's full backward 40,960 B where the trace shows 8,320: `_grads_now` has
+autograd add in place). An `I` makes no weight gradient: until the stage's first `W` or full
+backward its unsharded gradients are not counted (InterleavedZeroBubble runs several `I`s
+before the first `W`: they were counted one block's gradients early, +7.3% on its rank 1).
 
 Checked against FSDPMemTracker on each rank of real gloo runs (GPipe, 1F1B, Interleaved1F1B,
 LoopedBFS; 2 ranks, and 2 x 2 with FSDP): one stage per rank +0.01% (136 bytes), two stages
 per rank within 3%; the split-backward schedules, which FSDPMemTracker cannot run (its module
 hooks fail on `autograd.grad` of the stage inputs), against a hook-free live-bytes counter
-(tests/pp_memory_workers.py `LiveBytes`, itself up to 3.4% over FSDPMemTracker where both run):
-not yet within 3% (InterleavedZeroBubble -5.0% / +3.0%, ZBVZeroBubble -9.3% / -4.8%, DualPipeV
--5.5% / -1.4%; benchmarks/RESULTS.md; tests/test_roles_memory_dist.py holds them as xfail).
+(tests/pp_memory_workers.py `LiveBytes`, itself up to 3.4% over FSDPMemTracker where both run:
+torch's receive buffers, one per microbatch and boundary, made at the first step and alive
+across steps): within 1.4% on every rank (InterleavedZeroBubble +1.11% / -0.40%, ZBVZeroBubble
+-1.33% / -0.66%, DualPipeV -1.39% / +0.64%; was -5.0% / +3.0%, -9.3% / -4.8%, -5.5% / -1.4%;
+benchmarks/RESULTS.md, tests/test_roles_memory_dist.py). Not modelled: the last microbatch's
+gradient reduction happens at its `W` in torch, at its `I` here (its bytes move by the
+reduction's output between the two).
 A stage with no unit of its own is refused (`RoleError`):
 the trace names each op's innermost unit, so its ops could not be told from the root's.
 """
@@ -68,11 +83,6 @@ from planc.lower.job import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKW
 from planc.lower.pipeline import inside
 from planc.lower.program import Program
 from planc.lower.schedules import SINGLE_STAGE
-
-# How far below the hook-free live-bytes count this estimate was measured on the split-backward
-# schedules (the worst rank of InterleavedZeroBubble, ZBVZeroBubble, DualPipeV: ZBVZeroBubble's
-# rank 0, -9.3%; the docstring above): `expect memory.*` warns (P450) when a bound holds by less.
-SPLIT_BACKWARD_UNDER = 0.093
 
 
 class RoleError(TraceError):
@@ -137,15 +147,23 @@ def stage_traces(trace: Trace, whole: Program, job: Job, boundary: list[int]) ->
     return out
 
 
+_TORCH_PEAK = {BACKWARD_INPUT: "input backward (torch retains the graph: no saved tensor freed)",
+               BACKWARD_WEIGHT: "weight backward (torch's stage_backward_weight)",
+               FULL_BACKWARD: "full backward (each weight's gradient allocated, then added to the kept one)"}
+
+
 class _StageReplay(_Replay):
     """`memory._Replay` as torch's `PipelineStage` drives FSDP2, with microbatches in flight."""
 
-    def __init__(self, *args, held: int = 0, output: int = 0, kept_after: int = 0, deferred: int | None = 0, **kwargs):
+    def __init__(self, *args, held: int = 0, output: int = 0, kept_after: int = 0, split=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.held, self.output, self.others = held, output, 0
-        # a split backward (`split_backward.SplitCost.kept`): bytes each microbatch keeps from its
-        # input backward to its weight backward; None: its input backward does nothing (first stage)
-        self.deferred, self.waiting = deferred, set()
+        # a split backward (`split_backward.SplitCost`, None under other schedules): `deferred`, the bytes
+        # each microbatch keeps from its input backward to its weight backward (None: its input backward
+        # does nothing, the first stage); the peak of each torch action above its start
+        self.split = split
+        self.deferred, self.waiting = (0 if split is None else split.kept), set()
+        self.weight_grads = split is None   # whether a `W` or a full backward made the weights' gradients yet
         self.kept_after, self.backwards = kept_after, 0  # bytes each backward leaves to the step's end; done
         self.in_flight: set[int] = set()   # microbatches whose forward ran and backward has not
         self.outputs = 0                    # last stage: microbatches whose output the schedule keeps
@@ -187,7 +205,10 @@ class _StageReplay(_Replay):
             self.others = self._others()
             self.reduces = action.microbatch == self.schedule.microbatches - 1  # PipelineStage: the last only
             self.reduced_now = {i: set() for i in range(len(self.mem))}
+            self.weight_grads |= action.kind == FULL_BACKWARD
+            start = len(self.timeline)
             self._play(self.trace.events[split:])
+            self._torch_peak(action, start)
             self.backwards += 1
             if action.kind == BACKWARD_INPUT:  # what it keeps for its weight backward, from now on
                 self.waiting.add(action.microbatch)
@@ -199,16 +220,59 @@ class _StageReplay(_Replay):
         (the trace's backward, the gradients included; the microbatch then keeps `deferred` bytes
         until its weight half, which frees them), or on the first stage, whose input half does
         nothing (its input needs no gradient), the weight half."""
+        first = self.deferred is None
+        if action.kind == BACKWARD_WEIGHT and not first:
+            self._weight_peak(action.microbatch)
         if action.kind == BACKWARD_WEIGHT:
             self.waiting.discard(action.microbatch)
-        first = self.deferred is None
         return (action.kind == FULL_BACKWARD or (action.kind == BACKWARD_INPUT and not first)
                 or (action.kind == BACKWARD_WEIGHT and first))
 
+    def _torch_peak(self, action, start: int) -> None:
+        """Under a split-backward schedule, the peak torch's backward action reaches above its start
+        (`split_backward.SplitCost`): `I` retains the graph (frees no saved tensor), a full backward
+        allocates each weight's gradient before adding it to the kept one, the first stage's `W` is its
+        whole backward; the trace's backward shows neither. The start: the largest moment of the
+        backward's first run of ops (the loss's backward on the last stage; kept by `trace.compress`),
+        measured where torch's action starts on real runs (benchmarks/RESULTS.md)."""
+        if self.split is None:
+            return
+        events = self.trace.events[next(k for k, ev in enumerate(self.trace.events) if ev.kind == "bwd_start"):]
+        first = next((k for k, ev in enumerate(events) if ev.kind == "op"), len(events))
+        run = next((k for k, ev in enumerate(events[first:]) if ev.kind != "op"), len(events) - first)
+        ops = [m for m in self.timeline[start:] if m.label.startswith(f"{self.prefix}backward of ")][:run]
+        if not ops:
+            return
+        base = max(ops, key=lambda m: m.total)
+        peak = {BACKWARD_INPUT: self.split.input_peak, BACKWARD_WEIGHT: self.split.weight_peak,
+                FULL_BACKWARD: self.split.full_peak}[action.kind]
+        moment = Moment(f"microbatch {action.microbatch}: {_TORCH_PEAK[action.kind]}", "backward", base.unit,
+                        dict(base.bytes))
+        moment.bytes["activations"] += peak
+        self.timeline.insert(start + 1, moment)
+
+    def _weight_peak(self, microbatch: int) -> None:
+        """A weight backward (`W`) of a stage past the first: what the microbatch kept from its `I`
+        plus the most `stage_backward_weight` holds above it."""
+        if self.split is None or not self.split.weight_peak:
+            return
+        live, grads = self.live, self.live_grads
+        self.live = self.live_grads = 0
+        self.others = self._others()  # its kept bytes among them (still waiting)
+        self.prefix, self.phase = f"microbatch {microbatch}: ", "backward"
+        self.transient = {"activations": self.split.weight_peak}
+        self.snapshot(_TORCH_PEAK[BACKWARD_WEIGHT])
+        self.transient = {}
+        self.live, self.live_grads = live, grads
+        self.weight_grads = True
+
     def snapshot(self, label: str) -> None:
+        saved = self.live, self.live_grads, self.kept
+        if self.deferred and not self.weight_grads:  # an `I` makes no weight gradient: torch makes them in `W`
+            self.live, self.live_grads, self.kept = self.live - self.live_grads, 0, {}
         self.live += self.others
         super().snapshot(label)
-        self.live -= self.others
+        self.live, self.live_grads, self.kept = saved
         for k, v in self.extra.items():
             self.timeline[-1].bytes[k] += v
 
@@ -310,7 +374,7 @@ def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "
     boundary = boundaries(job, graph, example, tp=tp, repeat=compressed)
     input_bytes = 0 if step is None else sum(t.nbytes for t in step.tensors())
     traces = stage_traces(compress(trace) if compressed else trace, whole, job, boundary)
-    deferred = _deferred(shim, job, example, loss)
+    splits = _split(shim, job, example, loss)
     last = len(job.parts) - 1
     out = []
     for rank, held in enumerate(sched.stages):
@@ -319,7 +383,7 @@ def estimate_pipeline_memory(plan, world: int, *, graph=None, optimizer: str = "
         given = next((s for s in held if s in (0, last)), None)
         replays = {s: _replay(job.parts[s], graph, n, optimizer, traces[s][0],
                               (traces[s][1], boundary[-1] if s == last else 0), sched,
-                              input_bytes if s == given else 0, boundary, deferred[s]) for s in held}
+                              input_bytes if s == given else 0, boundary, splits[s]) for s in held}
         out.append(_estimate(world, n, rank, parts, replays, sched, step))
     return out
 
@@ -333,19 +397,19 @@ def estimate_roles(compiled, world: int, **kwargs) -> Estimate:
         f"the binding rank of {len(ests)} pipeline ranks (the largest peak)"])
 
 
-def _deferred(shim, job: Job, example, loss) -> list[int | None]:
-    """Per stage, what a microbatch keeps from its input backward to its weight backward under a
-    split-backward schedule (`split_backward.split_costs`: torch's own halves on fake tensors;
-    None: the input half does nothing); 0s under other schedules or without an input."""
+def _split(shim, job: Job, example, loss) -> list:
+    """Per stage, its split backward under a split-backward schedule (`split_backward.split_costs`:
+    torch's own halves on fake tensors: what a microbatch keeps from `I` to `W`, each action's
+    peak); Nones under other schedules or without an input."""
     from planc.estimate.split_backward import has_split_backward, split_costs
 
     if example is None or not has_split_backward(job.schedule):
-        return [0] * len(job.parts)
-    return [c.kept for c in split_costs(shim, job, example, loss)]
+        return [None] * len(job.parts)
+    return split_costs(shim, job, example, loss)
 
 
 def _replay(part: Part, graph, world: int, optimizer: str, trace: Trace, kept: tuple[int, int], sched: Schedule,
-            input_bytes: int, boundary: list[int], deferred: int | None = 0) -> _StageReplay:
+            input_bytes: int, boundary: list[int], split=None) -> _StageReplay:
     """One stage's replay: its units' bytes on its data-parallel ranks, its parameters no unit manages.
 
     torch's multi-stage runtime waits for its sends only at the end of the step, and a send holds
@@ -367,7 +431,7 @@ def _replay(part: Part, graph, world: int, optimizer: str, trace: Trace, kept: t
     kept_after = to_next + from_prev + (to_next if sched.name not in SINGLE_STAGE else 0)
     return _StageReplay(program, mem, optimizer, replicated, trace, mesh_sizes(program, world)[1],
                         _buffers(graph, part.modules), role, input_bytes, held=held, output=output,
-                        kept_after=kept_after, deferred=deferred)
+                        kept_after=kept_after, split=split)
 
 
 def _estimate(world: int, stage_world: int, rank: int, parts: list[Part], replays: dict[int, _StageReplay],

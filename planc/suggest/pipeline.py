@@ -22,9 +22,7 @@ The search decomposes in three levels (docs/suggest.md, "Pipelines"):
 3. **Verification**: the winner is written as a plan and re-estimated by the full role
    estimators (`role_memory.estimate_roles`, `roles.step_time_of_pipeline`, what `planc
    explain` and `planc check` run); if its peak is over the budget, the search's budget is
-   lowered by the excess and the next fitting choice tried; a split-backward schedule must fit with
-   the headroom its measured underestimate asks (`role_memory.SPLIT_BACKWARD_UNDER`, P450), else
-   the next choice is tried. The header's figures are those.
+   lowered by the excess and the next fitting choice tried. The header's figures are those.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ from functools import lru_cache
 from planc.estimate.collectives import Collective, collective_s, unit_collectives
 from planc.estimate.hardware import hardware as hardware_of
 from planc.estimate.memory import unit_memory
-from planc.estimate.role_memory import SPLIT_BACKWARD_UNDER
 from planc.estimate.time import OPTIMIZER_BYTES
 from planc.estimate.timeline import simulate
 from planc.lower.job import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, FULL_BACKWARD
@@ -552,15 +549,9 @@ def suggest_pipeline(graph, model_ref: str | None, world: int, budget: int, seq:
             break
         text = plan_text(models[cand.choice.tensor].prof.chain, model_ref, cand.choice, parallel)
         peak, where, sec, bubble, _ = exact(graph, text, world, (cand.choice.local_batch, seq), hw, optimizer)
-        needed = peak * (1 + SPLIT_BACKWARD_UNDER) if cand.choice.schedule in SPLIT_BACKWARD else peak
-        if needed <= budget:
+        if peak <= budget:
             best = PipeOption(cand.choice, sec, peak, True, where, bubble)
             break
-        if peak <= budget:  # fits by less than the split-backward estimate's measured error (P450): the next
-            excluded.add(cand.choice)
-            notes.append(f"{cand.choice.describe()} fits at {show_bytes(peak)} by less than the "
-                         f"{SPLIT_BACKWARD_UNDER * 100:.1f}% its schedule's memory is estimated low (P450): passed over")
-            continue
         excluded.add(cand.choice)
         bound -= peak - budget + max(1, budget // 1000)
         notes.append(f"the search's model put {cand.choice.describe()} at ~{show_bytes(cand.peak)}, the role "
