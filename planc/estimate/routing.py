@@ -199,8 +199,9 @@ def parse_routing(text: str, path: str = "<routing>") -> Routing:
         where = name if isinstance(name, str) else "layers"
         if not isinstance(name, str) or not isinstance(counts, list) or not counts or \
                 not all(isinstance(r, list) and r and all(_count(c) for c in r) for r in counts):
-            raise _refuse(path, text, f"layer {i}: needs \"name\" (a module path) and \"counts\" (rows per rank per "
-                          f"expert: a list of lists of non-negative integers)", where)
+            raise _refuse(path, text, f"layer {f'`{name}`' if isinstance(name, str) else i}: needs \"name\" (a module "
+                          f"path) and \"counts\" (rows per rank per expert: a list of lists of non-negative integers)",
+                          where)
         if len({len(r) for r in counts}) != 1 or any(sum(r) == 0 for r in counts):
             raise _refuse(path, text, f"layer {name}: every rank needs a count for each expert and at least one row",
                           where)
