@@ -171,3 +171,20 @@ def test_explain_states_the_routing(tmp_path):
     assert "balanced routing" in plain and "routing measured" not in plain
     text, code = _cli(["check", str(ROOT / "plans" / "routed-moe-ep.plan"), "--routing", str(tmp_path / "none.json")])
     assert code == cli.EXIT_USAGE and "error[P437]" in text and "Traceback" not in text
+
+
+def test_the_step_time_computes_the_binding_ranks_rows():
+    """The experts' FLOPs of each layer's unit are the profile's times received / sent rows (73 / 64 on
+    expert rank 0, 55 / 64 on rank 1); everything else is the balanced step's."""
+    from planc.estimate import time
+    from planc.estimate.flops import step_profile
+
+    balanced = time.estimate_step_time(_compiled(), world=2, input_shape=(2, 16))
+    profile = step_profile(_compiled().graph, None, input_shape=(2, 16))
+    for routing, load in ((SKEWED, 73 / 64), (SKEWED.at_rank(1), 55 / 64)):
+        step = time.estimate_step_time(_compiled(routing), world=2, input_shape=(2, 16))
+        assert any("the experts' compute: routing measured" in n for n in step.assumptions)
+        for a, b in zip(step.per_unit, balanced.per_unit):
+            experts = sum(v for p, v in profile.forward.items() if p.startswith(f"{a.name}.moe.experts"))
+            assert a.forward_flops - b.forward_flops == round(experts * load) - experts, a.name
+        assert (step.total_s > balanced.total_s) == (load > 1)

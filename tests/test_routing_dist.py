@@ -134,7 +134,7 @@ def test_all_to_all_bytes_per_layer_equal_the_recorded(real):
         a2a = Counter((c.kind, c.bytes, c.ranks, c.phase) for u in timed.per_unit for c in u.collectives
                       if c.kind == "all_to_all")
         assert a2a == got, rank
-        assert any("routing measured" in n for n in timed.notes)
+        assert any("routing measured" in n for n in timed.assumptions)
 
 
 def test_a_dense_run_records_the_counts_the_dispatch_exchanged(real):

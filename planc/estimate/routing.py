@@ -108,6 +108,29 @@ class Routing:
             raise ValueError(f"rank {self.rank} is not a rank of the routing histogram {self.file}")
         return best
 
+    def load(self, name: str, ep: int) -> float:
+        """Rows the estimated expert rank receives in layer `name` over the rows each rank sends (1.0: balanced)."""
+        rows = sum(self.layer(name).counts[0])
+        return sum(map(sum, self.received(name, ep, rows))) / rows
+
+    def reweighted(self, profile, names: list[str], ep: int):
+        """A step profile (`planc.estimate.flops.StepProfile`) with the FLOPs of each experts container in
+        `names` (and below it) times `load`: the estimated rank computes the rows it receives."""
+        factor = {n: self.load(n, ep) for n in names}
+
+        def k(path: str) -> float:
+            return next((f for n, f in factor.items() if path == n or path.startswith(n + ".")), 1.0)
+
+        def table(t: dict) -> dict:
+            return {p: round(v * k(p)) for p, v in t.items()}
+
+        return dataclasses.replace(
+            profile, forward=table(profile.forward), backward=table(profile.backward),
+            recomputed=table(profile.recomputed), recompute_full=table(profile.recompute_full),
+            recompute_selective=table(profile.recompute_selective),
+            forward_segments=[(p, round(v * k(p))) for p, v in profile.forward_segments],
+            backward_segments=[(p, round(v * k(p))) for p, v in profile.backward_segments])
+
     def imbalance(self, ep: int) -> float:
         """The largest ratio, over layers, of the most rows an expert rank receives to the mean."""
         worst = 1.0

@@ -234,8 +234,8 @@ OPTIMIZER_BYTES = {"adamw": 7, "adam": 7, "adamw_fused": 7, "adam_fused": 7, "sg
 # collectives and FLOP split, the context styles' K/V gathers (`AttendOverContext`) and the
 # sequence cut (`ShardBatch`: a rank computes 1 / context of its batch's FLOPs), checkpointing's
 # recompute, the loss in the traced profile, the experts' all-to-alls (`DispatchExperts`, blocking,
-# balanced routing, or a measured histogram's binding rank for the combine's bytes: a rank computes the
-# FLOPs of its batch's routed rows, as without the axis, under either: the histogram does not re-weight them);
+# balanced routing: a rank computes the FLOPs of its batch's routed rows, as without the axis; or a measured
+# histogram: the combine's bytes and the experts' FLOPs are its binding rank's received rows);
 # `compile` and unit methods are not modelled (the efficiency factor stands for kernels).
 READER = Reader("the step-time estimate",
                 (FullyShard, Parallelize, AttendOverContext, DispatchExperts, Checkpoint, Compile, SetPrefetch,
@@ -270,8 +270,7 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
                      f"per microbatch; the input is the step's batch")
     routing = getattr(plan, "routing", None)  # a measured routing histogram (CompiledPlan.routing)
     if routing is not None and any(True for _ in program.of_type(DispatchExperts)):
-        notes.append(f"all-to-alls: {routing.describe(expert_degree(program, world))}; the experts' compute is "
-                     f"each rank's own routed rows (not re-weighted by the histogram)")
+        notes.append(f"all-to-alls and the experts' compute: {routing.describe(expert_degree(program, world))}")
     hw = hardware_of(hardware)
     eff = hw.efficiency if efficiency is None else float(efficiency)
     if not 0 < eff <= 1:
@@ -303,7 +302,11 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
         if note:
             notes.append(note)
         own = owners(program, graph, set(profile.forward) | set(profile.backward) | set(profile.order) | {""})
-        model_flops, fwd_segments, bwd_segments = _compute(program, graph, per_rank or profile,
+        computed = per_rank or profile
+        if routing is not None:  # the estimated expert rank computes the rows it receives
+            computed = routing.reweighted(computed, [op.module for op in program.of_type(DispatchExperts)],
+                                          expert_degree(program, world))
+        model_flops, fwd_segments, bwd_segments = _compute(program, graph, computed,
                                                            (1 if per_rank else tp) * cp, per_unit, own, hw, eff)
         tp_cs = tp_collectives(program, graph, profile, world, cp)
         for path, cs in recompute_collectives(program, profile, tp_cs).items():
