@@ -59,6 +59,8 @@ def test_received_rows_per_expert_rank():
     assert four.received(NAMES[0], 2, 8) == [[5, 1], [5, 1]]  # group 1 (ranks 2, 3), expert rank 1
     assert four.at_rank(2).received(NAMES[0], 2, 8) == [[1, 1], [1, 1]]
     assert SKEWED.imbalance(2) == pytest.approx(73 / 64)
+    with pytest.raises(ValueError, match="rank 2 is not a rank"):
+        SKEWED.at_rank(2).received(NAMES[0], 2, 64)
 
 
 def test_the_file_round_trips():
@@ -188,3 +190,17 @@ def test_the_step_time_computes_the_binding_ranks_rows():
             experts = sum(v for p, v in profile.forward.items() if p.startswith(f"{a.name}.moe.experts"))
             assert a.forward_flops - b.forward_flops == round(experts * load) - experts, a.name
         assert (step.total_s > balanced.total_s) == (load > 1)
+
+
+def test_memory_expects_are_checked_with_the_routing(tmp_path):
+    path = tmp_path / "routing.json"
+    SKEWED.save(path)
+    plan = str(ROOT / "tests" / "ui" / "expect_memory_expert.plan")
+    balanced, _ = _cli(["check", plan, "--world-size", "2"])
+    skewed, code = _cli(["check", plan, "--world-size", "2", "--routing", str(path)])
+    assert code == cli.EXIT_ERRORS and "error[P502]" in skewed and "error[P502]" in balanced
+
+    def figure(text: str) -> float:
+        return float(text.split("activations included, is ")[1].split(" KiB")[0])
+
+    assert figure(skewed) > figure(balanced)

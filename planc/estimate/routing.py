@@ -100,7 +100,7 @@ class Routing:
             for j in range(ep):
                 got = [row[j * local:(j + 1) * local] for row in scaled]
                 if self.rank is not None:
-                    if (len(self.groups(name, ep)) == 1 or g == self.rank // ep) and j == self.rank % ep:
+                    if (self.ranks == 1 or g == self.rank // ep) and j == self.rank % ep:
                         return got
                 elif best is None or sum(map(sum, got)) > sum(map(sum, best)):
                     best = got
