@@ -35,11 +35,12 @@ class CompiledPlan:
     """
 
     def __init__(self, plan: st.Plan, graph: ModelGraph | None, world_size: int | None = None, *,
-                 check_memory: bool = True):
+                 check_memory: bool = True, routing=None):
         self.plan = plan
         self.graph = graph
         self.world_size = world_size
         self.check_memory = check_memory  # evaluate memory `expect`s (see `compile`)
+        self.routing = routing  # a measured routing histogram the estimates use (planc/estimate/routing.py)
         self._estimates: dict = {}  # (world, input shape) -> Estimate, or the TraceError it raised
 
     # ----------------------------------------------------------------- phases
@@ -61,11 +62,25 @@ class CompiledPlan:
         # which checks run follows from what the context holds (each check declares its
         # needs, planc/checks/validate.py); memory is estimated only for a valid plan with
         # a model, and only when asked for
-        clean = self.check_memory and self.graph is not None and not any(d.is_error for d in diags)
+        routing = self._routing_problems() if not any(d.is_error for d in diags) else []
+        clean = self.check_memory and self.graph is not None and not any(d.is_error for d in diags + routing)
         ctx = Context(self.plan, self.graph, res, self.world_size, metrics=self._metric if clean else None,
                       memory=self.memory_at if clean else None)
         with paused_gc():
-            return sort_diagnostics(list(diags) + validate(ctx))
+            return sort_diagnostics(list(diags) + routing + validate(ctx))
+
+    def _routing_problems(self) -> list[Diagnostic]:
+        """P436: the routing histogram against the containers this plan dispatches (at its world size),
+        before any estimate reads it; nothing when there is none, or no job to read (the checks say why)."""
+        if self.routing is None or self.graph is None:
+            return []
+        from planc.estimate.expert_local import expert_degree
+        from planc.estimate.routing import routing_problems
+        try:
+            program = self.program
+        except Exception:  # a plan the checks refuse may not lower (or is a pipeline's): they report it
+            return []
+        return routing_problems(self.routing, program, expert_degree(program, self.world_size or 1))
 
     def _metric(self, name: str, world: int | None, input_shape: tuple[int, ...] | None = None) -> float | None:
         from planc.estimate.memory import metric  # the memory model is only built when a plan asks
@@ -86,7 +101,8 @@ class CompiledPlan:
             # lowered at `world`: what the job places depends on it (the experts' FSDP dim, 0 or 1, on
             # efsdp x expert against the experts count), and a plan checked without a world size
             # (an `expect ... at world = N` line) was lowered without one
-            at = self if world == self.world_size else CompiledPlan(self.plan, self.graph, world, check_memory=False)
+            at = self if world == self.world_size else CompiledPlan(self.plan, self.graph, world, check_memory=False,
+                                                                    routing=self.routing)
             try:
                 self._estimates[key] = estimate(at, world, input_shape=key[1])
             except TraceError as err:  # remembered too: each expect with this input reports it
@@ -195,7 +211,8 @@ def as_plan(plan: st.Plan | str | os.PathLike) -> st.Plan:
 
 
 def compile(plan: st.Plan | str | os.PathLike, model: nn.Module | ModelGraph | None,
-            world_size: int | None = None, *, strict: bool = True, check_memory: bool = True) -> CompiledPlan:
+            world_size: int | None = None, *, strict: bool = True, check_memory: bool = True,
+            routing=None) -> CompiledPlan:
     """Resolve and validate `plan` against `model`.
 
     Args:
@@ -208,6 +225,9 @@ def compile(plan: st.Plan | str | os.PathLike, model: nn.Module | ModelGraph | N
         check_memory: evaluate memory `expect`s with the memory model (an `input =` clause
             traces one step on fake tensors). `planc.apply` turns this off: the bounds are
             for `planc check` in CI, and the job being sharded measures the real thing.
+        routing: a measured routing histogram (`planc.estimate.routing.load_routing(path)`) the memory
+            and time estimates of an expert-parallel plan use instead of balanced routing; one that
+            does not fit the plan is a P436 diagnostic.
 
     Returns:
         The `CompiledPlan`, with `.units` in application order and `.diagnostics`.
@@ -216,7 +236,7 @@ def compile(plan: st.Plan | str | os.PathLike, model: nn.Module | ModelGraph | N
         rank_count(world_size)
     parsed = as_plan(plan)
     graph = model if isinstance(model, ModelGraph) or model is None else ModelGraph.from_module(model)
-    compiled = CompiledPlan(parsed, graph, world_size, check_memory=check_memory)
+    compiled = CompiledPlan(parsed, graph, world_size, check_memory=check_memory, routing=routing)
     if strict:
         compiled.raise_for_errors()
     return compiled

@@ -2,7 +2,8 @@
 
 `<name>.stderr` holds exactly what `planc check` prints for the plan (colour off) followed by
 a last line `exit: N`. A plan picks its model with its own `model` line and may set the world
-size with a first-line comment `# world-size: 8` (`# world-size: 8, simulate` adds `--simulate`).
+size with a first-line comment `# world-size: 8` (`# world-size: 8, simulate` adds `--simulate`,
+`# world-size: 2, routing FILE` adds `--routing FILE`: routing histograms live in tests/ui/routing/).
 When a change in output is intended, run
 
     PLANC_UPDATE_GOLDENS=1 pytest tests/test_ui.py
@@ -58,6 +59,9 @@ def check_args(plan: pathlib.Path) -> list[str]:
         args += ["--world-size", *m.group(1).split()]
         if re.search(r"\bsimulate\b", first[m.end():]):  # `# world-size: 4, simulate`: planc check --simulate
             args.append("--simulate")
+        routing = re.search(r"\brouting\s+(\S+)", first[m.end():])  # `# world-size: 2, routing FILE`: --routing FILE
+        if routing:
+            args += ["--routing", routing.group(1)]
     return args
 
 

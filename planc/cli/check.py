@@ -20,7 +20,8 @@ def cmd_check(args) -> int:
     io_problem = False
     summaries = []
     for path in args.plans:
-        compiled, diags, srcs, io = compile_for_cli(path, args.model, args.world_size or [None], cache)
+        compiled, diags, srcs, io = compile_for_cli(path, args.model, args.world_size or [None], cache,
+                                                    getattr(args, "routing", None))
         io_problem |= io
         simulated: list[int] = []
         if getattr(args, "simulate", False) and compiled and compiled[0].graph is not None \

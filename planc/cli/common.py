@@ -27,17 +27,28 @@ def use_color(stream) -> bool:
     return hasattr(stream, "isatty") and stream.isatty() and not os.environ.get("NO_COLOR")
 
 
-def compile_for_cli(path: str, model_ref: str | None, world_sizes: Sequence[int | None], cache: ModelCache
-                    ) -> tuple[list[CompiledPlan], list[Diagnostic], dict[str, str], bool]:
-    """Compile one plan file for each world size.
+def compile_for_cli(path: str, model_ref: str | None, world_sizes: Sequence[int | None], cache: ModelCache,
+                    routing: str | None = None) -> tuple[list[CompiledPlan], list[Diagnostic], dict[str, str], bool]:
+    """Compile one plan file for each world size, with the routing histogram file `routing`
+    (`--routing`) if given.
 
     Returns the compiled plans, the diagnostics (deduplicated over world sizes), the
-    sources for rendering, and whether an I/O problem occurred (exit 2).
+    sources for rendering, and whether an I/O problem occurred (exit 2: the plan or the
+    routing file cannot be read).
     """
     plan, diags = load_with_diagnostics(path)
     if plan is None:
         return [], diags, {}, True
     sources = dict(plan.sources)
+    measured = None
+    if routing is not None:
+        from planc.estimate.routing import RoutingError, load_routing
+        try:
+            measured = load_routing(routing)
+        except RoutingError as err:  # P437, located in the file
+            if err.text is not None:
+                sources[routing] = err.text
+            return [], diags + [err.diagnostic], sources, err.text is None
     if any(d.is_error for d in diags):
         return [], diags, sources, False
     ref = model_ref or plan.model_ref
@@ -52,7 +63,7 @@ def compile_for_cli(path: str, model_ref: str | None, world_sizes: Sequence[int 
             diags.append(Diagnostic(code="P106", severity="error", message=str(err), span=stmt.span,
                                     label="this model", help=(err.help or "check the module path and that its "
                                                               "package is installed; or pass `--model`",)))
-    compiled = [CompiledPlan(plan, graph, w) for w in world_sizes]
+    compiled = [CompiledPlan(plan, graph, w, routing=measured) for w in world_sizes]
     seen = set()
     for c in compiled:
         for d in c.diagnostics:

@@ -40,7 +40,8 @@ def main(args) -> int:
     if not 0 <= args.rank < args.world_size:
         raise UsageError(f"--rank {args.rank} is not a rank of {args.world_size}")
     shape = parse_shape(args.input_shape)
-    compiled, diags, sources, io = compile_for_cli(args.plan, args.model, [args.world_size], ModelCache())
+    compiled, diags, sources, io = compile_for_cli(args.plan, args.model, [args.world_size], ModelCache(),
+                                                   getattr(args, "routing", None))
     # NOTE: a failed `expect` does not stop the report: P502 sends people here for the breakdown
     blocking = [d for d in diags if d.is_error and d.code not in EXPECT_FAILURES]
     if io or not compiled or compiled[0].graph is None or blocking:

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "gloo processes and compare losses, gradients and weights with one unsharded process (P425)")
     c.add_argument("--verify-model", metavar="REF", help="with --verify: the small model to run (a `planc.zoo:`/"
                    "`hf:` reference or MODULE:CALLABLE; default: the plan model's shipped tiny twin)")
+    c.add_argument("--routing", metavar="FILE", help="a routing histogram recorded from a real step "
+                   "(planc.analysis.routing.record_routing): memory `expect`s of expert-parallel plans use it instead "
+                   "of balanced routing; checked against the plan (P436)")
     c.set_defaults(func=check.cmd_check)
 
     t = sub.add_parser("tree", help="print a model's module tree, to write selectors")
@@ -80,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(docs/time-model.md)")
     e.add_argument("--efficiency", type=float, metavar="F",
                    help="achievable fraction of peak FLOP/s (default: the profile's, 0.6 built in)")
+    e.add_argument("--routing", metavar="FILE", help="a routing histogram recorded from a real step "
+                   "(planc.analysis.routing.record_routing): the expert-parallel estimates use, per MoE layer, the "
+                   "rows its busiest expert rank receives instead of balanced routing")
     e.set_defaults(func=explain.main)
 
     _add_suggest(sub)

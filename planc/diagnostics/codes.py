@@ -398,6 +398,19 @@ CODES: dict[str, Code] = {
                  "shard would be taken for replicated tokens and cut again): remove it, planc splits the layer's "
                  "tokens itself.\n\n    parallel layers.*.moe prepare_input { ... }   # error beside "
                  "`parallel layers.*.moe.experts expert` on a mesh with a tensor axis"),
+    "P436": Code("routing histogram does not fit the plan", "A routing histogram (`--routing FILE`, recorded by "
+                 "`planc.analysis.routing.record_routing`) gives, per experts container, the rows each recorded rank "
+                 "routed to each expert. The estimates read it for the containers the plan makes expert-parallel, so "
+                 "its layers must be those containers, with the model's expert count, and its recorded ranks must "
+                 "form expert groups: one rank (a dense run: every rank routes alike) or a multiple of the expert "
+                 "degree. Record it on the model the plan shards.\n\n"
+                 "    parallel layers.*.moe.experts expert   # error: the histogram counts 4 experts, the model has 64"),
+    "P437": Code("not a routing histogram", "`--routing FILE` must name a routing histogram as "
+                 "`record_routing(model).save(path)` writes it: a JSON object with \"planc_routing\": 1, the recorded "
+                 "\"batch\" shape, the \"expert_degree\" and \"layers\", each a \"name\" and \"counts\" (rows per "
+                 "rank per expert, non-negative integers, every rank with at least one row). The message says what "
+                 "is missing and where.\n\n    {\"planc_routing\": 1, \"batch\": [2, 16], \"expert_degree\": 2, "
+                 "\"layers\": [{\"name\": \"layers.0.moe.experts\", \"counts\": [[20, 17, 14, 13]]}]}"),
     "P480": Code("expert style without an expert axis", "`parallel SELECTOR expert` keeps whole experts on the "
                  "ranks of the mesh's expert axis, and the mesh has none. Add one (it borrows its ranks from shard x "
                  "context x tensor).\n\n    mesh (shard = *, expert = 2)\n    parallel layers.*.moe.experts expert"),

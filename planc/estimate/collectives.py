@@ -150,13 +150,17 @@ def _expert_group(program: Program, op: FullyShard, graph, world: int, replicate
 
 
 def expert_collectives(program: Program, graph, world: int, tokens: int, top_k: int,
-                       dim: int) -> dict[str, list[Collective]]:
+                       dim: int, routing=None) -> dict[str, list[Collective]]:
     """Each expert-parallel container's all-to-alls for one microbatch of `tokens` tokens per rank,
     each routed to `top_k` experts, rows `dim` wide, on the expert axis (balanced routing: a rank
     sends and receives `tokens x top_k` rows in all): forward the dispatch and the combine, backward
     their gradients the same way back; bytes the input's (nccl-tests' convention), in the compute
     dtype of the unit that holds the container. Not counted: the exchange of the per-expert counts
     (`experts` int64 values, one all-to-all per dispatch, a blocking host sync).
+
+    With a measured `routing` histogram (`planc/estimate/routing.py`) the dispatch still sends the
+    rank's `tokens x top_k` rows, and the combine (forward) and the dispatch's gradient (backward)
+    send back the rows the estimated (binding) expert rank received in that layer.
 
     With a tensor axis (`op.tensor`) the MoE layer runs on its tensor rank's part of the tokens,
     `tokens / tensor` (the sequence-parallel form: `split_over_tensor`), and its dense parameters'
@@ -171,10 +175,11 @@ def expert_collectives(program: Program, graph, world: int, tokens: int, top_k: 
     ep, tp = degrees[0], sizes.get(Role.TENSOR, 1)
     dtypes = compute_dtypes(program, graph)
     for op in program.of_type(DispatchExperts):
-        rows = tokens // tp if op.tensor is not None else tokens
-        nbytes = rows * top_k * dim * _itemsize(dtypes[op.params[0]])
-        out[op.module] = [Collective("all_to_all", op.axis, ep, nbytes, phase, op.module)
-                          for phase in ("forward", "forward", "backward", "backward")]
+        rows = (tokens // tp if op.tensor is not None else tokens) * top_k
+        back = rows if routing is None else sum(map(sum, routing.received(op.module, ep, rows)))
+        item = dim * _itemsize(dtypes[op.params[0]])
+        out[op.module] = [Collective("all_to_all", op.axis, ep, n * item, phase, op.module)
+                          for n, phase in ((rows, "forward"), (back, "forward"), (rows, "backward"), (back, "backward"))]
         if op.tensor is not None:
             inside = set(op.params)
             dense = [n for n in sorted(graph.subtree_params(op.layer)) if n not in inside]
@@ -183,10 +188,12 @@ def expert_collectives(program: Program, graph, world: int, tokens: int, top_k: 
     return out
 
 
-def expert_all_to_alls(program: Program, graph, world: int, tokens: int) -> dict[str, list[Collective]]:
+def expert_all_to_alls(program: Program, graph, world: int, tokens: int,
+                       routing=None) -> dict[str, list[Collective]]:
     """`expert_collectives` with each container's routing read from the model: `top_k` from its
     MoE's router (`router.top_k`, planc.zoo's routed MoE; `top_k` or `gate.top_k` as Hugging Face
-    names it), the rows' width from the sorted layout's `w1` `[experts, hidden, dim]`. Raises
+    names it), the rows' width from the sorted layout's `w1` `[experts, hidden, dim]`; `routing` as
+    `expert_collectives`'. Raises
     ValueError for a container whose routing it cannot read."""
     out: dict[str, list[Collective]] = {}
     for op in program.of_type(DispatchExperts):
@@ -195,7 +202,8 @@ def expert_all_to_alls(program: Program, graph, world: int, tokens: int) -> dict
         top_k = next((k for k in found if isinstance(k, int)), None)
         if top_k is None or not op.module.endswith("experts") or f"{op.module}.w1" not in graph.params:
             raise ValueError(f"{op.module}: the step-time model reads routing from planc.zoo's routed MoE layout only")
-        one = expert_collectives(program, graph, world, tokens, top_k, graph.params[f"{op.module}.w1"].shape[-1])
+        one = expert_collectives(program, graph, world, tokens, top_k, graph.params[f"{op.module}.w1"].shape[-1],
+                                 routing)
         out[op.module] = one[op.module]
     return out
 

@@ -7,14 +7,16 @@ trace (`planc/estimate/trace.py`) runs the model on fake tensors, so the split s
 reads from the data (its one host sync) are not known: the trace assumes **balanced routing**:
 every rank sends `rows / expert` of its `rows = tokens x top_k` routed rows to each expert rank,
 and receives `rows x top_k / experts` rows for each of its local experts from each rank (so
-`rows` in all, as many as it sent). `emulate_experts` gives each styled container its rank's
+`rows` in all, as many as it sent); or, when the compiled plan carries a measured routing
+histogram (`planc/estimate/routing.py`), the rows its binding rank receives, per layer (its
+sends are `rows` either way). `emulate_experts` gives each styled container its rank's
 `[experts / expert, ...]` parameters and replaces its forward by the runtime's `exchange` with
 local stand-ins for the collectives that allocate what the real ones do on one rank (the
 all-to-all's output, forward and backward; the counts' exchange buffer), and the regrouping
 (`expert_major`'s index tensors, the two `index_select`s, the `argsort` back) and the
 `1 / expert` gradient scaling as the runtime runs them. The runtime is the reference:
 tests/test_expert_memory_dist.py holds the estimate to FSDPMemTracker on real gloo ranks whose
-routing is made balanced.
+routing is made balanced, tests/test_routing_dist.py on the router's own (skewed) routing.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def expert_fsdp_degree(program, world: int) -> int:
     return 1 if degrees is None else degrees[1]
 
 
+def routing_assumed(compiled, ep: int) -> str:
+    """The routing the estimate of `compiled` assumes, in words: balanced, or its histogram's."""
+    routing = getattr(compiled, "routing", None)
+    return ROUTING if routing is None else routing.describe(ep)
+
+
 def local_expert_shape(shape: tuple[int, ...], ep: int) -> tuple[int, ...]:
     """An expert parameter `[experts, ...]` as one of `ep` expert ranks keeps it."""
     return (shape[0] // ep, *shape[1:])
@@ -67,16 +75,18 @@ class _AllToAll(torch.autograd.Function):
 
 
 
-def _dispatch(module: nn.Module, ep: int, local: int):
-    """The dispatched forward of the sorted layout (`forward(rows, offsets)`) on one rank, balanced."""
+def _dispatch(module: nn.Module, ep: int, local: int, arriving=None):
+    """The dispatched forward of the sorted layout (`forward(rows, offsets)`) on one rank: it receives
+    as many rows as it sends (balanced), or `arriving(rows sent)` rows (a routing histogram)."""
     forward = module.forward
 
     def exchange(rows: torch.Tensor, counts: torch.Tensor, run) -> torch.Tensor:
         n = rows.shape[0]
+        m = n if arriving is None else arriving(n)
         send = counts.view(ep, local).contiguous()
         received = torch.empty_like(send)  # the counts' all-to-all writes into it
-        arrived = _AllToAll.apply(rows, n, n)
-        order = expert_major(received, n)
+        arrived = _AllToAll.apply(rows, m, n)
+        order = expert_major(received, m)
         own = list(module._parameters.items())
         for key, p in own:
             module._parameters[key] = ScaleGrad.apply(p, 1.0 / ep)
@@ -86,7 +96,7 @@ def _dispatch(module: nn.Module, ep: int, local: int):
             for key, p in own:
                 module._parameters[key] = p
         back = out.index_select(0, torch.argsort(order))
-        return _AllToAll.apply(back, n, n)
+        return _AllToAll.apply(back, n, m)
 
     def dispatched(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
@@ -95,10 +105,11 @@ def _dispatch(module: nn.Module, ep: int, local: int):
     return dispatched
 
 
-def emulate_experts(model: nn.Module, program, ep: int) -> list:
+def emulate_experts(model: nn.Module, program, ep: int, routing=None) -> list:
     """Give every container a `DispatchExperts` op names its rank's `[experts / ep, ...]` parameters
-    (fake, like the model's) and the dispatched forward on one rank (allocations only, balanced
-    routing); returns nothing to remove (the model is the trace's own copy)."""
+    (fake, like the model's) and the dispatched forward on one rank (allocations only): balanced
+    routing, or the rows `routing` (a `planc.estimate.routing.Routing`) says its estimated rank
+    receives; returns nothing to remove (the model is the trace's own copy)."""
     for op in program.of_type(DispatchExperts):
         module = model.get_submodule(op.module)
         if layout(module) != SORTED:
@@ -108,7 +119,9 @@ def emulate_experts(model: nn.Module, program, ep: int) -> list:
         for name, p in list(module.named_parameters(recurse=False)):
             kept = p.detach().new_empty(local_expert_shape(tuple(p.shape), ep))
             module.register_parameter(name, nn.Parameter(kept, requires_grad=p.requires_grad))
-        module.forward = _dispatch(module, ep, local)
+        arriving = None if routing is None else \
+            (lambda n, name=op.module: sum(map(sum, routing.received(name, ep, n))))
+        module.forward = _dispatch(module, ep, local, arriving)
         if op.layer is not None:
             _split_over_tensor(model.get_submodule(op.layer), module)
     return []
@@ -137,4 +150,4 @@ def _split_over_tensor(layer: nn.Module, experts: nn.Module) -> None:
     layer.forward = run
 
 
-__all__ = ["ROUTING", "emulate_experts", "expert_degree", "expert_fsdp_degree", "local_expert_shape"]
+__all__ = ["ROUTING", "emulate_experts", "routing_assumed", "expert_degree", "expert_fsdp_degree", "local_expert_shape"]

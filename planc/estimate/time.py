@@ -89,6 +89,7 @@ from planc.estimate.collectives import (  # noqa: F401  (re-exported: the step-t
     tp_collectives,
     unit_collectives,
 )
+from planc.estimate.expert_local import expert_degree
 from planc.estimate.hardware import Hardware
 from planc.estimate.hardware import hardware as hardware_of
 from planc.lower import fsdp as fsdp_rules
@@ -233,7 +234,8 @@ OPTIMIZER_BYTES = {"adamw": 7, "adam": 7, "adamw_fused": 7, "adam_fused": 7, "sg
 # collectives and FLOP split, the context styles' K/V gathers (`AttendOverContext`) and the
 # sequence cut (`ShardBatch`: a rank computes 1 / context of its batch's FLOPs), checkpointing's
 # recompute, the loss in the traced profile, the experts' all-to-alls (`DispatchExperts`, blocking,
-# balanced routing: a rank computes the FLOPs of its batch's routed rows, as without the axis);
+# balanced routing: a rank computes the FLOPs of its batch's routed rows, as without the axis; or a measured
+# histogram: the combine's bytes and the experts' FLOPs are its binding rank's received rows);
 # `compile` and unit methods are not modelled (the efficiency factor stands for kernels).
 READER = Reader("the step-time estimate",
                 (FullyShard, Parallelize, AttendOverContext, DispatchExperts, Checkpoint, Compile, SetPrefetch,
@@ -266,6 +268,9 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
         inputs, input_shape = _microbatch(inputs, input_shape, k)
         notes.append(f"{schedule.origin.value.show()}: compute, gathers and tensor-parallel collectives "
                      f"per microbatch; the input is the step's batch")
+    routing = getattr(plan, "routing", None)  # a measured routing histogram (CompiledPlan.routing)
+    if routing is not None and any(True for _ in program.of_type(DispatchExperts)):
+        notes.append(f"all-to-alls and the experts' compute: {routing.describe(expert_degree(program, world))}")
     hw = hardware_of(hardware)
     eff = hw.efficiency if efficiency is None else float(efficiency)
     if not 0 < eff <= 1:
@@ -297,14 +302,18 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
         if note:
             notes.append(note)
         own = owners(program, graph, set(profile.forward) | set(profile.backward) | set(profile.order) | {""})
-        model_flops, fwd_segments, bwd_segments = _compute(program, graph, per_rank or profile,
+        computed = per_rank or profile
+        if routing is not None:  # the estimated expert rank computes the rows it receives
+            computed = routing.reweighted(computed, [op.module for op in program.of_type(DispatchExperts)],
+                                          expert_degree(program, world))
+        model_flops, fwd_segments, bwd_segments = _compute(program, graph, computed,
                                                            (1 if per_rank else tp) * cp, per_unit, own, hw, eff)
         tp_cs = tp_collectives(program, graph, profile, world, cp)
         for path, cs in recompute_collectives(program, profile, tp_cs).items():
             tp_cs[path] = tp_cs[path] + cs
         for path, cs in context_collectives(program, per_rank or profile, world).items():  # blocking, as TP's
             tp_cs[path] = tp_cs.get(path, []) + cs
-        for path, cs in expert_all_to_alls(program, graph, world, profile.tokens).items():  # blocking (host sync)
+        for path, cs in expert_all_to_alls(program, graph, world, profile.tokens, routing).items():  # blocking (host sync)
             tp_cs[path] = tp_cs.get(path, []) + cs
         tp_cs = {path: [dataclasses.replace(c, times=k) for c in cs] for path, cs in tp_cs.items()}
         for path, cs in tp_cs.items():

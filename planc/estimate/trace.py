@@ -391,8 +391,8 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
             context rank (`inputs` already its sequence shard with `positions=`; each styled
             attention gathers K/V over cp ranks: `planc/estimate/context_local.py`).
         ep: expert-parallel degree: with `DispatchExperts` ops and ep > 1, the step of one expert
-            rank (its local experts, the dispatch's allocations, balanced routing:
-            `planc/estimate/expert_local.py`).
+            rank (its local experts, the dispatch's allocations, balanced routing or the compiled
+            plan's `routing` histogram: `planc/estimate/expert_local.py`).
 
     Returns:
         The trace: unit hooks and live non-parameter bytes after every op.
@@ -417,7 +417,7 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
     ep = ep if any(True for _ in program.of_type(DispatchExperts)) else 1
     if ep > 1:
         from planc.estimate.expert_local import emulate_experts
-        layout_handles += emulate_experts(model, program, ep)
+        layout_handles += emulate_experts(model, program, ep, getattr(compiled, "routing", None))
     for op in program.of_type(Checkpoint):
         checkpoint_module(model.get_submodule(op.module), context_fn=context_fn(op.mode))
     rec = _Recorder(model, program.units)
@@ -451,8 +451,8 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
     on = f" (one of {tp} tensor-parallel ranks, its local shapes)" if tp > 1 else ""
     on += f" (one of {cp} context ranks: its sequence shard, K/V gathered)" if cp > 1 else ""
     if ep > 1:
-        from planc.estimate.expert_local import ROUTING
-        on += f" (one of {ep} expert ranks: its experts, {ROUTING})"
+        from planc.estimate.expert_local import routing_assumed
+        on += f" (one of {ep} expert ranks: its experts, {routing_assumed(compiled, ep)})"
     return Trace(events, input_bytes, f"live tensors of one forward and backward{on} on fake CPU tensors, each "
                  f"unit's precision and checkpointing applied; {loss_name(model, example, loss)}")
 
@@ -653,7 +653,8 @@ def trace_for(compiled, inputs: "tuple | dict | Example | None", loss: LossFn | 
     READER.compiled(compiled)  # before the cache: a job it cannot record is refused every time
     cache = _TRACES.setdefault(compiled.graph, {})
     example = None if inputs is None else Example.of(inputs)
-    key = (_step_key(compiled), None if example is None else example.key(), loss, tp, cp, ep)
+    key = (_step_key(compiled), None if example is None else example.key(), loss, tp, cp, ep,
+           getattr(compiled, "routing", None) if ep > 1 else None)
     if key not in cache:
         if example is None:
             cache[key] = synthetic_trace(compiled)
