@@ -308,6 +308,8 @@ def estimate_step_time(plan, *, world: int, hardware: "str | Hardware" = "h100",
                                           expert_degree(program, world))
         model_flops, fwd_segments, bwd_segments = _compute(program, graph, computed,
                                                            (1 if per_rank else tp) * cp, per_unit, own, hw, eff)
+        if computed is not (per_rank or profile):  # MFU counts a rank's share of the model's FLOPs, not the busiest's
+            model_flops = (per_rank or profile).total // ((1 if per_rank else tp) * cp)
         tp_cs = tp_collectives(program, graph, profile, world, cp)
         for path, cs in recompute_collectives(program, profile, tp_cs).items():
             tp_cs[path] = tp_cs[path] + cs
