@@ -52,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from planc.lower.job import View
-from planc.model.dispatch import ScaleGrad, expert_major
+from planc.model.dispatch import ScaleGrad, expert_major, sorted_rows, token_choice
 from planc.resolve.experts import EFSDP, SORTED, layout
 
 __all__ = ["balanced_routing", "build_expert_mesh", "clip_grad_norm_", "dispatch_experts", "expert_mesh_of",
@@ -164,27 +164,7 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str, tens
         back = out.index_select(0, torch.argsort(order))
         return _a2a(back, in_splits, out_splits, group)
 
-    def dispatched(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
-        return exchange(rows, counts, lambda x, c: forward(x, c.cumsum(0)))
-
-    def token_choice(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """Each (token, expert) pair sorted by expert, exchanged, run with weight 1 on its local
-        expert, and combined here with the router's weights."""
-        k = top_k_index.shape[-1]
-        flat = top_k_index.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.zeros(total, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-
-        def run(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-            ids = torch.repeat_interleave(torch.arange(local, device=x.device), c, output_size=x.shape[0]).unsqueeze(1)
-            return forward(x, ids, torch.ones(ids.shape, dtype=top_k_weights.dtype, device=x.device))
-
-        pairs = exchange(hidden.index_select(0, order // k), counts, run)
-        pairs = torch.empty_like(pairs).index_copy(0, order, pairs)
-        return (pairs.view(-1, k, pairs.shape[-1]) * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(1)
-
-    module.forward = dispatched if kind == SORTED else token_choice
+    module.forward = sorted_rows(forward, exchange) if kind == SORTED else token_choice(forward, exchange, total, local)
     setattr(module, EXPERT_SLICE, (rank, ep))
     whole = _whole(expert_mesh, axis, total)
     setattr(module, WHOLE, whole)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from planc.lower.program import DispatchExperts
-from planc.model.dispatch import ScaleGrad, expert_major
+from planc.model.dispatch import ScaleGrad, expert_major, sorted_rows, token_choice
 from planc.resolve.experts import SORTED, expert_degrees, layout
 
 ROUTING = ("balanced routing: each rank sends tokens x top_k / expert rows to every expert rank "
@@ -67,8 +67,8 @@ class _AllToAll(torch.autograd.Function):
 
 
 
-def _dispatch(module: nn.Module, ep: int, local: int):
-    """The dispatched forward of the sorted layout (`forward(rows, offsets)`) on one rank, balanced."""
+def _dispatch(module: nn.Module, ep: int, local: int, total: int):
+    """The dispatched forward of either layout on one rank, balanced (`local` of `total` experts here)."""
     forward = module.forward
 
     def exchange(rows: torch.Tensor, counts: torch.Tensor, run) -> torch.Tensor:
@@ -88,27 +88,25 @@ def _dispatch(module: nn.Module, ep: int, local: int):
         back = out.index_select(0, torch.argsort(order))
         return _AllToAll.apply(back, n, n)
 
-    def dispatched(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
-        return exchange(rows, counts, lambda x, c: forward(x, c.cumsum(0)))
-
-    return dispatched
+    if layout(module) == SORTED:
+        return sorted_rows(forward, exchange)
+    return token_choice(forward, exchange, total, local)
 
 
 def emulate_experts(model: nn.Module, program, ep: int) -> list:
     """Give every container a `DispatchExperts` op names its rank's `[experts / ep, ...]` parameters
     (fake, like the model's) and the dispatched forward on one rank (allocations only, balanced
-    routing); returns nothing to remove (the model is the trace's own copy)."""
+    routing), either layout (`planc.resolve.experts.layout`: the zoo's sorted rows, Hugging Face's
+    token choice); returns nothing to remove (the model is the trace's own copy)."""
     for op in program.of_type(DispatchExperts):
         module = model.get_submodule(op.module)
-        if layout(module) != SORTED:
-            raise NotImplementedError(f"{op.module}: only the sorted experts layout (planc.zoo.routed.RoutedExperts) "
-                                      f"is estimated under expert parallelism")
         local = op.experts // ep
         for name, p in list(module.named_parameters(recurse=False)):
             kept = p.detach().new_empty(local_expert_shape(tuple(p.shape), ep))
             module.register_parameter(name, nn.Parameter(kept, requires_grad=p.requires_grad))
-        module.forward = _dispatch(module, ep, local)
+        module.forward = _dispatch(module, ep, local, op.experts)
+        if hasattr(module, "num_experts"):  # Hugging Face's experts count their own (local) experts, as the runtime sets
+            module.num_experts = local
         if op.layer is not None:
             _split_over_tensor(model.get_submodule(op.layer), module)
     return []

@@ -3,7 +3,9 @@ and the estimate's trace of one expert rank (`planc/estimate/expert_local.py`), 
 
 `ScaleGrad`: the identity forward (a view), the gradient scaled on its way back (the dispatch scales
 the experts' gradients, FSDP's divide factor cannot on gloo). `expert_major`: the order that
-regroups the rows an expert rank received source-rank-major into expert-major.
+regroups the rows an expert rank received source-rank-major into expert-major. `sorted_rows` and
+`token_choice`: each experts layout's dispatched forward around an `exchange(rows, counts, run)`
+(the runtime's all-to-alls, or the estimate's one-rank stand-ins).
 """
 
 from __future__ import annotations
@@ -35,3 +37,37 @@ def expert_major(received: torch.Tensor, rows: int) -> torch.Tensor:
     within = torch.arange(rows, device=flat.device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
                                                                               output_size=rows)
     return base + within
+
+
+def sorted_rows(forward, exchange):
+    """The sorted layout's dispatched forward (`forward(rows, offsets)`, `planc.zoo.routed.RoutedExperts`):
+    the counts per expert from the offsets, the container's forward on the rows it receives."""
+
+    def dispatched(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
+        return exchange(rows, counts, lambda x, c: forward(x, c.cumsum(0)))
+
+    return dispatched
+
+
+def token_choice(forward, exchange, experts: int, local: int):
+    """The token-choice layout's dispatched forward (`forward(hidden, top_k_index, top_k_weights)`,
+    Hugging Face's fused 3-D experts: Qwen3-MoE, Mixtral): each (token, expert) pair sorted by expert,
+    exchanged, run with weight 1 on its local expert (of `local`, `experts` in all), and combined
+    here with the router's weights."""
+
+    def dispatched(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+        def run(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            ids = torch.repeat_interleave(torch.arange(local, device=x.device), c, output_size=x.shape[0]).unsqueeze(1)
+            return forward(x, ids, torch.ones(ids.shape, dtype=top_k_weights.dtype, device=x.device))
+
+        pairs = exchange(hidden.index_select(0, order // k), counts, run)
+        pairs = torch.empty_like(pairs).index_copy(0, order, pairs)
+        return (pairs.view(-1, k, pairs.shape[-1]) * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(1)
+
+    return dispatched
