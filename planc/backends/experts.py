@@ -42,6 +42,7 @@ expert axis). The foreach AdamW steps parameters on two meshes as they are.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterable
 
 import torch
@@ -52,7 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from planc.lower.job import View
-from planc.model.dispatch import ScaleGrad, expert_major, sorted_rows, token_choice
+from planc.model.dispatch import GatherRows, ScaleGrad, TakeRows, expert_major, sorted_rows, token_choice
 from planc.resolve.experts import EFSDP, SORTED, layout
 
 __all__ = ["balanced_routing", "build_expert_mesh", "clip_grad_norm_", "dispatch_experts", "expert_mesh_of",
@@ -192,40 +193,6 @@ class _SumOver(torch.autograd.Function):
         return grad, None
 
 
-class _TakeRows(torch.autograd.Function):
-    """This tensor rank's part of rows replicated over the tensor group (dim 0 cut in `size`
-    equal parts); the backward all-gathers the parts' gradients, so every rank's replicated
-    input gets the whole gradient (each rank computed only its part)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        return x.chunk(size)[rank]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        parts = [torch.empty_like(grad) for _ in range(ctx.size)]
-        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
-        return torch.cat(parts), None, None, None
-
-
-class _GatherRows(torch.autograd.Function):
-    """All-gather each tensor rank's rows (dim 0) in rank order; the backward keeps this rank's
-    rows of the gradient (the computation after it is replicated over the tensor group, so each
-    rank's gradient of the gathered rows is already the whole one)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
-        ctx.rank, ctx.size = rank, size
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad.chunk(ctx.size)[ctx.rank].contiguous(), None, None, None
-
-
 def split_over_tensor(layer: nn.Module, experts: nn.Module, tensor_mesh: DeviceMesh) -> nn.Module:
     """Run the MoE `layer` (router, shared experts, the dispatched `experts`) on this tensor rank's
     part of its tensor group's tokens, so that no token is dispatched twice (torchtitan's way).
@@ -233,12 +200,13 @@ def split_over_tensor(layer: nn.Module, experts: nn.Module, tensor_mesh: DeviceM
     Its input as sequence parallelism leaves it (a DTensor sharded over the tensor axis: each rank
     holds other tokens): the local shard, the output local (as a rowwise `output shard(1)` gives it).
     Replicated (a plain tensor, or a replicated DTensor: every rank of the group holds the same
-    tokens): the tokens cut in `tensor` equal parts (`_TakeRows`: the backward gathers their
-    gradients), this rank's run, the outputs all-gathered (`_GatherRows`: the backward keeps this
+    tokens): the tokens cut in `tensor` equal parts (`TakeRows`: the backward gathers their
+    gradients), this rank's run, the outputs all-gathered (`GatherRows`: the backward keeps this
     rank's part). Either way the layer's dense parameters (router, shared experts) see only this
     rank's tokens: their gradients are summed over the tensor group (`_SumOver`), as a DTensor
     replicated over it would be."""
     group, tp, rank = tensor_mesh.get_group(), tensor_mesh.size(), tensor_mesh.get_local_rank()
+    gather = functools.partial(dist.all_gather, group=group)
     inside = {id(p) for p in experts.parameters()}
     dense = [(m, key) for m in layer.modules() for key, p in m._parameters.items() if p is not None and id(p) not in inside]
     forward = layer.forward
@@ -263,9 +231,9 @@ def split_over_tensor(layer: nn.Module, experts: nn.Module, tensor_mesh: DeviceM
         if rows.shape[0] % tp:
             raise ValueError(f"the {rows.shape[0]} tokens reaching an expert-parallel MoE layer do not divide by the "
                              f"tensor degree {tp}: make batch x sequence a multiple of {tp}")
-        mine = _TakeRows.apply(rows, group, rank, tp)
+        mine = TakeRows.apply(rows, gather, rank, tp)
         out = run(mine.unsqueeze(0), *args, **kwargs)
-        return _GatherRows.apply(out.reshape(mine.shape), group, rank, tp).view_as(x)
+        return GatherRows.apply(out.reshape(mine.shape), gather, rank, tp).view_as(x)
 
     layer.forward = split
     return layer

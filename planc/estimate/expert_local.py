@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from planc.lower.program import DispatchExperts
-from planc.model.dispatch import ScaleGrad, expert_major, sorted_rows, token_choice
+from planc.model.dispatch import GatherRows, ScaleGrad, TakeRows, expert_major, sorted_rows, token_choice
 from planc.resolve.experts import SORTED, expert_degrees, layout
 
 ROUTING = ("balanced routing: each rank sends tokens x top_k / expert rows to every expert rank "
@@ -93,12 +93,18 @@ def _dispatch(module: nn.Module, ep: int, local: int, total: int):
     return token_choice(forward, exchange, total, local)
 
 
-def emulate_experts(model: nn.Module, program, ep: int) -> list:
+def emulate_experts(model: nn.Module, program, ep: int, tp: int = 1) -> list:
     """Give every container a `DispatchExperts` op names its rank's `[experts / ep, ...]` parameters
     (fake, like the model's) and the dispatched forward on one rank (allocations only, balanced
     routing), either layout (`planc.resolve.experts.layout`: the zoo's sorted rows, Hugging Face's
-    token choice); returns nothing to remove (the model is the trace's own copy)."""
-    for op in program.of_type(DispatchExperts):
+    token choice); with a tensor axis (`tp`) each MoE layer as `split_over_tensor` runs it. Returns
+    the hook to remove (the model is the trace's own copy: nothing else is put back)."""
+    ops = list(program.of_type(DispatchExperts))
+    tokens: list[int] = []  # the tokens of the traced input, each tensor rank's (`_split_over_tensor`)
+    handles = []
+    if tp > 1 and any(op.layer is not None for op in ops):
+        handles.append(model.register_forward_pre_hook(_count_tokens(tokens), with_kwargs=True))
+    for op in ops:
         module = model.get_submodule(op.module)
         local = op.experts // ep
         for name, p in list(module.named_parameters(recurse=False)):
@@ -108,16 +114,33 @@ def emulate_experts(model: nn.Module, program, ep: int) -> list:
         if hasattr(module, "num_experts"):  # Hugging Face's experts count their own (local) experts, as the runtime sets
             module.num_experts = local
         if op.layer is not None:
-            _split_over_tensor(model.get_submodule(op.layer), module)
-    return []
+            _split_over_tensor(model.get_submodule(op.layer), module, tp, tokens)
+    return handles
 
 
-def _split_over_tensor(layer: nn.Module, experts: nn.Module) -> None:
-    """The runtime's `split_over_tensor` on one rank, under the tensor-local emulation: the layer
-    takes the tokens it is given (a sequence-parallel input is this rank's shard already: the
-    estimated case), and its dense parameters' gradients are summed over the tensor group (a new
-    tensor each, as the runtime's all-reduce of a copy). The cut and gather of a replicated input
-    are not emulated: its dispatch is estimated on the whole group's tokens."""
+def _count_tokens(tokens: list[int]):
+    """A forward pre-hook recording the tokens of the model's input (its first tensor: ids [B, S], or
+    [B, S, ...] embeddings) into `tokens`."""
+
+    def hook(module, args, kwargs):
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        if first is not None:
+            tokens[:] = [first.numel() if first.dim() < 2 else first.shape[0] * first.shape[1]]
+    return hook
+
+
+def _nothing(parts, tensor) -> None:
+    """The tensor group's all-gather on one rank: its output parts are allocated, nothing moves."""
+
+
+def _split_over_tensor(layer: nn.Module, experts: nn.Module, tp: int, tokens: list[int]) -> None:
+    """The runtime's `split_over_tensor` on one rank, under the tensor-local emulation. A
+    sequence-parallel input is this rank's shard already (fewer rows than the traced input's
+    tokens): the layer runs on it. A replicated one (every token of the input, each rank of the
+    tensor group holding them all) is cut in `tp` parts and the outputs gathered, as the runtime's
+    `TakeRows` and `GatherRows` allocate them (the all-gathers moving nothing). Either way the dense
+    parameters' gradients are summed over the tensor group (a new tensor each, as the runtime's
+    all-reduce of a copy)."""
     inside = {id(p) for p in experts.parameters()}
     dense = [(m, key) for m in layer.modules() for key, p in m._parameters.items() if p is not None and id(p) not in inside]
     forward = layer.forward
@@ -132,7 +155,15 @@ def _split_over_tensor(layer: nn.Module, experts: nn.Module) -> None:
             for m, key, p in own:
                 m._parameters[key] = p
 
-    layer.forward = run
+    def split(x: torch.Tensor, *args, **kwargs):
+        rows = x.reshape(-1, x.shape[-1])
+        if not tokens or rows.shape[0] != tokens[0] or rows.shape[0] % tp:
+            return run(x, *args, **kwargs)  # sequence parallel: this rank's shard
+        mine = TakeRows.apply(rows, _nothing, 0, tp)
+        out = run(mine.unsqueeze(0), *args, **kwargs)
+        return GatherRows.apply(out.reshape(mine.shape), _nothing, 0, tp).view_as(x)
+
+    layer.forward = split
 
 
 __all__ = ["ROUTING", "emulate_experts", "expert_degree", "expert_fsdp_degree", "local_expert_shape"]

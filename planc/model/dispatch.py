@@ -5,7 +5,9 @@ and the estimate's trace of one expert rank (`planc/estimate/expert_local.py`), 
 the experts' gradients, FSDP's divide factor cannot on gloo). `expert_major`: the order that
 regroups the rows an expert rank received source-rank-major into expert-major. `sorted_rows` and
 `token_choice`: each experts layout's dispatched forward around an `exchange(rows, counts, run)`
-(the runtime's all-to-alls, or the estimate's one-rank stand-ins).
+(the runtime's all-to-alls, or the estimate's one-rank stand-ins). `TakeRows` and `GatherRows`: a
+replicated input's cut over the tensor group and the outputs' gather (`split_over_tensor`), around
+a `gather(parts, tensor)` (`dist.all_gather` on the tensor group, or nothing on one rank).
 """
 
 from __future__ import annotations
@@ -71,3 +73,37 @@ def token_choice(forward, exchange, experts: int, local: int):
         return (pairs.view(-1, k, pairs.shape[-1]) * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(1)
 
     return dispatched
+
+
+class TakeRows(torch.autograd.Function):
+    """This tensor rank's part of rows replicated over the tensor group (dim 0 cut in `size`
+    equal parts: a view); the backward gathers the parts' gradients (`gather(parts, grad)`), so
+    every rank's replicated input gets the whole gradient (each rank computed only its part)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gather, rank: int, size: int) -> torch.Tensor:
+        ctx.gather, ctx.size = gather, size
+        return x.chunk(size)[rank]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        parts = [torch.empty_like(grad) for _ in range(ctx.size)]
+        ctx.gather(parts, grad.contiguous())
+        return torch.cat(parts), None, None, None
+
+
+class GatherRows(torch.autograd.Function):
+    """Each tensor rank's rows (dim 0) gathered in rank order (`gather(parts, x)`); the backward keeps
+    this rank's rows of the gradient (the computation after it is replicated over the tensor group,
+    so each rank's gradient of the gathered rows is already the whole one)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gather, rank: int, size: int) -> torch.Tensor:
+        ctx.rank, ctx.size = rank, size
+        parts = [torch.empty_like(x) for _ in range(size)]
+        gather(parts, x.contiguous())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.chunk(ctx.size)[ctx.rank].contiguous(), None, None, None
