@@ -12,8 +12,8 @@ steps against one unsharded process.
 - DCP: a checkpoint saved under expert x tensor loads into 1-D FSDP and back, states equal.
 - A meta model sharded then materialised (`reproducible=True`) trains the same.
 - The shipped plan's tiny sibling (plans/qwen3-moe-ep-tp-tiny.plan): the memory estimate against
-  FSDPMemTracker, the time model's all-to-alls and router all-reduce against a recorded step, and
-  examples/train.py under torchrun.
+  FSDPMemTracker (and the replicated residual's), the time model's all-to-alls and router all-reduce
+  against a recorded step, and examples/train.py under torchrun.
 
 Loss and every gradient within 1e-5; the parameters after 3 AdamW steps within 1e-4 (Adam divides
 by the root of the second moment: on expert weights with gradients near its eps, 1e-8 gradient
@@ -110,6 +110,31 @@ def test_memory_estimate_equals_the_tracker_under_expert_by_tensor(monkeypatch):
             assert est.peak.bytes[key] == rank["breakdown"][key], (key, est.peak.bytes[key], rank["breakdown"][key])
         assert est.peak.total == rank["peak"], (est.peak.label, est.peak.total, rank["moment"], rank["peak"])
         assert forward == max(t for phase, t in rank["timeline"] if phase == "forward")
+
+
+@pytest.mark.dist
+def test_memory_estimate_of_the_replicated_form_equals_the_tracker(monkeypatch):
+    """The replicated residual (no sequence parallelism, fp32) at 4 ranks, balanced routing: each MoE
+    layer cuts the tensor group's tokens in two and gathers the outputs (`TakeRows`, `GatherRows`);
+    the estimate traces that cut and gather on one rank: its peak equals FSDPMemTracker's (1,104,500 B,
+    the backward of layers.1's experts; dispatching the whole group's tokens, it was 1,189,892)."""
+    import expert_memory_workers
+    import torch
+    from expert_tensor_workers import REPLICATED_PLAN, measure
+
+    import planc
+    from planc import zoo
+    from planc.estimate import memory
+    from planc.zoo import routed
+
+    real = run(measure, 4, REPLICATED_PLAN)
+    monkeypatch.setattr(routed.Router, "forward", expert_memory_workers.balanced_route)
+    with torch.device("meta"):
+        model = zoo.moe_llama_tiny()
+    est = memory.estimate(planc.compile(planc.loads(REPLICATED_PLAN), model, 4), 4,
+                          input_shape=expert_memory_workers.SHAPE)
+    for rank in real:
+        assert est.peak.total == rank["peak"], (est.peak.label, est.peak.total, rank["moment"], rank["peak"])
 
 
 @pytest.mark.dist
