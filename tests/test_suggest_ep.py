@@ -100,3 +100,68 @@ def test_nothing_searchable_is_p960():
 def test_the_expert_plan_trains_like_one_process(tmp_path):
     verdict = verified(write(searched(tight(), (1, 2)).text, tmp_path))
     assert verdict.sizes.get("expert", 1) > 1, verdict.sizes
+
+
+# Hugging Face's MoE layouts (token choice: `forward(hidden, top_k_index, top_k_weights)`, fused 3-D
+# experts) are estimated too: an expert rank's local experts and the runtime's token-choice dispatch
+# (planc/model/dispatch.py), the routing read from the model (`top_k`, `gate.top_k`, `hidden_dim`).
+HF_WORLD = 4
+
+
+@functools.lru_cache(maxsize=None)
+def hf_graph(ref: str) -> ModelGraph:
+    from planc.model.build import build_model
+
+    return ModelGraph.from_module(build_model(ref, device="meta"))
+
+
+@functools.lru_cache(maxsize=None)
+def hf_searched(ref: str, budget: int, experts: tuple[int, ...]):
+    return suggest(hf_graph(ref), ref, HF_WORLD, budget, SHAPE, expert_rules=auto_rules(hf_graph(ref), "expert"),
+                   experts=list(experts))
+
+
+@pytest.mark.parametrize("ref", ["hf:mixtral-tiny", "hf:qwen3-moe-tiny"])
+def test_hugging_face_moe_expert_degrees_are_estimated(ref):
+    assert auto_rules(hf_graph(ref), "expert") == ("parallel model.layers.*.mlp.experts expert",)
+    r = hf_searched(ref, LOOSE, (1, 2, 4))
+    by = {d: (o, why) for d, o, why in r.degrees}
+    assert by[Degrees(expert=2)][0] is not None and by[Degrees(expert=4)][0] is not None, r.degrees
+    # each expert rank gathers only its experts per block: its peak is below the 1-D plan's
+    assert by[Degrees(expert=2)][0].peak < by[Degrees()][0].peak
+
+
+@functools.lru_cache(maxsize=None)
+def hf_tight() -> int:
+    return tight_budget(lambda budget, experts: hf_searched("hf:mixtral-tiny", budget, experts))
+
+
+def test_a_budget_only_expert_fits_picks_an_expert_degree_for_mixtral(tmp_path):
+    budget = hf_tight()
+    r = hf_searched("hf:mixtral-tiny", budget, (1, 2))
+    assert r.best is not None and r.combo == Degrees(expert=2), r.degrees
+    assert "expert 1: skipped, nothing fits the budget" in r.text
+    assert "parallel model.layers.*.mlp.experts expert" in r.text and "balanced routing" in r.text
+    path = write(r.text, tmp_path)
+    checks_clean(path, hf_graph("hf:mixtral-tiny"), HF_WORLD)
+    peak, seconds = explained(path, HF_WORLD, SHAPE)
+    assert peak == r.best.peak <= budget
+    assert seconds == pytest.approx(r.best.seconds, rel=1e-6)
+
+
+def test_routing_the_time_model_cannot_read_is_p961():
+    """An experts container the style fits (the sorted layout) whose router names its top-k `k`: the
+    expert degrees are skipped with P961 and the layer's path, not silently."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = cli.main(["suggest", "-q", "--model", "tests.moe_models:unnamed_top_k", "--world-size", "8", "--budget",
+                         "1MiB", "--input-shape", "2x16", "--expert-parallel", "auto", "--expert", "2"])
+    text = out.getvalue()
+    assert code == 1 and "Traceback" not in text and "P961 layers.0.moe.experts" in text
+    check_golden(ROOT / "tests" / "golden" / "suggest" / "p961.stderr", text)
+
+
+@pytest.mark.dist
+def test_the_mixtral_expert_plan_trains_like_one_process(tmp_path):
+    verdict = verified(write(hf_searched("hf:mixtral-tiny", hf_tight(), (1, 2)).text, tmp_path))
+    assert verdict.sizes.get("expert", 1) > 1, verdict.sizes

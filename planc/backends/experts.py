@@ -42,6 +42,7 @@ expert axis). The foreach AdamW steps parameters on two meshes as they are.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterable
 
 import torch
@@ -52,7 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from planc.lower.job import View
-from planc.model.dispatch import ScaleGrad, expert_major
+from planc.model.dispatch import GatherRows, ScaleGrad, TakeRows, expert_major, sorted_rows, token_choice
 from planc.resolve.experts import EFSDP, SORTED, layout
 
 __all__ = ["balanced_routing", "build_expert_mesh", "clip_grad_norm_", "dispatch_experts", "expert_mesh_of",
@@ -164,27 +165,7 @@ def dispatch_experts(module: nn.Module, expert_mesh: DeviceMesh, axis: str, tens
         back = out.index_select(0, torch.argsort(order))
         return _a2a(back, in_splits, out_splits, group)
 
-    def dispatched(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
-        return exchange(rows, counts, lambda x, c: forward(x, c.cumsum(0)))
-
-    def token_choice(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """Each (token, expert) pair sorted by expert, exchanged, run with weight 1 on its local
-        expert, and combined here with the router's weights."""
-        k = top_k_index.shape[-1]
-        flat = top_k_index.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.zeros(total, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-
-        def run(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-            ids = torch.repeat_interleave(torch.arange(local, device=x.device), c, output_size=x.shape[0]).unsqueeze(1)
-            return forward(x, ids, torch.ones(ids.shape, dtype=top_k_weights.dtype, device=x.device))
-
-        pairs = exchange(hidden.index_select(0, order // k), counts, run)
-        pairs = torch.empty_like(pairs).index_copy(0, order, pairs)
-        return (pairs.view(-1, k, pairs.shape[-1]) * top_k_weights.unsqueeze(-1).to(pairs.dtype)).sum(1)
-
-    module.forward = dispatched if kind == SORTED else token_choice
+    module.forward = sorted_rows(forward, exchange) if kind == SORTED else token_choice(forward, exchange, total, local)
     setattr(module, EXPERT_SLICE, (rank, ep))
     whole = _whole(expert_mesh, axis, total)
     setattr(module, WHOLE, whole)
@@ -212,40 +193,6 @@ class _SumOver(torch.autograd.Function):
         return grad, None
 
 
-class _TakeRows(torch.autograd.Function):
-    """This tensor rank's part of rows replicated over the tensor group (dim 0 cut in `size`
-    equal parts); the backward all-gathers the parts' gradients, so every rank's replicated
-    input gets the whole gradient (each rank computed only its part)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        return x.chunk(size)[rank]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        parts = [torch.empty_like(grad) for _ in range(ctx.size)]
-        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
-        return torch.cat(parts), None, None, None
-
-
-class _GatherRows(torch.autograd.Function):
-    """All-gather each tensor rank's rows (dim 0) in rank order; the backward keeps this rank's
-    rows of the gradient (the computation after it is replicated over the tensor group, so each
-    rank's gradient of the gathered rows is already the whole one)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group, rank: int, size: int) -> torch.Tensor:
-        ctx.rank, ctx.size = rank, size
-        parts = [torch.empty_like(x) for _ in range(size)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad.chunk(ctx.size)[ctx.rank].contiguous(), None, None, None
-
-
 def split_over_tensor(layer: nn.Module, experts: nn.Module, tensor_mesh: DeviceMesh) -> nn.Module:
     """Run the MoE `layer` (router, shared experts, the dispatched `experts`) on this tensor rank's
     part of its tensor group's tokens, so that no token is dispatched twice (torchtitan's way).
@@ -253,12 +200,13 @@ def split_over_tensor(layer: nn.Module, experts: nn.Module, tensor_mesh: DeviceM
     Its input as sequence parallelism leaves it (a DTensor sharded over the tensor axis: each rank
     holds other tokens): the local shard, the output local (as a rowwise `output shard(1)` gives it).
     Replicated (a plain tensor, or a replicated DTensor: every rank of the group holds the same
-    tokens): the tokens cut in `tensor` equal parts (`_TakeRows`: the backward gathers their
-    gradients), this rank's run, the outputs all-gathered (`_GatherRows`: the backward keeps this
+    tokens): the tokens cut in `tensor` equal parts (`TakeRows`: the backward gathers their
+    gradients), this rank's run, the outputs all-gathered (`GatherRows`: the backward keeps this
     rank's part). Either way the layer's dense parameters (router, shared experts) see only this
     rank's tokens: their gradients are summed over the tensor group (`_SumOver`), as a DTensor
     replicated over it would be."""
     group, tp, rank = tensor_mesh.get_group(), tensor_mesh.size(), tensor_mesh.get_local_rank()
+    gather = functools.partial(dist.all_gather, group=group)
     inside = {id(p) for p in experts.parameters()}
     dense = [(m, key) for m in layer.modules() for key, p in m._parameters.items() if p is not None and id(p) not in inside]
     forward = layer.forward
@@ -283,9 +231,9 @@ def split_over_tensor(layer: nn.Module, experts: nn.Module, tensor_mesh: DeviceM
         if rows.shape[0] % tp:
             raise ValueError(f"the {rows.shape[0]} tokens reaching an expert-parallel MoE layer do not divide by the "
                              f"tensor degree {tp}: make batch x sequence a multiple of {tp}")
-        mine = _TakeRows.apply(rows, group, rank, tp)
+        mine = TakeRows.apply(rows, gather, rank, tp)
         out = run(mine.unsqueeze(0), *args, **kwargs)
-        return _GatherRows.apply(out.reshape(mine.shape), group, rank, tp).view_as(x)
+        return GatherRows.apply(out.reshape(mine.shape), gather, rank, tp).view_as(x)
 
     layer.forward = split
     return layer

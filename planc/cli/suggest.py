@@ -202,9 +202,11 @@ def main(args) -> int:
 
 def _no_combination(model: str, err) -> Diagnostic:
     """P960: every combination of degrees asked for was skipped (the message says why, per combination)."""
+    routing = ("P961: name the MoE layer's (or its router's) top-k `top_k` and the experts' row width `hidden_dim`, "
+               "which planc reads to price the all-to-alls, or write the plan by hand",) if "P961" in str(err) else ()
     return Diagnostic(code="P960", severity="error", message=f"cannot search plans with {' x '.join(err.axes)} degrees "
                       f"for `{model}`: {err}", span=None,
-                      help=("pass degrees the rules hold at, with 1 among them (`--context 1,2`, `--expert 1,2`: the "
+                      help=routing + ("pass degrees the rules hold at, with 1 among them (`--context 1,2`, `--expert 1,2`: the "
                             "plan without that axis), or fix the `parallel` rules: `planc check` on a plan with them at "
                             "this world size says which rule fails and why",
                             "a combination the model does not run at as one rank (its local shapes, sequence shard or "

@@ -626,6 +626,16 @@ CODES: dict[str, Code] = {
                  "plan without that axis) or degrees the rules hold at.\n\n"
                  "    planc suggest --model planc.zoo:routed_moe_tiny --world-size 8 --budget 1MiB --input-shape 2x16 \\\n"
                  "        --expert-parallel auto --expert 1,2"),
+    "P961": Code("expert routing not estimated", "`planc suggest --expert-parallel` prices each MoE layer's "
+                 "all-to-alls from its routing, read from the model: `top_k` from the MoE layer (`router.top_k` as "
+                 "planc.zoo's routed MoE names it, `top_k` or `gate.top_k` as Hugging Face's Mixtral and Qwen3-MoE "
+                 "do) and the rows' width from the experts container (`w1` `[experts, hidden, dim]`, or Hugging "
+                 "Face's `hidden_dim`). An experts container the `expert` style fits whose routing is named "
+                 "otherwise is not estimated: the expert degrees are skipped with this code and the layer's path. "
+                 "Give the MoE layer (or its router) a `top_k` attribute and the experts a `hidden_dim`, or write "
+                 "the plan by hand.\n\n"
+                 "    planc suggest --model tests.moe_models:unnamed_top_k --world-size 8 --budget 1MiB \\\n"
+                 "        --input-shape 2x16 --expert-parallel auto --expert 2"),
     # --- notes (P9xx)
     "P902": Code("root reshards after forward by default", "`defaults` apply to the root unit too. "
                  "`reshard after_forward = true` there frees the root's parameters after forward, although "

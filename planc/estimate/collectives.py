@@ -188,23 +188,38 @@ def expert_collectives(program: Program, graph, world: int, tokens: int, top_k: 
     return out
 
 
+class RoutingUnknown(ValueError):
+    """An expert-parallel container whose routing (`top_k`, the rows' width) the step-time model cannot read."""
+
+
+def routing_of(graph, path: str) -> tuple[int, int]:
+    """(top_k, the rows' width) of the experts container at `path`, read from the model: `top_k` from
+    its MoE layer (`router.top_k`, planc.zoo's routed MoE; `top_k` or `gate.top_k` as Hugging Face's
+    Mixtral and Qwen3-MoE name it), the width from the sorted layout's `w1` `[experts, hidden, dim]`
+    or Hugging Face's experts' `hidden_dim`. Raises `RoutingUnknown` saying what it looked for."""
+    model = graph.model
+    experts = model.get_submodule(path) if model is not None else None
+    moe = model.get_submodule(path.rpartition(".")[0]) if model is not None else None
+    found = [getattr(m, "top_k", None) for m in (getattr(moe, "router", None), moe, getattr(moe, "gate", None))]
+    top_k = next((k for k in found if isinstance(k, int)), None)
+    width = graph.params[f"{path}.w1"].shape[-1] if f"{path}.w1" in graph.params else getattr(experts, "hidden_dim", None)
+    if top_k is None or not isinstance(width, int):
+        missing = " and ".join(w for w, v in (("top_k (`router.top_k`, `top_k` or `gate.top_k` on its MoE layer)", top_k),
+                                               ("the rows' width (`w1` [experts, hidden, dim] or `hidden_dim` on the "
+                                                "experts)", width)) if not isinstance(v, int))
+        raise RoutingUnknown(f"{path}: the step-time model cannot read its routing: no {missing}")
+    return top_k, width
+
+
 def expert_all_to_alls(program: Program, graph, world: int, tokens: int,
                        routing=None) -> dict[str, list[Collective]]:
-    """`expert_collectives` with each container's routing read from the model: `top_k` from its
-    MoE's router (`router.top_k`, planc.zoo's routed MoE; `top_k` or `gate.top_k` as Hugging Face
-    names it), the rows' width from the sorted layout's `w1` `[experts, hidden, dim]`; `routing` as
-    `expert_collectives`'. Raises
-    ValueError for a container whose routing it cannot read."""
+    """`expert_collectives` with each container's routing read from the model (`routing_of`) and
+    `routing` as `expert_collectives`': raises `RoutingUnknown` for a container whose routing it
+    cannot read."""
     out: dict[str, list[Collective]] = {}
     for op in program.of_type(DispatchExperts):
-        moe = graph.model.get_submodule(op.module.rpartition(".")[0]) if graph.model is not None else None
-        found = [getattr(m, "top_k", None) for m in (getattr(moe, "router", None), moe, getattr(moe, "gate", None))]
-        top_k = next((k for k in found if isinstance(k, int)), None)
-        if top_k is None or not op.module.endswith("experts") or f"{op.module}.w1" not in graph.params:
-            raise ValueError(f"{op.module}: the step-time model reads routing from planc.zoo's routed MoE layout only")
-        one = expert_collectives(program, graph, world, tokens, top_k, graph.params[f"{op.module}.w1"].shape[-1],
-                                 routing)
-        out[op.module] = one[op.module]
+        top_k, width = routing_of(graph, op.module)
+        out[op.module] = expert_collectives(program, graph, world, tokens, top_k, width, routing)[op.module]
     return out
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from planc.lower.program import DispatchExperts
-from planc.model.dispatch import ScaleGrad, expert_major
+from planc.model.dispatch import GatherRows, ScaleGrad, TakeRows, expert_major, sorted_rows, token_choice
 from planc.resolve.experts import SORTED, expert_degrees, layout
 
 ROUTING = ("balanced routing: each rank sends tokens x top_k / expert rows to every expert rank "
@@ -75,9 +75,9 @@ class _AllToAll(torch.autograd.Function):
 
 
 
-def _dispatch(module: nn.Module, ep: int, local: int, arriving=None):
-    """The dispatched forward of the sorted layout (`forward(rows, offsets)`) on one rank: it receives
-    as many rows as it sends (balanced), or `arriving(rows sent)` rows (a routing histogram)."""
+def _dispatch(module: nn.Module, ep: int, local: int, total: int, arriving=None):
+    """The dispatched forward of either layout on one rank (`local` of `total` experts here): it
+    receives as many rows as it sends (balanced), or `arriving(rows sent)` rows (a routing histogram)."""
     forward = module.forward
 
     def exchange(rows: torch.Tensor, counts: torch.Tensor, run) -> torch.Tensor:
@@ -98,41 +98,62 @@ def _dispatch(module: nn.Module, ep: int, local: int, arriving=None):
         back = out.index_select(0, torch.argsort(order))
         return _AllToAll.apply(back, n, m)
 
-    def dispatched(rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
-        return exchange(rows, counts, lambda x, c: forward(x, c.cumsum(0)))
-
-    return dispatched
+    if layout(module) == SORTED:
+        return sorted_rows(forward, exchange)
+    return token_choice(forward, exchange, total, local)
 
 
-def emulate_experts(model: nn.Module, program, ep: int, routing=None) -> list:
+def emulate_experts(model: nn.Module, program, ep: int, tp: int = 1, routing=None) -> list:
     """Give every container a `DispatchExperts` op names its rank's `[experts / ep, ...]` parameters
     (fake, like the model's) and the dispatched forward on one rank (allocations only): balanced
     routing, or the rows `routing` (a `planc.estimate.routing.Routing`) says its estimated rank
-    receives; returns nothing to remove (the model is the trace's own copy)."""
-    for op in program.of_type(DispatchExperts):
+    receives; either layout (`planc.resolve.experts.layout`: the zoo's sorted rows, Hugging Face's
+    token choice); with a tensor axis (`tp`) each MoE layer as `split_over_tensor` runs it. Returns
+    the hook to remove (the model is the trace's own copy: nothing else is put back)."""
+    ops = list(program.of_type(DispatchExperts))
+    tokens: list[int] = []  # the tokens of the traced input, each tensor rank's (`_split_over_tensor`)
+    handles = []
+    if tp > 1 and any(op.layer is not None for op in ops):
+        handles.append(model.register_forward_pre_hook(_count_tokens(tokens), with_kwargs=True))
+    for op in ops:
         module = model.get_submodule(op.module)
-        if layout(module) != SORTED:
-            raise NotImplementedError(f"{op.module}: only the sorted experts layout (planc.zoo.routed.RoutedExperts) "
-                                      f"is estimated under expert parallelism")
         local = op.experts // ep
         for name, p in list(module.named_parameters(recurse=False)):
             kept = p.detach().new_empty(local_expert_shape(tuple(p.shape), ep))
             module.register_parameter(name, nn.Parameter(kept, requires_grad=p.requires_grad))
         arriving = None if routing is None else \
             (lambda n, name=op.module: sum(map(sum, routing.received(name, ep, n))))
-        module.forward = _dispatch(module, ep, local, arriving)
+        module.forward = _dispatch(module, ep, local, op.experts, arriving)
+        if hasattr(module, "num_experts"):  # Hugging Face's experts count their own (local) experts, as the runtime sets
+            module.num_experts = local
         if op.layer is not None:
-            _split_over_tensor(model.get_submodule(op.layer), module)
-    return []
+            _split_over_tensor(model.get_submodule(op.layer), module, tp, tokens)
+    return handles
 
 
-def _split_over_tensor(layer: nn.Module, experts: nn.Module) -> None:
-    """The runtime's `split_over_tensor` on one rank, under the tensor-local emulation: the layer
-    takes the tokens it is given (a sequence-parallel input is this rank's shard already: the
-    estimated case), and its dense parameters' gradients are summed over the tensor group (a new
-    tensor each, as the runtime's all-reduce of a copy). The cut and gather of a replicated input
-    are not emulated: its dispatch is estimated on the whole group's tokens."""
+def _count_tokens(tokens: list[int]):
+    """A forward pre-hook recording the tokens of the model's input (its first tensor: ids [B, S], or
+    [B, S, ...] embeddings) into `tokens`."""
+
+    def hook(module, args, kwargs):
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        if first is not None:
+            tokens[:] = [first.numel() if first.dim() < 2 else first.shape[0] * first.shape[1]]
+    return hook
+
+
+def _nothing(parts, tensor) -> None:
+    """The tensor group's all-gather on one rank: its output parts are allocated, nothing moves."""
+
+
+def _split_over_tensor(layer: nn.Module, experts: nn.Module, tp: int, tokens: list[int]) -> None:
+    """The runtime's `split_over_tensor` on one rank, under the tensor-local emulation. A
+    sequence-parallel input is this rank's shard already (fewer rows than the traced input's
+    tokens): the layer runs on it. A replicated one (every token of the input, each rank of the
+    tensor group holding them all) is cut in `tp` parts and the outputs gathered, as the runtime's
+    `TakeRows` and `GatherRows` allocate them (the all-gathers moving nothing). Either way the dense
+    parameters' gradients are summed over the tensor group (a new tensor each, as the runtime's
+    all-reduce of a copy)."""
     inside = {id(p) for p in experts.parameters()}
     dense = [(m, key) for m in layer.modules() for key, p in m._parameters.items() if p is not None and id(p) not in inside]
     forward = layer.forward
@@ -147,7 +168,15 @@ def _split_over_tensor(layer: nn.Module, experts: nn.Module) -> None:
             for m, key, p in own:
                 m._parameters[key] = p
 
-    layer.forward = run
+    def split(x: torch.Tensor, *args, **kwargs):
+        rows = x.reshape(-1, x.shape[-1])
+        if not tokens or rows.shape[0] != tokens[0] or rows.shape[0] % tp:
+            return run(x, *args, **kwargs)  # sequence parallel: this rank's shard
+        mine = TakeRows.apply(rows, _nothing, 0, tp)
+        out = run(mine.unsqueeze(0), *args, **kwargs)
+        return GatherRows.apply(out.reshape(mine.shape), _nothing, 0, tp).view_as(x)
+
+    layer.forward = split
 
 
 __all__ = ["ROUTING", "emulate_experts", "routing_assumed", "expert_degree", "expert_fsdp_degree", "local_expert_shape"]

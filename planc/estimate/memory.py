@@ -14,9 +14,11 @@ Two parts, both without torch.distributed and without a GPU:
   frees, `false` keeps, `N` keeps a 1/N slice), reshard then reduce-scatter at post-backward
   (a group unit `[a, b]` is one FSDP parameter group, as in torch 2.13: gathered once in
   forward and once in backward, one reduce-scatter of all its gradients, after the member that
-  ran forward first finishes backward), the all-gather output alive during each copy-out and kept until the next
-  copy-out in forward, one reduce-scatter input kept alive until the next one (torch 2.13's
-  default `reduce_scatter_max_input_buffers = 1`; planc sets no other), extra
+  ran forward first finishes backward; under expert parallelism a unit is two groups, dense and
+  expert, each gathered into its own buffer and copied out in turn: `Gather`), the all-gather output
+  alive during each copy-out and kept until the next copy-out in forward (one for all groups),
+  one reduce-scatter input kept alive until the next one (torch 2.13's default
+  `reduce_scatter_max_input_buffers = 1`; planc sets no other), extra
   copies for `Shard(d != 0)` parameters, then the optimizer step (foreach AdamW needs one
   temporary the size of the sharded parameters). When an input is given, the replay is driven by a
   forward and backward of the model on **fake CPU tensors** (shapes only, no memory): a
@@ -96,6 +98,19 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 @dataclass(frozen=True)
+class Gather:
+    """One FSDP parameter group of a unit, as FSDP2 all-gathers it. A unit is one group, or two
+    with expert parallelism (per-parameter meshes: dense and expert, in the order their first
+    parameters come): each has its own all-gather output, issued, copied out and freed on its own."""
+
+    unsharded: int              # its all-gathered parameters in param_dtype, padded
+    gathered: int               # its all-gather output (0: experts on a 1-rank efsdp mesh gather nothing)
+    copy_in: int                # this rank's shard copied into the output (param_dtype)
+    dim_copy: int = 0           # Shard(d != 0) parameters: the chunk + cat temporary
+    ranks: int = 1              # its mesh's size (FSDP2 keeps a forward all-gather result only over > 1 rank)
+
+
+@dataclass(frozen=True)
 class UnitMemory:
     """Bytes one unit costs on one rank (state on the device unless `offload`)."""
 
@@ -116,11 +131,11 @@ class UnitMemory:
     param_names: tuple[str, ...] = ()
     shard_dim_copy: int = 0     # Shard(d != 0) parameters: gathered/reduced via an extra copy (param_dtype)
     reduce_of: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # param -> (reduce-scatter, grad)
-    gathered: int | None = None  # all-gather output bytes when not `unsharded` (experts on a 1-rank efsdp: none)
+    groups: tuple[Gather, ...] = ()  # its FSDP parameter groups (`Gather`), in torch's order
 
     @property
     def all_gather(self) -> int:
-        return self.unsharded if self.gathered is None else self.gathered
+        return sum(g.gathered for g in self.groups)
 
     def reduce_bytes(self, names: Iterable[str]) -> tuple[int, int]:
         """Reduce-scatter input and sharded-gradient bytes of some of the unit's parameters."""
@@ -143,8 +158,9 @@ def unit_memory(program: Program, graph, world: int, optimizer: str = "adamw") -
         orig = infos[0].dtype if infos else torch.float32
         precision = op.policy.precision
         pdt, rdt = precision.compute_dtype(orig), precision.reduce(orig)
-        sharded = unsharded = grad_unsharded = rs = grads = opt = count = dim_copy = local = 0
+        sharded = unsharded = grad_unsharded = rs = grads = opt = count = dim_copy = 0
         reduce_of = {}
+        parts: dict[bool, list[int]] = {}  # expert? -> [unsharded, dim copy, ranks]: its parameter group
         for name, info in zip(names, infos):
             dim = experts.get(name, placed.get(name, 0))
             shape = fsdp_shape(info.shape, tp_dims.get(name), tp)
@@ -153,12 +169,13 @@ def unit_memory(program: Program, graph, world: int, optimizer: str = "adamw") -
                 shape, over = local_expert_shape(info.shape, ep), efsdp
             numel = math.prod(shape)
             per_rank = shard_numel(shape, over, dim)
+            part = parts.setdefault(name in experts, [0, 0, over])
             sharded += per_rank * _itemsize(info.dtype)
             unsharded += per_rank * over * _itemsize(pdt)
-            if name in experts and over == 1:  # FSDP2 gathers nothing on a 1-rank mesh
-                local += per_rank * _itemsize(pdt)
+            part[0] += per_rank * over * _itemsize(pdt)
             if dim and over > 1:  # chunk + cat through a temporary of the full size
                 dim_copy += per_rank * over * _itemsize(pdt)
+                part[1] += per_rank * over * _itemsize(pdt)
             count += info.numel
             if info.requires_grad:
                 reduce_of[name] = (per_rank * over * _itemsize(rdt), per_rank * _itemsize(info.dtype))
@@ -171,8 +188,16 @@ def unit_memory(program: Program, graph, world: int, optimizer: str = "adamw") -
         post = unsharded if group is None else 0 if group == shard else unsharded // group
         out.append(UnitMemory(op.name, i, count, sharded, unsharded, grad_unsharded, rs, grads, opt, post,
                               op.policy.offload.enabled, reshard, pdt, rdt, tuple(names), dim_copy, reduce_of,
-                              unsharded - local if local else None))
+                              tuple(_gather(size, copy, ranks, expert) for expert, (size, copy, ranks) in parts.items())
+                              or (Gather(0, 0, 0),)))
     return out
+
+
+def _gather(unsharded: int, dim_copy: int, ranks: int, expert: bool) -> Gather:
+    """A parameter group's all-gather: the experts' on a 1-rank efsdp mesh gathers nothing (FSDP2
+    initialises the unsharded parameters from the local shard)."""
+    gathered = 0 if expert and ranks == 1 else unsharded
+    return Gather(unsharded, gathered, gathered // ranks, dim_copy, ranks)
 
 
 def mesh_sizes(program: Program, world: int) -> tuple[int, int]:
@@ -280,6 +305,7 @@ class _Replay:
         self.schedule = schedule or step_schedule()
         self.units = program.units
         self.state = ["sharded"] * len(mem)     # sharded | unsharded | post_forward | prefetched
+        self.gathering: dict[int, tuple[set[int], set[int]]] = {}  # prefetched unit -> groups (issued, copied out)
         self.slices: set[int] = set()           # post-forward slices still alive while re-gathered
         self.reduced: dict[int, set[str]] = {i: set() for i in range(len(mem))}  # params with sharded grads
         self.grads_held = 0                     # their sharded gradients' bytes on the device (`reduced`'s)
@@ -316,8 +342,11 @@ class _Replay:
                 b["unsharded_params"] += self.mem[i].unsharded
             elif s == "post_forward":
                 b["unsharded_params"] += self.mem[i].post_forward
-            elif s == "prefetched":
-                b["all_gather"] += self.mem[i].all_gather
+            elif s == "prefetched":  # some groups issued (their outputs alive), some copied out already
+                issued, copied = self.gathering[i]
+                groups = self.mem[i].groups
+                b["all_gather"] += sum(groups[g].gathered for g in issued)
+                b["unsharded_params"] += sum(groups[g].unsharded for g in copied)
         for i in self.slices:
             b["unsharded_params"] += self.mem[i].post_forward
         b["all_gather"] += self.ag_kept
@@ -340,8 +369,10 @@ class _Replay:
         return grads
 
     # --------------------------------------------------------------- FSDP2 actions
-    def issue(self, i: int, label: str) -> None:
-        """Start unit `i`'s all-gather: the output buffer, and the input copied into it.
+    def issue(self, i: int, label: str, groups: Iterable[int] | None = None) -> None:
+        """Start the all-gather of unit `i`'s parameter groups `groups` (default all: a prefetch, in
+        forward order, in backward highest first as torch 2.13 prefetches): each one's output
+        buffer, and the input copied into it.
 
         The input is the local shard in param_dtype, or, after `reshard after_forward = N`,
         the kept 1/N slice, which stays alive until the copy-out.
@@ -351,33 +382,45 @@ class _Replay:
             self.ag_kept = 0  # measured: backward's first all-gather releases forward's last one
         if self.state[i] == "post_forward":
             self.slices.add(i)
-            copy_in = m.post_forward
-        else:
-            copy_in = m.all_gather // self.shard
-        self.state[i] = "prefetched"
-        self.transient = {"all_gather": copy_in}
-        self.snapshot(label)
-        self.transient = {}
+        if self.state[i] != "prefetched":
+            self.state[i] = "prefetched"
+            self.gathering[i] = (set(), set())
+        if groups is None:
+            groups = range(len(m.groups)) if self.phase == "forward" else reversed(range(len(m.groups)))
+        for g in groups:
+            group = m.groups[g]
+            self.gathering[i][0].add(g)
+            copy_in = m.post_forward * group.unsharded // max(m.unsharded, 1) if i in self.slices else group.copy_in
+            self.transient = {"all_gather": copy_in}
+            self.snapshot(label)
+            self.transient = {}
 
     def unshard(self, i: int, label: str) -> None:
-        """All-gather unit `i` (unless prefetched) and copy it out."""
+        """All-gather unit `i`'s parameter groups (unless prefetched) and copy them out, one group
+        after the other (FSDP2's pre-forward and pre-backward: each group's unshard, then its wait)."""
         s = self.state[i]
         if s == "unsharded":
             return
-        if s != "prefetched":
-            self.issue(i, label)
         m = self.mem[i]
-        # the all-gather output (issued now or by a prefetch) lives until the copy-out is done
-        self.transient = {"all_gather": m.all_gather + m.shard_dim_copy}
+        for g, group in enumerate(m.groups):
+            if s != "prefetched":
+                self.issue(i, label, (g,))
+            issued, copied = self.gathering[i]
+            issued.discard(g)
+            copied.add(g)
+            # the group's all-gather output (issued now or by a prefetch) lives until its copy-out is done
+            self.transient = {"all_gather": group.gathered + group.dim_copy}
+            self.snapshot(label)  # copy-out: all-gather output and unsharded parameters both alive
+            self.transient = {}
+            # NOTE: FSDP2 drops the previous all-gather result in this wait, but a local
+            # still holds it until the copy-out returns; in forward this one is kept until the
+            # next group's (one slot for all groups: a unit's dense group's is dropped at its
+            # expert group's copy-out, and one that gathered nothing keeps none), the last one until
+            # the root's post-forward (without a root unit, until the first all-gather of backward)
+            self.ag_kept = group.gathered if group.ranks > 1 and self.phase == "forward" else 0
         self.state[i] = "unsharded"
-        self.snapshot(label)  # copy-out: all-gather output and unsharded parameters both alive
-        self.transient = {}
+        self.gathering.pop(i, None)
         self.slices.discard(i)
-        # NOTE: FSDP2 drops the previous all-gather result in this wait, but a local
-        # still holds it until the copy-out returns; in forward this one is kept until the
-        # next, the last one until the root's post-forward (without a root unit, until the
-        # first all-gather of backward)
-        self.ag_kept = m.all_gather if self.shard > 1 and self.phase == "forward" else 0
 
     def prefetch(self, i: int) -> None:
         if self.state[i] in ("sharded", "post_forward"):

@@ -417,7 +417,7 @@ def fake_trace(compiled, inputs: "tuple | dict | Example", loss: LossFn | None =
     ep = ep if any(True for _ in program.of_type(DispatchExperts)) else 1
     if ep > 1:
         from planc.estimate.expert_local import emulate_experts
-        layout_handles += emulate_experts(model, program, ep, getattr(compiled, "routing", None))
+        layout_handles += emulate_experts(model, program, ep, tp, getattr(compiled, "routing", None))
     for op in program.of_type(Checkpoint):
         checkpoint_module(model.get_submodule(op.module), context_fn=context_fn(op.mode))
     rec = _Recorder(model, program.units)

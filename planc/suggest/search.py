@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from planc.estimate import memory as mem_model
+from planc.estimate.collectives import RoutingUnknown
 from planc.estimate.hardware import hardware as hardware_of
 from planc.estimate.trace import Example, TraceError, default_input, trace_for
 from planc.quantities import show_bytes
@@ -195,6 +196,8 @@ def _search_degrees(graph, model_ref, world, budget, shape, d: Degrees, rules: t
         if d == Degrees():
             raise
         return d, None, f"the model did not run as one rank of these degrees: {str(err).splitlines()[0][:160]}"
+    except RoutingUnknown as err:  # an experts container the style fits, but whose all-to-alls cannot be priced
+        return d, None, f"not estimated: P961 {err}"
     return d, r, "" if r.best is not None else f"nothing fits the budget (smallest peak found {show_bytes(r.smallest.peak)})"
 
 
@@ -212,7 +215,7 @@ def _suggest_one(graph, model_ref: str | None, world: int, budget: int, shape: t
     find_chain(graph)  # ValueError (no block chain) before the model runs
     try:
         ev = Evaluator(graph, model_ref, world, shape, optimizer, tensor, tuple(parallel), inputs, context, expert)
-    except (RulesRejected, TraceError):
+    except (RulesRejected, TraceError, RoutingUnknown):
         raise
     except Exception as err:  # the model's own code, run on fake tensors, can fail on these inputs
         example = Example.of(inputs if inputs is not None else default_input(graph.model, shape))
