@@ -158,6 +158,10 @@ def expert_collectives(program: Program, graph, world: int, tokens: int, top_k: 
     dtype of the unit that holds the container. Not counted: the exchange of the per-expert counts
     (`experts` int64 values, one all-to-all per dispatch, a blocking host sync).
 
+    With a context axis (`AttendOverContext` ops) `tokens` is the batch its context group shares:
+    each rank routes its own sequence shard, `tokens / context` of them. Under a checkpointed
+    ancestor the recompute issues the forward's two all-to-alls again in the backward.
+
     With a tensor axis (`op.tensor`) the MoE layer runs on its tensor rank's part of the tokens,
     `tokens / tensor` (the sequence-parallel form: `split_over_tensor`), and its dense parameters'
     gradients (router, shared experts) are all-reduced over the tensor axis in the backward, in
@@ -169,12 +173,17 @@ def expert_collectives(program: Program, graph, world: int, tokens: int, top_k: 
     if degrees is None:
         return out
     ep, tp = degrees[0], sizes.get(Role.TENSOR, 1)
+    cp = sizes.get(Role.CONTEXT, 1) if any(True for _ in program.of_type(AttendOverContext)) else 1
     dtypes = compute_dtypes(program, graph)
-    for op in program.of_type(DispatchExperts):
-        rows = tokens // tp if op.tensor is not None else tokens
+    ops = program.of_type(DispatchExperts)
+    checkpointed = _ancestors_in({op.module for op in program.of_type(Checkpoint)}, [op.module for op in ops])
+    for op in ops:
+        rows = (tokens // tp if op.tensor is not None else tokens) // cp
         nbytes = rows * top_k * dim * _itemsize(dtypes[op.params[0]])
+        # a checkpointed ancestor's recompute dispatches and combines again, in the backward
+        again = 2 if checkpointed.get(op.module) else 0
         out[op.module] = [Collective("all_to_all", op.axis, ep, nbytes, phase, op.module)
-                          for phase in ("forward", "forward", "backward", "backward")]
+                          for phase in ("forward", "forward", "backward", "backward") + ("backward",) * again]
         if op.tensor is not None:
             inside = set(op.params)
             dense = [n for n in sorted(graph.subtree_params(op.layer)) if n not in inside]
