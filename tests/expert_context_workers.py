@@ -164,10 +164,8 @@ def dcp_round_trip(rank: int, world: int, folder: str, plan: str) -> dict:
 
 
 def launch_two(rank: int, world: int) -> list[dict]:
-    """2 ranks: context 2, expert 2 borrowing the context pair (efsdp 1); the unscaled fact (one step);
-    the memory measurement (last: it makes the routing balanced for good in this process)."""
-    return [train_equal(rank, world, PLAN), train_equal(rank, world, PLAN, steps=1, unscaled=True),
-            measure(rank, world, PLAN)]
+    """2 ranks: context 2, expert 2 borrowing the context pair (efsdp 1); the unscaled fact (one step)."""
+    return [train_equal(rank, world, PLAN), train_equal(rank, world, PLAN, steps=1, unscaled=True)]
 
 
 def launch_tensor(rank: int, world: int) -> list[dict]:
@@ -177,17 +175,17 @@ def launch_tensor(rank: int, world: int) -> list[dict]:
 
 def launch_four(rank: int, world: int, folder: str) -> list[dict]:
     """4 ranks, shard 2 x context 2: expert 2 (efsdp 2) through `planc.apply`, the emitted code and a
-    meta model materialised; expert 4 (efsdp 1); the DCP round trip at expert 2; the memory measurement."""
+    meta model materialised; expert 4 (efsdp 1); the DCP round trip at expert 2."""
     four = PLAN.replace("expert = 2", "expert = 4")
     return [train_equal(rank, world, PLAN), train_equal(rank, world, PLAN, via="emit"),
             train_equal(rank, world, PLAN, via="meta"), train_equal(rank, world, four),
-            dcp_round_trip(rank, world, folder, PLAN), measure(rank, world, PLAN)]
+            dcp_round_trip(rank, world, folder, PLAN)]
 
 
 SHAPE = (2, 64)  # (batch, seq) of each rank's data-parallel batch for the memory measurement
 
 
-def measure(rank: int, world: int, text: str) -> dict:
+def measure(rank: int, world: int, text: str = PLAN) -> dict:
     """`text` applied to `moe_llama_tiny` (fp32, balanced routing: `expert_memory_workers.balanced_route`)
     through `planc.apply`, one batch cut by `applied.shard_batch`, two AdamW steps under FSDPMemTracker
     (the second measured), FSDP's reduce-scatter as all-reduce + slice (what NCCL allocates)."""
