@@ -7,6 +7,8 @@ proof is tests/test_expert_context_dist.py).
 - The step-time model's collectives (FSDP's per unit, the context axis's K/V all-gathers and
   reduce-scatters, the all-to-alls of a context rank's `tokens / context` routed rows) equal those
   of a fake-process-group step of the applied plan (`record_collectives`, balanced routing).
+- The memory estimate (one rank composing the context and expert emulations) against a
+  fake-process-group step's FSDPMemTracker.
 - `planc suggest` searches context x expert combinations, and the plan it writes checks clean.
 - The shipped long-context MoE plan and its tiny sibling have the same rules.
 """
@@ -78,6 +80,36 @@ def test_time_model_collectives_equal_a_fake_process_group_step(name):
     assert predicted[a2a] == 4
     assert predicted[(*a2a[:2], "backward", *a2a[3:])] == (8 if "checkpoint" in text else 4)
     assert any(k[1] == "all_gather" and k[0] == "activations" for k in predicted)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_memory_estimate_equals_a_fake_process_group_step(world, monkeypatch):
+    """The trace of one rank that is both a context rank and an expert rank (rank 0's CPU path:
+    `context_local.CPU_RANK`; balanced routing in both) against FSDPMemTracker on the applied plan in a
+    fake process group (the runtime's dispatch under `balanced_routing`): the fake step allocates 1,024
+    bytes more, the same constant as every context plan without experts (tests/test_time_context.py);
+    the GPU path's estimate is below by the CPU kernel's float masks. Real gloo ranks:
+    tests/test_expert_context_dist.py."""
+    import expert_memory_workers
+
+    from planc.analysis.simulate import simulate, zoo_inputs
+    from planc.backends.experts import balanced_routing
+    from planc.estimate import context_local, memory
+    from planc.zoo import routed
+
+    monkeypatch.setattr(routed.Router, "forward", expert_memory_workers.balanced_route)
+    with balanced_routing():  # clipping is planc's (two meshes), not torch's: none in the measured steps
+        sim = simulate(planc.loads(PLAN), moe_llama_tiny, world, inputs=zoo_inputs(SHAPE), clip=None)
+    peaks = {}
+    for cpu in (0, None):
+        monkeypatch.setattr(context_local, "CPU_RANK", cpu)
+        with torch.device("meta"):
+            model = moe_llama_tiny()  # a new graph: no trace cached across modes
+        est = memory.estimate(planc.compile(planc.loads(PLAN), model, world), world, input_shape=SHAPE)
+        assert "one of 2 context ranks" in est.source and "one of 2 expert ranks" in est.source
+        peaks[cpu] = est.peak.total
+    assert sim.peak - peaks[0] == 1024, (sim.peak, peaks)
+    assert 0 < peaks[0] - peaks[None] <= 16384  # the CPU kernel's float masks, 2 layers
 
 
 def test_suggest_searches_context_and_expert_together(tmp_path):

@@ -92,7 +92,10 @@ def test_context_x_tensor_with_expert_trains_like_one_process():
 
 
 STATE = ("sharded_params", "sharded_grads", "optimizer_state", "inputs")
-PEAK_OVER = 0.02  # the estimate's peak over the tracker's at most (tests/test_expert_tensor_dist.py's bound)
+# NOTE: the bound, not byte equality: on a fake process group the step measures exactly the trace + 1,024 B
+# (tests/test_expert_context.py), on real gloo ranks a late-released all-to-all buffer has measured 4,096 B
+# over in the expert-only test; not yet observed here on gloo when this was written (see the lead's report)
+PEAK_GAP = 0.02
 
 
 def _estimate(world: int, cpu_rank: int | None, monkeypatch):
@@ -117,8 +120,8 @@ def _estimate(world: int, cpu_rank: int | None, monkeypatch):
 def test_memory_estimate_equals_the_tracker_under_expert_x_context(world, monkeypatch):
     """One rank's step composes the context rank's (its `seq / context` tokens, K/V gathered) and the
     expert rank's (its experts, the dispatch's buffers): on each rank's CPU path the estimate's state
-    equals FSDPMemTracker's byte for byte and its peak is within PEAK_OVER above; the GPU path's is
-    below by the CPU kernel's masks."""
+    equals FSDPMemTracker's byte for byte and its peak is within PEAK_GAP; the GPU path's is below by
+    the CPU kernel's masks."""
     real = run(workers.measure, world)
     gpu = _estimate(world, None, monkeypatch)
     assert "one of 2 context ranks" in gpu.source and "one of 2 expert ranks" in gpu.source
@@ -129,7 +132,7 @@ def test_memory_estimate_equals_the_tracker_under_expert_x_context(world, monkey
         for key in STATE:
             assert est.peak.bytes.get(key, 0) == measured["breakdown"].get(key, 0), (rank, key, est.peak.bytes,
                                                                                   measured["breakdown"])
-        assert measured["peak"] <= est.peak.total <= (1 + PEAK_OVER) * measured["peak"], (
+        assert abs(est.peak.total - measured["peak"]) <= PEAK_GAP * measured["peak"], (
             rank, est.peak.label, est.peak.total, measured["moment"], measured["peak"])
         assert 0 < est.peak.total - gpu.peak.total <= 16384, (est.peak.total, gpu.peak.total)
 
