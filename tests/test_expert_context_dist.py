@@ -92,10 +92,11 @@ def test_context_x_tensor_with_expert_trains_like_one_process():
 
 
 STATE = ("sharded_params", "sharded_grads", "optimizer_state", "inputs")
-# NOTE: the bound, not byte equality: on a fake process group the step measures exactly the trace + 1,024 B
-# (tests/test_expert_context.py), on real gloo ranks a late-released all-to-all buffer has measured 4,096 B
-# over in the expert-only test; not yet observed here on gloo when this was written (see the lead's report)
-PEAK_GAP = 0.02
+# Measured on 2026-12-05 (gloo, 2 loaded cores): every rank's peak equal to its CPU-path estimate byte for
+# byte, at 2 ranks 2,137,348 / 2,139,396 B (context ranks 0 / 1) and at 4 ranks 1,815,364 / 1,817,412 B, in
+# the backward of layers.1.moe. NOTE: the bound allows one all-to-all buffer that gloo's worker releases late
+# (4,096 B measured over once in CI in tests/test_expert_memory_dist.py; main keeps the lower of two runs there)
+LATE_RELEASE = 4096
 
 
 def _estimate(world: int, cpu_rank: int | None, monkeypatch):
@@ -120,8 +121,8 @@ def _estimate(world: int, cpu_rank: int | None, monkeypatch):
 def test_memory_estimate_equals_the_tracker_under_expert_x_context(world, monkeypatch):
     """One rank's step composes the context rank's (its `seq / context` tokens, K/V gathered) and the
     expert rank's (its experts, the dispatch's buffers): on each rank's CPU path the estimate's state
-    equals FSDPMemTracker's byte for byte and its peak is within PEAK_GAP; the GPU path's is below by
-    the CPU kernel's masks."""
+    equals FSDPMemTracker's byte for byte and so does its peak (up to LATE_RELEASE); the GPU path's is
+    below by the CPU kernel's masks."""
     real = run(workers.measure, world)
     gpu = _estimate(world, None, monkeypatch)
     assert "one of 2 context ranks" in gpu.source and "one of 2 expert ranks" in gpu.source
@@ -132,7 +133,7 @@ def test_memory_estimate_equals_the_tracker_under_expert_x_context(world, monkey
         for key in STATE:
             assert est.peak.bytes.get(key, 0) == measured["breakdown"].get(key, 0), (rank, key, est.peak.bytes,
                                                                                   measured["breakdown"])
-        assert abs(est.peak.total - measured["peak"]) <= PEAK_GAP * measured["peak"], (
+        assert 0 <= measured["peak"] - est.peak.total <= LATE_RELEASE, (
             rank, est.peak.label, est.peak.total, measured["moment"], measured["peak"])
         assert 0 < est.peak.total - gpu.peak.total <= 16384, (est.peak.total, gpu.peak.total)
 
