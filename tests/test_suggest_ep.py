@@ -6,7 +6,7 @@ expert ranks) but all-gathers only the rank's own experts per block, so its smal
 below the 1-D search's. At a budget between the two only expert degrees fit and the search
 picks one. The written plan checks clean, `planc explain` of it gives the header's figures,
 and it trains like one process (`check --verify`, tests marked dist). Expert 8 (4 experts) is
-rejected by P482, expert with tensor by P487, and a search left with nothing is P960.
+rejected by P482, and a search left with nothing is P960.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ an expert degree that does not divide the ranks
 it borrows, shard x context x tensor (P483), the style on a module that is not an experts
 container of a known layout (P484), the experts or the router placed another way by the plan
 (P485: `ignore`, `place` or a tensor style), a router that keeps more experts than there are
-(P486), expert parallelism with a pipeline or context axis (P487, not built or not tested), an expert axis nothing uses
+(P486), expert parallelism with a pipeline axis (P487, not built yet), an expert axis nothing uses
 (P488, warning), a tensor style on an expert-parallel MoE layer beside a tensor axis (P434: planc
 splits its tokens over the tensor group itself). `--simulate` runs an expert plan's step with balanced routing
 (`planc.backends.experts.balanced_routing`: a fake process group cannot fill the split sizes);
@@ -44,8 +44,10 @@ def _sizes(ctx: Context) -> dict | None:
 
 def check_expert_mesh(ctx: Context) -> Iterator[Diagnostic]:
     """P483: the expert degree divides shard x context x tensor (the ranks it borrows); P487: a
-    pipeline or context axis beside it (not built or not tested). A tensor axis is built: the MoE
-    layer splits its tensor group's tokens (`planc.backends.experts.split_over_tensor`)."""
+    pipeline axis beside it (not built yet). A tensor axis is built: the MoE layer splits its tensor
+    group's tokens (`planc.backends.experts.split_over_tensor`); a context axis is built: each context
+    rank holds its own sequence shard, so its tokens are distinct and dispatch as a shard rank's do
+    (tests/test_expert_context_dist.py)."""
     mesh = ctx.res.mesh
     axis = mesh.axis(Role.EXPERT)
     sizes = _sizes(ctx)
@@ -59,17 +61,11 @@ def check_expert_mesh(ctx: Context) -> Iterator[Diagnostic]:
                    f"{lent} / expert): make the expert size a divisor of {lent}, e.g. `{axis.name} = "
                    f"{max(d for d in range(1, lent + 1) if lent % d == 0 and d <= max(sizes[Role.EXPERT], 1))}`",))
         return
-    context = sizes.get(Role.CONTEXT, 1)
     if sizes.get(Role.PIPELINE, 1) > 1 and ctx.res.experts:
         yield err("P487", "expert parallelism with a pipeline axis is not supported yet", mesh.span,
                   "expert and pipeline axes",
                   ("not built or tested together yet: remove the pipeline axis (and the `pipeline` line), or the "
                    "`expert` style",))
-    elif context > 1 and ctx.res.experts:
-        yield err("P487", "expert parallelism with a context axis is not supported yet", mesh.span,
-                  f"expert and context = {context} axes",
-                  ("not tested yet (no model here has both a context-parallel attention and routed experts): "
-                   "remove the context axis, or the `expert` style",))
 
 
 def check_expert_unused(ctx: Context) -> Iterator[Diagnostic]:

@@ -437,10 +437,10 @@ CODES: dict[str, Code] = {
                  "or a tensor-parallel style on the experts or their router, contradicts that; remove it."),
     "P486": Code("top-k larger than the expert count", "The router keeps top_k experts per token; a model whose "
                  "top_k exceeds its expert count cannot route (torch.topk raises at the first step)."),
-    "P487": Code("expert parallelism with a pipeline or context axis", "The expert axis may borrow tensor ranks "
-                 "(each MoE layer then runs on its tensor rank's part of the group's tokens); with a context axis it "
-                 "is not tested yet (no model here has a context-parallel attention and routed experts), and with a "
-                 "pipeline axis it is not built: remove that axis or the `expert` style."),
+    "P487": Code("expert parallelism with a pipeline axis", "The expert axis may borrow tensor ranks (each MoE "
+                 "layer then runs on its tensor rank's part of the group's tokens) and context ranks (each holds its "
+                 "own sequence shard, so its tokens are distinct); with a pipeline axis it is not built: remove that "
+                 "axis or the `expert` style."),
     "P488": Code("expert axis without an expert style", "The mesh has an expert axis but no module is "
                  "expert-parallel: the axis does nothing. Mark the experts containers, or remove the axis.", "warning"),
     # --- context parallelism (P49x; planc/resolve/context.py, planc/checks/context_parallel.py)
@@ -620,7 +620,7 @@ CODES: dict[str, Code] = {
     "P960": Code("no combination of degrees can be searched", "`planc suggest --context-parallel RULES` or "
                  "`--expert-parallel RULES` (with or without `--tensor-parallel`) searches every combination of the "
                  "degrees asked for, each with its axes' `parallel` rules, and every combination was skipped: planc's "
-                 "checks reject it (P482 experts not dividing, P487 experts with a context axis, P495 a "
+                 "checks reject it (P482 experts not dividing, P487 experts with a pipeline axis, P495 a "
                  "sequence that does not cut into 2 x context chunks, ...), its axes do not divide the world, or the "
                  "model did not run as one rank of it. The message says why per combination; include degree 1 (the "
                  "plan without that axis) or degrees the rules hold at.\n\n"

@@ -162,6 +162,10 @@ def expert_collectives(program: Program, graph, world: int, tokens: int, top_k: 
     rank's `tokens x top_k` rows, and the combine (forward) and the dispatch's gradient (backward)
     send back the rows the estimated (binding) expert rank received in that layer.
 
+    With a context axis (`AttendOverContext` ops) `tokens` is the batch its context group shares:
+    each rank routes its own sequence shard, `tokens / context` of them. Under a checkpointed
+    ancestor the recompute issues the forward's two all-to-alls again in the backward.
+
     With a tensor axis (`op.tensor`) the MoE layer runs on its tensor rank's part of the tokens,
     `tokens / tensor` (the sequence-parallel form: `split_over_tensor`), and its dense parameters'
     gradients (router, shared experts) are all-reduced over the tensor axis in the backward, in
@@ -173,13 +177,19 @@ def expert_collectives(program: Program, graph, world: int, tokens: int, top_k: 
     if degrees is None:
         return out
     ep, tp = degrees[0], sizes.get(Role.TENSOR, 1)
+    cp = sizes.get(Role.CONTEXT, 1) if any(True for _ in program.of_type(AttendOverContext)) else 1
     dtypes = compute_dtypes(program, graph)
-    for op in program.of_type(DispatchExperts):
-        rows = (tokens // tp if op.tensor is not None else tokens) * top_k
+    ops = program.of_type(DispatchExperts)
+    checkpointed = _ancestors_in({op.module for op in program.of_type(Checkpoint)}, [op.module for op in ops])
+    for op in ops:
+        rows = (tokens // tp if op.tensor is not None else tokens) // cp * top_k
         back = rows if routing is None else sum(map(sum, routing.received(op.module, ep, rows)))
         item = dim * _itemsize(dtypes[op.params[0]])
+        # a checkpointed ancestor's recompute dispatches and combines again, in the backward
+        again = ((rows, "backward"), (back, "backward")) if checkpointed.get(op.module) else ()
         out[op.module] = [Collective("all_to_all", op.axis, ep, n * item, phase, op.module)
-                          for n, phase in ((rows, "forward"), (back, "forward"), (rows, "backward"), (back, "backward"))]
+                          for n, phase in ((rows, "forward"), (back, "forward"), (rows, "backward"), (back, "backward"))
+                          + again]
         if op.tensor is not None:
             inside = set(op.params)
             dense = [n for n in sorted(graph.subtree_params(op.layer)) if n not in inside]

@@ -6,15 +6,17 @@ of `--tensor-parallel`, the `context` statements of `--context-parallel`, the `e
 statements of `--expert-parallel`. Rules come from a plan file (its statements of that style) or
 `auto` (`auto_rules`: every module the style fits, as planc's checks decide it). Which
 combinations planc accepts is not decided here: each is compiled and a combination the checks
-reject (P487 expert with context, P482 experts not dividing, P495 a sequence that does
-not cut into 2 x context chunks, ...) is skipped with its code.
+reject (P482 experts not dividing, P495 a sequence that does not cut into 2 x context
+chunks, ...) is skipped with its code. Context and expert combine: the expert axis borrows
+shard x context x tensor ranks (a context rank's tokens are its own sequence shard).
 
 What a degree does to the input (`--input-shape BxS`, per rank at degree 1): a tensor group of
 T ranks shares one input of (T·B)xS (every degree trains world·B sequences a step); a context
 group of C ranks shares the B sequences of S tokens, each rank holding B x S/C of them (the
 sequence is the user's: context parallelism is for sequences one rank cannot hold), so the
 world trains world·B/C sequences a step and combinations are compared per world·B sequences
-(`per_sequences`: the step time x C); the expert axis borrows shard ranks and changes no input.
+(`per_sequences`: the step time x C); the expert axis borrows shard x context x tensor ranks
+and changes no input.
 
 By default context degrees are tried only when the sequence is long enough to matter: when no
 combination without a context axis fits the budget (else they are skipped as `NOT_TRIED`); `--context C,...` given
@@ -132,7 +134,8 @@ def axis_lines(ev) -> list[str]:
                      "feeds `applied.shard_batch(tokens, labels)` (plans/zoo-llama-context.plan)")
     if ev.expert > 1:
         from planc.estimate.expert_local import ROUTING
-        lines.append(f"  expert parallelism: expert = {ev.expert} (borrowed from shard: each expert rank keeps 1 / "
-                     f"{ev.expert} of the experts, FSDP-sharded over shard / {ev.expert} ranks), the `parallel ... "
+        lent = "shard x context" if ev.context > 1 else "shard"
+        lines.append(f"  expert parallelism: expert = {ev.expert} (borrowed from {lent}: each expert rank keeps 1 / "
+                     f"{ev.expert} of the experts, FSDP-sharded over {lent} / {ev.expert} ranks), the `parallel ... "
                      f"expert` statements below; estimated with {ROUTING}")
     return lines

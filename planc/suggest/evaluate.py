@@ -167,7 +167,7 @@ class Evaluator:
     parallel: tuple[str, ...] = ()     # the `parallel` statements of the axes > 1 (plan text)
     inputs: object = None              # the step's inputs (tuple, dict or Example); None: token ids of `shape`
     context: int = 1                   # context-parallel degree: `shape` is a context group's (one rank traces 1 / context)
-    expert: int = 1                    # expert-parallel degree (the expert axis borrows shard ranks)
+    expert: int = 1                    # expert-parallel degree (it borrows shard x context x tensor ranks)
     chain: Chain = field(init=False)
     _compiled: dict = field(default_factory=dict, init=False)
     _windows: dict = field(default_factory=dict, init=False)
@@ -238,11 +238,10 @@ class Evaluator:
         """FSDP's ranks: the world over the tensor-parallel degree (replicate x shard x context)."""
         return self.world // self.tensor
 
-    @property
-    def borrowed(self) -> int:
-        """What a shard group must divide by besides: the context axis (FSDP shards over shard x context)
-        and the expert axis (it borrows shard ranks)."""
-        return self.context * self.expert
+    def shard_group_ok(self, group: int) -> bool:
+        """Whether a shard group of `group` ranks (FSDP's: shard x context, per replicate rank) holds
+        the context axis and lends the expert axis its ranks (it borrows shard x context x tensor)."""
+        return group % self.context == 0 and group * self.tensor % self.expert == 0
 
     def text(self, c: Candidate, header=(), expects=()) -> str:
         return plan_text(self.chain, self.model_ref, c, list(header), list(expects), self.tensor, self.parallel,

@@ -108,7 +108,7 @@ def globals_for(ev: Evaluator, hardware, merges=None, prefetches=(0, 1), offload
     dp = ev.dp_world  # with a tensor axis, the replicate x shard ranks (a node holds gpus_per_node / tensor)
     node = min(max(1, hardware.gpus_per_node // ev.tensor), dp // 2)
     reps = [r for r in (1, 2, 4, 8, 16)
-            if r == 1 or (dp % r == 0 and r < dp and dp // r >= node and dp // r % ev.borrowed == 0)]
+            if r == 1 or (dp % r == 0 and r < dp and dp // r >= node and ev.shard_group_ok(dp // r))]
     return [Global(m, r, p, o) for m, r, p, o in itertools.product(merges, reps, prefetches, offloads)]
 
 

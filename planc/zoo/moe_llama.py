@@ -5,7 +5,9 @@ rotary positions, separate `wq`/`wk`/`wv`/`wo` viewed with the local head count,
 parallelism and sequence parallelism apply as in `plans/zoo-llama-tp.plan`) with the
 feed-forward replaced by the routed MoE of `planc/zoo/routed.py` (a top-k router, experts as
 3-D weights run on their own tokens). The case expert x tensor parallelism is for: attention
-split over the tensor axis, experts placed whole over the expert axis (plans/qwen3-moe-ep-tp.plan).
+split over the tensor axis, experts placed whole over the expert axis (plans/qwen3-moe-ep-tp.plan);
+and expert x context parallelism: the forward takes each rank's global `positions=` (the `context`
+style on `layers.*.attention`), the experts borrow the context ranks (plans/qwen3-moe-long-context.plan).
 
 Module tree (torchtitan's names): `tok_embeddings` -> `layers[i]` (`attention_norm`,
 `attention.{wq,wk,wv,wo}`, `ffn_norm`, `moe`: `router.gate`, `experts.w1/w2/w3`) -> `norm` -> `output`.
@@ -50,9 +52,10 @@ class MoELlamaBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.moe = RoutedMoE(config.dim, config.num_experts, config.hidden_dim, config.top_k)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Transforms ``x`` ([batch, seq, dim]); the output has the same shape."""
-        h = x + self.attention(self.attention_norm(x))
+        h = x + (self.attention(self.attention_norm(x)) if positions is None
+                 else self.attention(self.attention_norm(x), positions=positions))
         return h + self.moe(self.ffn_norm(h))
 
 
@@ -67,11 +70,16 @@ class MoELlama(nn.Module):
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Maps token ids ([batch, seq], int64) to next-token logits ([batch, seq, vocab])."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Maps token ids ([batch, seq], int64) to next-token logits ([batch, seq, vocab]).
+
+        ``positions`` ([seq]): the global positions of ``tokens`` when they are a shard of a
+        longer sequence (context parallelism: each rank's MoE layers route its own tokens); by
+        default ``arange(seq)``.
+        """
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h)
+            h = layer(h) if positions is None else layer(h, positions=positions)
         return self.output(self.norm(h))
 
 
