@@ -134,6 +134,22 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _whole(applied, name: str, t: torch.Tensor) -> torch.Tensor:
+    """`_full(t)` of parameter `name` (or its gradient); of an expert-parallel experts container,
+    all experts: each expert rank's, gathered over the stage's expert axis in rank order."""
+    import torch.distributed as dist
+
+    from planc.backends.experts import EXPERT_SLICE
+
+    local = _full(t)
+    if not hasattr(applied.model.get_submodule(name.rpartition(".")[0]), EXPERT_SLICE):
+        return local
+    axis = applied.expert_mesh[applied.compiled.job.view("expert").axes[-1].name]
+    parts = [torch.empty_like(local) for _ in range(axis.size())]
+    dist.all_gather(parts, local.contiguous(), group=axis.get_group())
+    return torch.cat(parts)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
@@ -155,13 +171,13 @@ def train(rank: int, world: int, plan: str, name: str, pp: int, build=llama_tiny
         if loss is not None:
             losses.append((loss.item(), ref_losses[step][dp_rank]))
         for n, p in applied.named_parameters():
-            err = _rel(_full(p.grad), ref_grads[step][n])
+            err = _rel(_whole(applied, n, p.grad), ref_grads[step][n])
             if err > grad_err[step]:
                 grad_err[step], worst[step] = err, n
         norms.append((applied.clip_grad_norm_(float("inf")).item(), ref_norms[step]))  # the norm only: no clipping
         opt.step()
         opt.zero_grad()
-    params = {n: _full(p.detach()) for n, p in applied.named_parameters()}
+    params = {n: _whole(applied, n, p.detach()) for n, p in applied.named_parameters()}
     return {"holds_loss": applied.holds_loss, "bytes": applied.local_param_bytes(), "norms": norms,
             "loss_rank": applied.loss_pipeline_rank, "losses": losses,
             "grad_err": grad_err, "worst": worst, "names": sorted(params), "params": params, "stages": applied.stage_ids,

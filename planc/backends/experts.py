@@ -54,14 +54,19 @@ from torch.distributed.tensor import DTensor
 from planc.lower.job import View
 from planc.model.dispatch import ScaleGrad, expert_major
 from planc.resolve.experts import EFSDP, SORTED, layout
+from planc.resolve.mesh import Role
 
 __all__ = ["balanced_routing", "build_expert_mesh", "clip_grad_norm_", "dispatch_experts", "expert_mesh_of",
            "expert_placement_fn", "split_over_tensor", "whole_optimizer_state"]
 
 
 def build_expert_mesh(view: View, device: str) -> DeviceMesh:
-    """The expert view as a `DeviceMesh` over the default process group (its axes' sizes known)."""
-    return init_device_mesh(device, tuple(a.size for a in view.axes), mesh_dim_names=view.axis_names)
+    """The expert view as a `DeviceMesh` over the default process group (its axes' sizes known);
+    with a pipeline axis (outermost), this rank's stage's submesh of the other axes: the experts'
+    all-to-alls and FSDP stay inside the pipeline rank's ranks."""
+    mesh = init_device_mesh(device, tuple(a.size for a in view.axes), mesh_dim_names=view.axis_names)
+    inner = tuple(a.name for a in view.axes if a.role is not Role.PIPELINE)
+    return mesh if len(inner) == len(view.axes) else mesh[inner]
 
 
 # The attribute a dispatched experts container carries: (its expert rank, the expert degree), so

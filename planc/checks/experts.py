@@ -60,12 +60,7 @@ def check_expert_mesh(ctx: Context) -> Iterator[Diagnostic]:
                    f"{max(d for d in range(1, lent + 1) if lent % d == 0 and d <= max(sizes[Role.EXPERT], 1))}`",))
         return
     context = sizes.get(Role.CONTEXT, 1)
-    if sizes.get(Role.PIPELINE, 1) > 1 and ctx.res.experts:
-        yield err("P487", "expert parallelism with a pipeline axis is not supported yet", mesh.span,
-                  "expert and pipeline axes",
-                  ("not built or tested together yet: remove the pipeline axis (and the `pipeline` line), or the "
-                   "`expert` style",))
-    elif context > 1 and ctx.res.experts:
+    if context > 1 and ctx.res.experts:
         yield err("P487", "expert parallelism with a context axis is not supported yet", mesh.span,
                   f"expert and context = {context} axes",
                   ("not tested yet (no model here has both a context-parallel attention and routed experts): "
