@@ -6,7 +6,8 @@ an expert degree that does not divide the ranks
 it borrows, shard x context x tensor (P483), the style on a module that is not an experts
 container of a known layout (P484), the experts or the router placed another way by the plan
 (P485: `ignore`, `place` or a tensor style), a router that keeps more experts than there are
-(P486), expert parallelism with a pipeline or context axis (P487, not built or not tested), an expert axis nothing uses
+(P486), expert parallelism with a context axis, or inside pipeline stages beside a tensor axis or under a
+split-backward schedule (P487, not built or not tested), an expert axis nothing uses
 (P488, warning), a tensor style on an expert-parallel MoE layer beside a tensor axis (P434: planc
 splits its tokens over the tensor group itself). `--simulate` runs an expert plan's step with balanced routing
 (`planc.backends.experts.balanced_routing`: a fake process group cannot fill the split sizes);
@@ -24,6 +25,7 @@ from planc.diagnostics import Diagnostic
 from planc.lang import syntax as st
 from planc.resolve.experts import expert_degrees, is_expert, layout, moe_layers
 from planc.resolve.mesh import Mesh, Role
+from planc.resolve.pipeline import SPLIT_BACKWARD
 
 # The experts containers the `expert` style is known to fit (P484's help names them): 3-D
 # weights [experts, ...], `forward(rows, offsets)` on rows sorted by expert.
@@ -44,7 +46,7 @@ def _sizes(ctx: Context) -> dict | None:
 
 def check_expert_mesh(ctx: Context) -> Iterator[Diagnostic]:
     """P483: the expert degree divides shard x context x tensor (the ranks it borrows); P487: a
-    pipeline or context axis beside it (not built or not tested). A tensor axis is built: the MoE
+    context axis beside it, or a pipeline with what is not tested there (`_under_pipeline`). A tensor axis is built: the MoE
     layer splits its tensor group's tokens (`planc.backends.experts.split_over_tensor`)."""
     mesh = ctx.res.mesh
     axis = mesh.axis(Role.EXPERT)
@@ -60,11 +62,31 @@ def check_expert_mesh(ctx: Context) -> Iterator[Diagnostic]:
                    f"{max(d for d in range(1, lent + 1) if lent % d == 0 and d <= max(sizes[Role.EXPERT], 1))}`",))
         return
     context = sizes.get(Role.CONTEXT, 1)
+    if sizes.get(Role.PIPELINE, 1) > 1 and ctx.res.experts:
+        yield from _under_pipeline(ctx, sizes)
     if context > 1 and ctx.res.experts:
         yield err("P487", "expert parallelism with a context axis is not supported yet", mesh.span,
                   f"expert and context = {context} axes",
                   ("not tested yet (no model here has both a context-parallel attention and routed experts): "
                    "remove the context axis, or the `expert` style",))
+
+
+def _under_pipeline(ctx: Context, sizes: dict) -> Iterator[Diagnostic]:
+    """P487: expert parallelism inside pipeline stages is built and tested (tests/test_pipeline_expert_dist.py)
+    with whole-backward schedules and no tensor axis; a tensor axis beside them, or a schedule that
+    splits the backward into input and weight halves, is not tested yet."""
+    mesh, pp = ctx.res.mesh, ctx.res.pipeline
+    if sizes.get(Role.TENSOR, 1) > 1:
+        yield err("P487", "expert parallelism inside pipeline stages with a tensor axis is not supported yet",
+                  mesh.span, f"pipeline, tensor = {sizes[Role.TENSOR]} and expert axes",
+                  ("pipeline x expert is tested with the expert axis borrowing shard ranks only: remove the tensor "
+                   "axis (or the pipeline axis, or the `expert` style)",))
+    elif pp is not None and pp.schedule in SPLIT_BACKWARD:
+        yield err("P487", f"expert parallelism inside pipeline stages under `{pp.schedule}` is not supported yet",
+                  pp.span, "a split-backward schedule", related=((mesh.span, "the expert axis"),),
+                  help_=(f"`{pp.schedule}` splits each backward into input and weight halves, which is not tested with "
+                         "the experts' all-to-all dispatch: use a schedule with whole backwards (GPipe, 1F1B, "
+                         "Interleaved1F1B, LoopedBFS)",))
 
 
 def check_expert_unused(ctx: Context) -> Iterator[Diagnostic]:

@@ -426,8 +426,10 @@ CODES: dict[str, Code] = {
                  "top_k exceeds its expert count cannot route (torch.topk raises at the first step)."),
     "P487": Code("expert parallelism with a pipeline or context axis", "The expert axis may borrow tensor ranks "
                  "(each MoE layer then runs on its tensor rank's part of the group's tokens); with a context axis it "
-                 "is not tested yet (no model here has a context-parallel attention and routed experts), and with a "
-                 "pipeline axis it is not built: remove that axis or the `expert` style."),
+                 "is not tested yet (no model here has a context-parallel attention and routed experts). Inside pipeline "
+                 "stages it is built for whole-backward schedules (GPipe, 1F1B, Interleaved1F1B, LoopedBFS) with the "
+                 "expert axis borrowing shard ranks; beside a tensor axis or under a split-backward schedule it is not "
+                 "tested yet: remove that axis or the `expert` style, or change the schedule."),
     "P488": Code("expert axis without an expert style", "The mesh has an expert axis but no module is "
                  "expert-parallel: the axis does nothing. Mark the experts containers, or remove the axis.", "warning"),
     # --- context parallelism (P49x; planc/resolve/context.py, planc/checks/context_parallel.py)

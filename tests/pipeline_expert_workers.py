@@ -1,0 +1,64 @@
+"""Rank bodies for tests/test_pipeline_expert_dist.py: expert parallelism inside pipeline stages.
+
+The routed MoE tiny (4 experts, top-2) under pipeline 2 x (shard 2, expert 2 borrowing it), through
+`planc.apply`: trained by tests/pipeline_workers.py's `train` (3 AdamW steps against one process),
+checkpointed by tests/expert_workers.py's `round_trip` (a DCP checkpoint of the stages loads under a
+1-D plan and back), built on meta and materialized per stage.
+"""
+
+from __future__ import annotations
+
+import expert_workers
+import pipeline_workers
+import torch
+
+import planc
+from planc.zoo import routed_moe_tiny
+
+PLAN = expert_workers.PLAN  # mesh (shard = *, expert = 2); the pipeline axis added outermost
+ONE_STAGE = [("tok_embeddings", "layers.0"), ("layers.1", "norm", "output")]  # each stage holds a MoE layer
+# two stages per rank: stages 0 and 3 hold no experts (rank 0: stages 0, 2; rank 1: stages 1, 3)
+TWO_STAGES = [("tok_embeddings",), ("layers.0",), ("layers.1",), ("norm", "output")]
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+
+
+def _cut(name: str):
+    return TWO_STAGES if name == "Interleaved1F1B" else ONE_STAGE
+
+
+def _compiled(model, world: int, name: str = "1F1B"):
+    return pipeline_workers.pipeline_compiled(PLAN, model, world, name, 2, pipeline_workers.MICROBATCHES, _cut(name))
+
+
+def _pipelined_with(plan: str, seed: int):
+    """`round_trip`'s model under `plan`: the pipeline (1F1B) for the expert plan, else the plain plan."""
+    import torch.distributed as dist
+
+    torch.manual_seed(seed)
+    model = routed_moe_tiny()
+    if plan != PLAN:
+        return model, planc.apply(model, planc.loads(plan))
+    applied = planc.apply(model, _compiled(model, dist.get_world_size()))
+    return applied, applied  # its state_dict and named_parameters: this rank's stages
+
+
+def _materialized(world: int) -> dict:
+    """Built on meta, applied, `planc.materialize(reproducible=True)` per stage: this rank's stages'
+    parameters (experts whole) against the same model built on CPU from the same seed."""
+    with torch.device("meta"):
+        model = routed_moe_tiny()
+    applied = planc.apply(model, _compiled(model, world))
+    torch.manual_seed(0)
+    planc.materialize(applied, "cpu", reproducible=True)
+    torch.manual_seed(0)
+    want = dict(routed_moe_tiny().named_parameters())
+    got = expert_workers._whole(applied, applied)
+    return {"names": sorted(got), "diff": max((t - want[n]).abs().max().item() for n, t in got.items())}
+
+
+def launch(rank: int, world: int, folder: str) -> dict:
+    out = {name: pipeline_workers.train(rank, world, PLAN, name, 2, build=routed_moe_tiny, cut=_cut(name))
+           for name in SCHEDULES}
+    out["dcp"] = expert_workers.round_trip(routed_moe_tiny, _pipelined_with, PLAN, expert_workers.DENSE_PLAN, folder)
+    out["materialized"] = _materialized(world)
+    return out
