@@ -20,3 +20,19 @@ def run(fn, world_size: int, *args, timeout: float = 300.0) -> list:
         if err.rank is not None:
             raise AssertionError(f"rank {err.rank} failed:\n{err.trace}") from None
         raise AssertionError(f"distributed run failed: {err}") from None
+
+
+def train_example(*args: str, procs: int = 4, timeout: float = 300.0) -> tuple[str, list[float]]:
+    """`torchrun --standalone --nproc_per_node=procs examples/train.py *args` from the repository
+    root; fails with its output unless it exits 0; returns its stdout and the losses it printed."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
+           "examples/train.py", *args]
+    out = subprocess.run(cmd, cwd=pathlib.Path(__file__).resolve().parent.parent, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout, [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]

@@ -3,7 +3,7 @@
 The routed MoE tiny (4 experts, top-2) under pipeline 2 x (shard 2, expert 2 borrowing it), through
 `planc.apply`: trained by tests/pipeline_workers.py's `train` (3 AdamW steps against one process),
 checkpointed by tests/expert_workers.py's `round_trip` (a DCP checkpoint of the stages loads under a
-1-D plan and back), built on meta and materialized per stage.
+1-D plan and back), built on meta and materialized per stage, and run as the code `planc emit` prints.
 """
 
 from __future__ import annotations
@@ -61,4 +61,8 @@ def launch(rank: int, world: int, folder: str) -> dict:
            for name in SCHEDULES}
     out["dcp"] = expert_workers.round_trip(routed_moe_tiny, _pipelined_with, PLAN, expert_workers.DENSE_PLAN, folder)
     out["materialized"] = _materialized(world)
+    # the code `planc emit` prints (1F1B), every data-parallel rank on the same batch: one process on it
+    out["emitted"] = pipeline_workers.emitted(rank, world, "1F1B", 2, PLAN, routed_moe_tiny, ONE_STAGE)["losses"]
+    out["emitted_oracle"] = [step[0] for step in pipeline_workers.reference(1, pipeline_workers.MICROBATCHES,
+                                                                            routed_moe_tiny)[0]]
     return out

@@ -229,18 +229,19 @@ def _train_stages(modules, sched, held, n_stages):
     return {"losses": losses, "params": {n: _full(p.detach()) for m in modules for n, p in m.named_parameters()}}
 
 
-def emitted(rank: int, world: int, name: str, pp: int) -> dict:
-    """The code `planc emit` prints for the job, executed: its `build_pipeline`, 3 AdamW steps."""
+def emitted(rank: int, world: int, name: str, pp: int, plan: str = FSDP_PLAN, build=llama_tiny, cut=None) -> dict:
+    """The code `planc emit` prints for the job, executed: its `build_pipeline`, 3 AdamW steps
+    (every data-parallel rank on the same batch, `batches(1)`)."""
     from planc.backends.emit import emit_python
     from planc.backends.runtime import build_mesh
 
     with torch.device("meta"):
-        shape = llama_tiny()
-    compiled = pipeline_compiled(FSDP_PLAN, shape, world, name, pp, MICROBATCHES)
+        shape = build()
+    compiled = pipeline_compiled(plan, shape, world, name, pp, MICROBATCHES, cut)
     namespace: dict = {}
     exec(compile(emit_python(compiled), "emitted.py", "exec"), namespace)  # noqa: S102 - the code under test
     torch.manual_seed(0)
-    model = llama_tiny()
+    model = build()
     mesh = build_mesh(compiled.job.mesh)
     modules, sched = namespace["build_pipeline"](model, mesh, loss_fn)
     held = namespace["HELD"][mesh["pipeline"].get_local_rank()]

@@ -357,12 +357,17 @@ def expert_placement_fn(experts: dict[nn.Parameter, int], expert_mesh: DeviceMes
     return placement
 
 
-def expert_mesh_of(mesh: DeviceMesh, expert: int, names: tuple[str, ...]) -> DeviceMesh:
+def expert_mesh_of(mesh: DeviceMesh, expert: int, names: tuple[str, ...], pipeline: str | None = None) -> DeviceMesh:
     """The expert view of the ranks of the dense `mesh` (what `planc emit`'s code builds): axes
-    `names`, (replicate,) efsdp, expert, the replicate axis as the dense mesh's."""
+    `names`, (replicate,) efsdp, expert, the replicate axis as the dense mesh's. With the
+    `pipeline` axis of `mesh` (outermost), this rank's stage's submesh of that view (built on
+    every rank: its groups are created by all)."""
+    pp = mesh[pipeline].size() if pipeline is not None else 1
     replicate = mesh[names[0]].size() if len(names) == 3 else 1
-    sizes = ((replicate,) if len(names) == 3 else ()) + (mesh.size() // (replicate * expert), expert)
-    return init_device_mesh(mesh.device_type, sizes, mesh_dim_names=names)
+    sizes = ((replicate,) if len(names) == 3 else ()) + (mesh.size() // (pp * replicate * expert), expert)
+    if pipeline is None:
+        return init_device_mesh(mesh.device_type, sizes, mesh_dim_names=names)
+    return init_device_mesh(mesh.device_type, (pp, *sizes), mesh_dim_names=(pipeline, *names))[names]
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, expert_axis: DeviceMesh,
