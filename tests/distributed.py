@@ -12,16 +12,6 @@ from __future__ import annotations
 from planc.analysis.launch import LaunchError, launch
 
 
-def run(fn, world_size: int, *args, timeout: float = 300.0) -> list:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return per-rank results."""
-    try:
-        return launch(fn, world_size, *args, timeout=timeout)
-    except LaunchError as err:
-        if err.rank is not None:
-            raise AssertionError(f"rank {err.rank} failed:\n{err.trace}") from None
-        raise AssertionError(f"distributed run failed: {err}") from None
-
-
 def train_example(*args: str, procs: int = 4, timeout: float = 300.0) -> tuple[str, list[float]]:
     """`torchrun --standalone --nproc_per_node=procs examples/train.py *args` from the repository
     root; fails with its output unless it exits 0; returns its stdout and the losses it printed."""
@@ -36,3 +26,14 @@ def train_example(*args: str, procs: int = 4, timeout: float = 300.0) -> tuple[s
                          timeout=timeout)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout, [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
+
+
+def run(fn, world_size: int, *args, timeout: float = 300.0) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return per-rank results."""
+    try:
+        return launch(fn, world_size, *args, timeout=timeout)
+    except LaunchError as err:
+        if err.rank is not None:
+            raise AssertionError(f"rank {err.rank} failed:\n{err.trace}") from None
+        raise AssertionError(f"distributed run failed: {err}") from None
+
