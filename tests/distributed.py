@@ -12,6 +12,22 @@ from __future__ import annotations
 from planc.analysis.launch import LaunchError, launch
 
 
+def train_example(*args: str, procs: int = 4, timeout: float = 300.0) -> tuple[str, list[float]]:
+    """`torchrun --standalone --nproc_per_node=procs examples/train.py *args` from the repository
+    root; fails with its output unless it exits 0; returns its stdout and the losses it printed."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}",
+           "examples/train.py", *args]
+    out = subprocess.run(cmd, cwd=pathlib.Path(__file__).resolve().parent.parent, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout, [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
+
+
 def run(fn, world_size: int, *args, timeout: float = 300.0) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return per-rank results."""
     try:

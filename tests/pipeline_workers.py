@@ -134,6 +134,22 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _whole(applied, name: str, t: torch.Tensor) -> torch.Tensor:
+    """`_full(t)` of parameter `name` (or its gradient); of an expert-parallel experts container,
+    all experts: each expert rank's, gathered over the stage's expert axis in rank order."""
+    import torch.distributed as dist
+
+    from planc.backends.experts import EXPERT_SLICE
+
+    local = _full(t)
+    if not hasattr(applied.model.get_submodule(name.rpartition(".")[0]), EXPERT_SLICE):
+        return local
+    axis = applied.expert_mesh[applied.compiled.job.view("expert").axes[-1].name]
+    parts = [torch.empty_like(local) for _ in range(axis.size())]
+    dist.all_gather(parts, local.contiguous(), group=axis.get_group())
+    return torch.cat(parts)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
@@ -155,13 +171,13 @@ def train(rank: int, world: int, plan: str, name: str, pp: int, build=llama_tiny
         if loss is not None:
             losses.append((loss.item(), ref_losses[step][dp_rank]))
         for n, p in applied.named_parameters():
-            err = _rel(_full(p.grad), ref_grads[step][n])
+            err = _rel(_whole(applied, n, p.grad), ref_grads[step][n])
             if err > grad_err[step]:
                 grad_err[step], worst[step] = err, n
         norms.append((applied.clip_grad_norm_(float("inf")).item(), ref_norms[step]))  # the norm only: no clipping
         opt.step()
         opt.zero_grad()
-    params = {n: _full(p.detach()) for n, p in applied.named_parameters()}
+    params = {n: _whole(applied, n, p.detach()) for n, p in applied.named_parameters()}
     return {"holds_loss": applied.holds_loss, "bytes": applied.local_param_bytes(), "norms": norms,
             "loss_rank": applied.loss_pipeline_rank, "losses": losses,
             "grad_err": grad_err, "worst": worst, "names": sorted(params), "params": params, "stages": applied.stage_ids,
@@ -213,18 +229,19 @@ def _train_stages(modules, sched, held, n_stages):
     return {"losses": losses, "params": {n: _full(p.detach()) for m in modules for n, p in m.named_parameters()}}
 
 
-def emitted(rank: int, world: int, name: str, pp: int) -> dict:
-    """The code `planc emit` prints for the job, executed: its `build_pipeline`, 3 AdamW steps."""
+def emitted(rank: int, world: int, name: str, pp: int, plan: str = FSDP_PLAN, build=llama_tiny, cut=None) -> dict:
+    """The code `planc emit` prints for the job, executed: its `build_pipeline`, 3 AdamW steps
+    (every data-parallel rank on the same batch, `batches(1)`)."""
     from planc.backends.emit import emit_python
     from planc.backends.runtime import build_mesh
 
     with torch.device("meta"):
-        shape = llama_tiny()
-    compiled = pipeline_compiled(FSDP_PLAN, shape, world, name, pp, MICROBATCHES)
+        shape = build()
+    compiled = pipeline_compiled(plan, shape, world, name, pp, MICROBATCHES, cut)
     namespace: dict = {}
     exec(compile(emit_python(compiled), "emitted.py", "exec"), namespace)  # noqa: S102 - the code under test
     torch.manual_seed(0)
-    model = llama_tiny()
+    model = build()
     mesh = build_mesh(compiled.job.mesh)
     modules, sched = namespace["build_pipeline"](model, mesh, loss_fn)
     held = namespace["HELD"][mesh["pipeline"].get_local_rank()]

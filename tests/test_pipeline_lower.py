@@ -66,3 +66,29 @@ def test_the_schedule_must_place_every_stage():
     split = pipeline_job(_job(), four, schedule("Interleaved1F1B", 2, 4, 2))
     assert split.schedule.stages == ((0, 2), (1, 3))
     assert all(isinstance(u, FullyShard) for p in split.parts for u in p.program.units)
+
+
+def test_experts_inside_stages_live_on_the_stage_submesh_of_one_expert_view():
+    """Pipeline x expert (plans/qwen3-moe-pp-ep-tiny.plan at 4 ranks): the expert view has the pipeline
+    axis outermost (one root mesh), each stage dispatches its own MoE layer's experts with FSDP on
+    the view's efsdp axis (not the pipeline's), and the emitted `build_pipeline` builds that view
+    once on every rank and hands it to each stage (tests/test_pipeline_expert_dist.py runs it)."""
+    import pathlib
+
+    from planc.backends.emit import emit_python
+    from planc.lower.program import DispatchExperts
+    from planc.zoo import moe_llama_tiny
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "plans" / "qwen3-moe-pp-ep-tiny.plan"
+    compiled = planc.compile(planc.load(path), moe_llama_tiny(), 4)
+    compiled.raise_for_errors()
+    view = compiled.job.view("expert")
+    assert [(a.name, a.size) for a in view.axes] == [("pipeline", 2), ("efsdp", 1), ("expert", 2)]
+    for stage, part in enumerate(compiled.job.parts):
+        assert [op.module for op in part.program.of_type(DispatchExperts)] == [f"layers.{stage}.moe.experts"]
+        assert {u.expert_axes for u in part.program.units if u.expert_axes} == {("efsdp",)}
+    text = emit_python(compiled)
+    assert text.count("expert_mesh_of(") == 1  # build_pipeline's one call, on every rank
+    assert "expert_mesh = expert_mesh_of(mesh, 2, ('efsdp', 'expert'), pipeline='pipeline')" in text
+    assert "def apply_stage_0(model, mesh, expert_mesh):" in text
+    assert "APPLY_STAGE[s](split(model, STAGES[s]), mesh, expert_mesh)" in text

@@ -542,8 +542,10 @@ def _sections(program) -> list[tuple[tuple, list]]:
     return sections
 
 
-def _body(compiled: CompiledPlan, program, model) -> list[str]:
-    """The lines of `apply_plan`'s body: the submeshes, then each section of ops as calls."""
+def _body(compiled: CompiledPlan, program, model, expert_mesh_given: bool = False) -> list[str]:
+    """The lines of `apply_plan`'s body: the submeshes, then each section of ops as calls.
+    `expert_mesh_given`: the body takes the expert view as an argument `expert_mesh` (a pipeline's
+    `build_pipeline` builds it once on every rank) instead of building it."""
     meshes = _Submeshes(program)
     units = [_Unit(op, meshes.name(op.axes)) for op in program.units]
     handle = {op.name: ("" if op.is_root else op.modules[0]) for op in program.units}
@@ -571,7 +573,7 @@ def _body(compiled: CompiledPlan, program, model) -> list[str]:
                                        f"{meshes.name((op.axis,))}.get_group())",
                                        (_where(op.origin.span, op.origin.rule),)) for op in ops], model, ind)
         elif kind is DispatchExperts:
-            body += _experts_section(program, ops, model, ind)
+            body += _experts_section(program, ops, model, ind, expert_mesh_given)
         elif kind is Checkpoint:
             body += _emit_calls([_Call((op.module,), lambda e, op=op: f"checkpoint({e(op.module)}"
                                        + (", context_fn=selective_checkpoint_context)" if op.mode == "selective" else ")"),
@@ -598,8 +600,17 @@ def _body(compiled: CompiledPlan, program, model) -> list[str]:
     return body + [f"{ind}return model"]
 
 
-def _experts_section(program, ops, model, ind: str) -> list[str]:
-    """The expert view as a mesh of the same ranks, and each experts container dispatched on it."""
+def expert_mesh_call(program, axis: str) -> str:
+    """The call that builds the expert view of `mesh`'s ranks (with a pipeline axis: this stage's submesh)."""
+    view = tuple(a.name for a in program.mesh.device_axes if a.role is Role.REPLICATE)
+    pipeline = program.mesh.axis_name(Role.PIPELINE)
+    return (f"expert_mesh_of(mesh, {program.mesh.axis(Role.EXPERT).size}, {view + (EFSDP, axis)!r}"
+            + (f", pipeline={pipeline!r})" if pipeline is not None else ")"))
+
+
+def _experts_section(program, ops, model, ind: str, given: bool = False) -> list[str]:
+    """The expert view as a mesh of the same ranks (or `given` as the argument `expert_mesh`), and
+    each experts container dispatched on it."""
     view = tuple(a.name for a in program.mesh.device_axes if a.role is Role.REPLICATE)
     names = view + (EFSDP, ops[0].axis)
     expert = program.mesh.axis(Role.EXPERT).size
@@ -607,7 +618,8 @@ def _experts_section(program, ops, model, ind: str) -> list[str]:
     fsdp_index = repr(fsdp[0]) if len(fsdp) == 1 else repr(fsdp)
     lines = ["", f"{ind}# expert parallelism: the expert view of the same ranks, {' x '.join(names)}; each expert rank",
              f"{ind}# keeps experts / {expert} whole experts, their rows arrive and leave by all-to-all",
-             f"{ind}expert_mesh = expert_mesh_of(mesh, {expert}, {names!r})",
+             f"{ind}# `expert_mesh`: this stage's expert view, built by build_pipeline on every rank" if given else
+             f"{ind}expert_mesh = {expert_mesh_call(program, ops[0].axis)}",
              f"{ind}expert_fsdp_mesh = expert_mesh[{fsdp_index}]"]
     if ops[0].tensor is not None:
         lines += [f"{ind}# with tensor parallelism each MoE layer runs on its tensor rank's part of the group's tokens",

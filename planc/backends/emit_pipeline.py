@@ -13,7 +13,7 @@ from planc.backends import emit
 from planc.backends.pipelining import SCALE_GRADS
 from planc.compiler import CompiledPlan
 from planc.lower.job import ACTION_KINDS, LossParallel, Reader
-from planc.lower.program import Program
+from planc.lower.program import DispatchExperts, Program
 from planc.lower.schedules import SINGLE_STAGE
 from planc.resolve.mesh import Role
 
@@ -28,7 +28,8 @@ def emit_pipeline(compiled: CompiledPlan, plan_path: str, model_ref: str) -> str
     job = READER.job(compiled.job)
     model = compiled.graph.model
     programs = [p.program for p in job.parts]
-    bodies = [emit._body(compiled, program, model) for program in programs]
+    experts = next((p for p in programs if p.of_type(DispatchExperts)), None)
+    bodies = [emit._body(compiled, program, model, experts is not None) for program in programs]
     union = Program(job.mesh, tuple(op for program in programs for op in program.ops))
     text = emit._module_text(union, [line for body in bodies for line in body], plan_path, model_ref)
     head = text.partition("\n\n\ndef apply_plan(model, mesh):\n")[0]
@@ -47,10 +48,11 @@ def emit_pipeline(compiled: CompiledPlan, plan_path: str, model_ref: str) -> str
     out = "\n".join(doc) + imports.rstrip("\n") + "\nfrom torch.distributed.pipelining import PipelineStage"
     out += f"\nfrom torch.distributed.pipelining.schedules import {cls}\n\nfrom planc.model.split import split\n"
     for part, body in zip(job.parts, bodies):
-        out += f"\n\ndef apply_stage_{part.stage}(model, mesh):\n"
+        out += f"\n\ndef apply_stage_{part.stage}(model, mesh{', expert_mesh' if experts is not None else ''}):\n"
         out += f'    """Stage {part.stage} ({", ".join(part.modules)}): shard it in place on `mesh`, return it."""\n'
         out += "\n".join(body) + "\n"
-    return out + _build_source(job, cls, bool(job.step_op(LossParallel)))
+    mesh_call = None if experts is None else emit.expert_mesh_call(experts, experts.of_type(DispatchExperts)[0].axis)
+    return out + _build_source(job, cls, bool(job.step_op(LossParallel)), mesh_call)
 
 
 LOSS_PARALLEL = """
@@ -58,7 +60,13 @@ LOSS_PARALLEL = """
     inside `torch.distributed.tensor.parallel.loss_parallel()`."""
 
 
-def _build_source(job, cls: str, loss_parallel: bool) -> str:
+EXPERTS = """
+    expert_mesh = {}  # every rank: its stage's expert view"""
+
+
+def _build_source(job, cls: str, loss_parallel: bool, expert_mesh: str | None = None) -> str:
+    """`build_pipeline`'s source; `expert_mesh`: the call building the expert view, on every rank
+    before the stages (a stage without experts still takes part in creating its groups)."""
     schedule = job.schedule
     axis = job.mesh.axis_name(Role.PIPELINE)
     stages = ",\n    ".join(repr(tuple(p.modules)) for p in job.parts)
@@ -85,9 +93,9 @@ def build_pipeline(model, mesh, loss_fn):
     pp_mesh = mesh[{axis!r}]
     device = torch.device(mesh.device_type) if mesh.device_type == "cpu" else \\
         torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
-    modules, stages = [], []
+    modules, stages = [], []{EXPERTS.format(expert_mesh) if expert_mesh else ""}
     for s in HELD[pp_mesh.get_local_rank()]:
-        stage = APPLY_STAGE[s](split(model, STAGES[s]), mesh)
+        stage = APPLY_STAGE[s](split(model, STAGES[s]), mesh{", expert_mesh" if expert_mesh else ""})
         modules.append(stage)
         stages.append(PipelineStage(stage, s, {len(job.parts)}, device, group=pp_mesh.get_group()))
     schedule = {cls}({"stages[0]" if schedule.name in SINGLE_STAGE else "stages"}, n_microbatches={schedule.microbatches}, \\

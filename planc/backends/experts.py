@@ -55,14 +55,19 @@ from torch.distributed.tensor import DTensor
 from planc.lower.job import View
 from planc.model.dispatch import GatherRows, ScaleGrad, TakeRows, expert_major, sorted_rows, token_choice
 from planc.resolve.experts import EFSDP, SORTED, layout
+from planc.resolve.mesh import Role
 
 __all__ = ["balanced_routing", "build_expert_mesh", "clip_grad_norm_", "dispatch_experts", "expert_mesh_of",
            "expert_placement_fn", "split_over_tensor", "whole_optimizer_state"]
 
 
 def build_expert_mesh(view: View, device: str) -> DeviceMesh:
-    """The expert view as a `DeviceMesh` over the default process group (its axes' sizes known)."""
-    return init_device_mesh(device, tuple(a.size for a in view.axes), mesh_dim_names=view.axis_names)
+    """The expert view as a `DeviceMesh` over the default process group (its axes' sizes known);
+    with a pipeline axis (outermost), this rank's stage's submesh of the other axes: the experts'
+    all-to-alls and FSDP stay inside the pipeline rank's ranks."""
+    mesh = init_device_mesh(device, tuple(a.size for a in view.axes), mesh_dim_names=view.axis_names)
+    inner = tuple(a.name for a in view.axes if a.role is not Role.PIPELINE)
+    return mesh if len(inner) == len(view.axes) else mesh[inner]
 
 
 # The attribute a dispatched experts container carries: (its expert rank, the expert degree), so
@@ -300,12 +305,17 @@ def expert_placement_fn(experts: dict[nn.Parameter, int], expert_mesh: DeviceMes
     return placement
 
 
-def expert_mesh_of(mesh: DeviceMesh, expert: int, names: tuple[str, ...]) -> DeviceMesh:
+def expert_mesh_of(mesh: DeviceMesh, expert: int, names: tuple[str, ...], pipeline: str | None = None) -> DeviceMesh:
     """The expert view of the ranks of the dense `mesh` (what `planc emit`'s code builds): axes
-    `names`, (replicate,) efsdp, expert, the replicate axis as the dense mesh's."""
+    `names`, (replicate,) efsdp, expert, the replicate axis as the dense mesh's. With the
+    `pipeline` axis of `mesh` (outermost), this rank's stage's submesh of that view (built on
+    every rank: its groups are created by all)."""
+    pp = mesh[pipeline].size() if pipeline is not None else 1
     replicate = mesh[names[0]].size() if len(names) == 3 else 1
-    sizes = ((replicate,) if len(names) == 3 else ()) + (mesh.size() // (replicate * expert), expert)
-    return init_device_mesh(mesh.device_type, sizes, mesh_dim_names=names)
+    sizes = ((replicate,) if len(names) == 3 else ()) + (mesh.size() // (pp * replicate * expert), expert)
+    if pipeline is None:
+        return init_device_mesh(mesh.device_type, sizes, mesh_dim_names=names)
+    return init_device_mesh(mesh.device_type, (pp, *sizes), mesh_dim_names=(pipeline, *names))[names]
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, expert_axis: DeviceMesh,

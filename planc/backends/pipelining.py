@@ -31,10 +31,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from planc.backends import runtime
+from planc.backends import experts, runtime
 from planc.compiler import CompiledPlan
 from planc.diagnostics import Diagnostic, PlanError, sort_diagnostics
-from planc.lower.job import ACTION_KINDS, Job, LossParallel, Reader
+from planc.lower.job import ACTION_KINDS, EXPERT, Job, LossParallel, Reader
+from planc.lower.program import DispatchExperts
 from planc.lower.schedules import SINGLE_STAGE
 from planc.model import split as stages
 from planc.resolve.mesh import Role
@@ -165,20 +166,33 @@ class PipelinedPlan(runtime.AppliedPlan):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients of this rank's stages by the total norm over the whole model, and
         return that norm (on every rank): each rank's squared norm of its stages' gradients
-        (full tensors, so over the data-parallel and tensor axes too), summed over the pipeline
-        axis (torchtitan's `clip_grad_norm_` with a pipeline). Each gradient is gathered whole in
-        turn (simple, one full gradient in memory at a time; torchtitan reduces DTensor norms instead)."""
+        (full tensors, so over the data-parallel and tensor axes too; of expert-parallel experts,
+        summed over the stage's expert axis: each expert rank holds other experts), summed over
+        the pipeline axis (torchtitan's `clip_grad_norm_` with a pipeline), then every gradient
+        scaled by `max_norm / (norm + 1e-6)` clamped to 1 (torch's arithmetic; in place on the local
+        shards, as gradients on two meshes, dense and expert, cannot be scaled by one foreach call).
+        Each gradient is gathered whole in turn (simple, one full gradient in memory at a time;
+        torchtitan reduces DTensor norms instead)."""
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
         params = [p for p in self.parameters() if p.grad is not None]
-        squares = torch.zeros((), dtype=torch.float32, device=_device(self.mesh))
+        spread = {id(p) for m in self.stages for sub in m.modules() if hasattr(sub, experts.EXPERT_SLICE)
+                  for p in sub.parameters()}
+        squares = {on: torch.zeros((), dtype=torch.float32, device=_device(self.mesh)) for on in (False, True)}
         for p in params:
             grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            squares = squares + grad.detach().float().pow(2).sum()
-        dist.all_reduce(squares, group=self.mesh[self.job.mesh.axis_name(Role.PIPELINE)].get_group())
-        total = squares.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+            squares[id(p) in spread] += grad.detach().float().pow(2).sum()
+        if self.expert_mesh is not None:
+            axis = self.expert_mesh[self.job.view(EXPERT).axes[-1].name]
+            dist.all_reduce(squares[True], group=axis.get_group())
+        total = squares[False] + squares[True]
+        dist.all_reduce(total, group=self.mesh[self.job.mesh.axis_name(Role.PIPELINE)].get_group())
+        total = total.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            for p in params:
+                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
         return total
 
     def summary(self) -> str:
@@ -249,9 +263,14 @@ def apply(model: nn.Module, compiled: CompiledPlan, extra: list[Diagnostic],
     held = job.schedule.stages[rank]
     # every stage split before anything is sharded: a stage that cannot be cut leaves the model as it was
     modules = [stages.split(model, job.parts[s].modules) for s in held]
+    # the expert view on every rank (its groups are created by all ranks), each stage's submesh of it
+    expert_mesh = (experts.build_expert_mesh(job.view(EXPERT), mesh.device_type)
+                   if any(p.program.of_type(DispatchExperts) for p in job.parts) else None)
     applied = PipelinedPlan(compiled=compiled, mesh=mesh, model=model, stage_ids=tuple(held), pipeline_rank=rank)
     for s, module in zip(held, modules):
-        one = runtime.run(job.parts[s].program, module, mesh, compiled)
+        one = runtime.run(job.parts[s].program, module, mesh, compiled, expert_mesh)
+        if one.expert_mesh is not None:  # this stage dispatches experts
+            applied.expert_mesh = one.expert_mesh
         applied.units += one.units
         applied.unit_of_module.update(one.unit_of_module)
         applied.stages.append(module)

@@ -671,11 +671,15 @@ READER = Reader("the runtime (planc.apply)",
                 (FORWARD, FULL_BACKWARD), (LossParallel, ShardBatch))
 
 
-def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: CompiledPlan) -> AppliedPlan:
+def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: CompiledPlan,
+        expert_mesh: DeviceMesh | None = None) -> AppliedPlan:
     """Execute a lowered program on a live model, op by op, in the program's order.
 
     Every `fully_shard` argument is computed before anything changes, while parameters are
     still the model's own objects (placements and ignores are matched by identity).
+    `expert_mesh`: the expert view, built by the caller (a pipeline builds it once on every
+    rank: a stage without experts still takes part in creating its groups); else built here
+    when the program dispatches experts.
     """
     from torch.distributed._composable import checkpoint
 
@@ -712,8 +716,10 @@ def run(program: Program, model: nn.Module, mesh: DeviceMesh, compiled: Compiled
     if tp:
         _retie(model, tensor_reties(program, compiled.graph))
     # expert parallelism next: it replaces the experts' parameters with their rank's slices
-    expert_mesh = (experts.build_expert_mesh(compiled.job.view(EXPERT), mesh.device_type)
-                   if program.of_type(DispatchExperts) else None)
+    if not program.of_type(DispatchExperts):
+        expert_mesh = None
+    elif expert_mesh is None:
+        expert_mesh = experts.build_expert_mesh(compiled.job.view(EXPERT), mesh.device_type)
     for op in program.of_type(DispatchExperts):
         split = (submesh((op.tensor,)), model.get_submodule(op.layer)) if op.tensor is not None else ()
         experts.dispatch_experts(model.get_submodule(op.module), expert_mesh, op.axis, *split, averaged=op.averaged)

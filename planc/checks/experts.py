@@ -6,7 +6,8 @@ an expert degree that does not divide the ranks
 it borrows, shard x context x tensor (P483), the style on a module that is not an experts
 container of a known layout (P484), the experts or the router placed another way by the plan
 (P485: `ignore`, `place` or a tensor style), a router that keeps more experts than there are
-(P486), expert parallelism with a pipeline axis (P487, not built yet), an expert axis nothing uses
+(P486), expert parallelism inside pipeline stages beside a tensor axis or under a split-backward
+schedule (P487, not tested yet), an expert axis nothing uses
 (P488, warning), a tensor style on an expert-parallel MoE layer beside a tensor axis (P434: planc
 splits its tokens over the tensor group itself). `--simulate` runs an expert plan's step with balanced routing
 (`planc.backends.experts.balanced_routing`: a fake process group cannot fill the split sizes);
@@ -24,6 +25,7 @@ from planc.diagnostics import Diagnostic
 from planc.lang import syntax as st
 from planc.resolve.experts import expert_degrees, is_expert, layout, moe_layers
 from planc.resolve.mesh import Mesh, Role
+from planc.resolve.pipeline import SPLIT_BACKWARD
 
 # The experts containers the `expert` style is known to fit (P484's help names them): 3-D
 # weights [experts, ...], `forward(rows, offsets)` on rows sorted by expert.
@@ -44,10 +46,10 @@ def _sizes(ctx: Context) -> dict | None:
 
 def check_expert_mesh(ctx: Context) -> Iterator[Diagnostic]:
     """P483: the expert degree divides shard x context x tensor (the ranks it borrows); P487: a
-    pipeline axis beside it (not built yet). A tensor axis is built: the MoE layer splits its tensor
-    group's tokens (`planc.backends.experts.split_over_tensor`); a context axis is built: each context
-    rank holds its own sequence shard, so its tokens are distinct and dispatch as a shard rank's do
-    (tests/test_expert_context_dist.py)."""
+    pipeline with what is not tested there (`_under_pipeline`). A tensor axis is built: the MoE layer
+    splits its tensor group's tokens (`planc.backends.experts.split_over_tensor`); a context axis is
+    built: each context rank holds its own sequence shard, so its tokens are distinct and dispatch as
+    a shard rank's do (tests/test_expert_context_dist.py)."""
     mesh = ctx.res.mesh
     axis = mesh.axis(Role.EXPERT)
     sizes = _sizes(ctx)
@@ -62,10 +64,25 @@ def check_expert_mesh(ctx: Context) -> Iterator[Diagnostic]:
                    f"{max(d for d in range(1, lent + 1) if lent % d == 0 and d <= max(sizes[Role.EXPERT], 1))}`",))
         return
     if sizes.get(Role.PIPELINE, 1) > 1 and ctx.res.experts:
-        yield err("P487", "expert parallelism with a pipeline axis is not supported yet", mesh.span,
-                  "expert and pipeline axes",
-                  ("not built or tested together yet: remove the pipeline axis (and the `pipeline` line), or the "
-                   "`expert` style",))
+        yield from _under_pipeline(ctx, sizes)
+
+
+def _under_pipeline(ctx: Context, sizes: dict) -> Iterator[Diagnostic]:
+    """P487: expert parallelism inside pipeline stages is built and tested (tests/test_pipeline_expert_dist.py)
+    with whole-backward schedules and no tensor axis; a tensor axis beside them, or a schedule that
+    splits the backward into input and weight halves, is not tested yet."""
+    mesh, pp = ctx.res.mesh, ctx.res.pipeline
+    if sizes.get(Role.TENSOR, 1) > 1:
+        yield err("P487", "expert parallelism inside pipeline stages with a tensor axis is not supported yet",
+                  mesh.span, f"pipeline, tensor = {sizes[Role.TENSOR]} and expert axes",
+                  ("pipeline x expert is tested with the expert axis borrowing shard ranks only: remove the tensor "
+                   "axis (or the pipeline axis, or the `expert` style)",))
+    elif pp is not None and pp.schedule in SPLIT_BACKWARD:
+        yield err("P487", f"expert parallelism inside pipeline stages under `{pp.schedule}` is not supported yet",
+                  pp.span, "a split-backward schedule", related=((mesh.span, "the expert axis"),),
+                  help_=(f"`{pp.schedule}` splits each backward into input and weight halves, which is not tested with "
+                         "the experts' all-to-all dispatch: use a schedule with whole backwards (GPipe, 1F1B, "
+                         "Interleaved1F1B, LoopedBFS)",))
 
 
 def check_expert_unused(ctx: Context) -> Iterator[Diagnostic]:

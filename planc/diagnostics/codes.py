@@ -437,10 +437,12 @@ CODES: dict[str, Code] = {
                  "or a tensor-parallel style on the experts or their router, contradicts that; remove it."),
     "P486": Code("top-k larger than the expert count", "The router keeps top_k experts per token; a model whose "
                  "top_k exceeds its expert count cannot route (torch.topk raises at the first step)."),
-    "P487": Code("expert parallelism with a pipeline axis", "The expert axis may borrow tensor ranks (each MoE "
-                 "layer then runs on its tensor rank's part of the group's tokens) and context ranks (each holds its "
-                 "own sequence shard, so its tokens are distinct); with a pipeline axis it is not built: remove that "
-                 "axis or the `expert` style."),
+    "P487": Code("expert parallelism inside pipeline stages, untested there", "The expert axis may borrow "
+                 "tensor ranks (each MoE layer then runs on its tensor rank's part of the group's tokens) and context "
+                 "ranks (each holds its own sequence shard, so its tokens are distinct). Inside pipeline stages it is "
+                 "built for whole-backward schedules (GPipe, 1F1B, Interleaved1F1B, LoopedBFS) with the expert axis "
+                 "borrowing shard ranks; beside a tensor axis or under a split-backward schedule it is not tested yet: "
+                 "remove that axis or the `expert` style, or change the schedule."),
     "P488": Code("expert axis without an expert style", "The mesh has an expert axis but no module is "
                  "expert-parallel: the axis does nothing. Mark the experts containers, or remove the axis.", "warning"),
     # --- context parallelism (P49x; planc/resolve/context.py, planc/checks/context_parallel.py)

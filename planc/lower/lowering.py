@@ -144,13 +144,15 @@ def expert_view(res: Resolution, world: int | None) -> tuple[Axis, ...]:
     """The expert view's axes (torchtitan's sparse mesh): replicate (when it is over 1), the
     experts' FSDP axis `efsdp` and the expert axis, innermost: ranks that share experts' shards
     are `expert` apart, ranks of one expert group are neighbours (they borrow the innermost
-    shard x context x tensor ranks). Sizes are None when the world is not known."""
+    shard x context x tensor ranks). With a pipeline axis it comes first, as on the dense view:
+    each pipeline stage's expert view is the submesh of the other axes (one root mesh, as
+    torchtitan's sparse mesh under `pp`). Sizes are None when the world is not known."""
     mesh = res.mesh
     sizes = mesh.sizes(world)
     degrees = None if sizes is None else expert_degrees(mesh, sizes)
     ep, efsdp = degrees if degrees is not None else (None, None)
-    replicate = [a for a in mesh.device_axes if a.role is Role.REPLICATE]
-    return (*replicate, Axis(Role.SHARD, efsdp, EFSDP), Axis(Role.EXPERT, ep, mesh.axis_name(Role.EXPERT)))
+    outer = [a for a in mesh.device_axes if a.role in (Role.PIPELINE, Role.REPLICATE)]
+    return (*outer, Axis(Role.SHARD, efsdp, EFSDP), Axis(Role.EXPERT, ep, mesh.axis_name(Role.EXPERT)))
 
 
 def _experts(res: Resolution, graph: ModelGraph, world: int | None) -> tuple[list[DispatchExperts], dict[str, int]]:
@@ -203,7 +205,7 @@ def lower(res: Resolution, graph: ModelGraph, world: int | None = None) -> Progr
     # expert parallelism next: the experts keep their rank's experts, before FSDP shards them
     dispatches, expert_dims = _experts(res, graph, world)
     ops += dispatches
-    expert_axes = tuple(a.name for a in expert_view(res, world)[:-1]) if dispatches else ()
+    expert_axes = tuple(a.name for a in expert_view(res, world)[:-1] if a.role is not Role.PIPELINE) if dispatches else ()
     for path, setting in res.checkpoint.items():
         ops.append(Checkpoint(path, setting.value, setting))
     for path, setting in res.compile.items():
