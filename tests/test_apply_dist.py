@@ -17,7 +17,7 @@ import pathlib
 import apply_workers as W
 import pytest
 import torch
-from distributed import run
+from distributed import run, train_example
 
 import planc
 from planc import zoo
@@ -285,14 +285,8 @@ def test_meta_build_apply_materialize_train(edge_runs):
 
 def test_example_trains_under_torchrun(tmp_path):
     import re
-    import subprocess
-    import sys
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "examples/train.py", "--plan", "plans/moe.plan", "--model", "planc.zoo:moe_transformer_tiny",
-           "--steps", "4"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
-    assert len(losses) == 4 and losses[-1] < losses[0], out.stdout
-    assert re.search(r"param bytes held per rank: rank 0: [\d.]+ MiB, rank 1: [\d.]+ MiB", out.stdout)
-    assert "[norm, output]" in out.stdout  # the summary
+    stdout, losses = train_example("--plan", "plans/moe.plan", "--model", "planc.zoo:moe_transformer_tiny", "--steps", "4",
+                                   procs=2)
+    assert len(losses) == 4 and losses[-1] < losses[0], stdout
+    assert re.search(r"param bytes held per rank: rank 0: [\d.]+ MiB, rank 1: [\d.]+ MiB", stdout)
+    assert "[norm, output]" in stdout  # the summary

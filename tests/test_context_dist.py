@@ -13,7 +13,7 @@ from __future__ import annotations
 import context_workers
 import pytest
 import torch
-from distributed import run
+from distributed import run, train_example
 
 from planc.backends import context
 
@@ -183,19 +183,9 @@ def test_example_trains_the_shipped_context_plans_under_torchrun(plan, model, me
     """examples/train.py with a shipped context plan on 4 gloo ranks: shard 2 x context 2, and the
     long-context plan's tiny sibling (context 2 x tensor 2, sequence and loss parallel, bf16):
     `applied.shard_batch` in the loop, the loss falls."""
-    import pathlib
-    import re
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           "examples/train.py", "--plan", plan, *model, "--steps", "4", "--seq", "64"]
-    out = subprocess.run(cmd, cwd=pathlib.Path(__file__).resolve().parent.parent, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
-    assert len(losses) == 4 and losses[-1] < losses[0], out.stdout
-    assert mesh in out.stdout and "applied.shard_batch" in out.stdout  # the summary
+    stdout, losses = train_example("--plan", plan, *model, "--steps", "4", "--seq", "64")
+    assert len(losses) == 4 and losses[-1] < losses[0], stdout
+    assert mesh in stdout and "applied.shard_batch" in stdout  # the summary
 
 
 @pytest.mark.dist

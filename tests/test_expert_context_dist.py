@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import expert_context_workers as workers
 import pytest
-from distributed import run
+from distributed import run, train_example
 
 TOL = 1e-5
 pytestmark = pytest.mark.dist
@@ -137,15 +137,5 @@ def test_memory_estimate_equals_the_tracker_under_expert_x_context(world, monkey
 def test_example_trains_the_tiny_sibling_under_torchrun():
     """examples/train.py with plans/qwen3-moe-long-context-tiny.plan on 4 gloo ranks (shard 2 x context 2,
     expert 2; bf16, every block checkpointed, `applied.shard_batch`, `applied.clip_grad_norm_`): the loss falls."""
-    import pathlib
-    import re
-    import subprocess
-    import sys
-
-    root = pathlib.Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", "examples/train.py",
-           "--plan", "plans/qwen3-moe-long-context-tiny.plan", "--steps", "4", "--seq", "64"]
-    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
-    assert len(losses) == 4 and losses[-1] < losses[0], out.stdout
+    stdout, losses = train_example("--plan", "plans/qwen3-moe-long-context-tiny.plan", "--steps", "4", "--seq", "64")
+    assert len(losses) == 4 and losses[-1] < losses[0], stdout

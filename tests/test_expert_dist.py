@@ -20,7 +20,7 @@ experts, the token-choice layout). Three launches (the third: DCP), under the gl
 from __future__ import annotations
 
 import pytest
-from distributed import run
+from distributed import run, train_example
 from expert_workers import PLAN, dcp_optimizer, dcp_round_trip, train_both, train_two
 
 TOL = 1e-5
@@ -83,20 +83,9 @@ def test_a_dcp_checkpoint_saved_with_experts_parallel_loads_without_and_back(tmp
 def test_example_trains_the_shipped_expert_plan_under_torchrun():
     """examples/train.py with plans/routed-moe-ep.plan on 4 gloo ranks (shard 4, expert 2 x efsdp 2):
     built on meta, applied, materialised, clipped with `applied.clip_grad_norm_`; the loss falls."""
-    import pathlib
-    import re
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           "examples/train.py", "--plan", "plans/routed-moe-ep.plan", "--model", "planc.zoo:routed_moe_tiny",
-           "--steps", "4"]
-    out = subprocess.run(cmd, cwd=pathlib.Path(__file__).resolve().parent.parent, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
-    assert len(losses) == 4 and losses[-1] < losses[0], out.stdout
-    assert "experts: 6 parameters on the expert mesh {'efsdp': 2, 'expert': 2}" in out.stdout  # the summary
+    stdout, losses = train_example("--plan", "plans/routed-moe-ep.plan", "--model", "planc.zoo:routed_moe_tiny", "--steps", "4")
+    assert len(losses) == 4 and losses[-1] < losses[0], stdout
+    assert "experts: 6 parameters on the expert mesh {'efsdp': 2, 'expert': 2}" in stdout  # the summary
 
 
 @pytest.mark.dist

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pathlib
 
 import pytest
-from distributed import run
+from distributed import run, train_example
 from expert_tensor_workers import train_all
 
 TOL = 1e-5
@@ -141,16 +141,8 @@ def test_memory_estimate_of_the_replicated_form_equals_the_tracker(monkeypatch):
 def test_example_trains_the_tiny_sibling_under_torchrun():
     """examples/train.py with plans/qwen3-moe-ep-tp-tiny.plan on 4 gloo ranks (bf16, loss parallel,
     `applied.clip_grad_norm_` across the meshes): the loss falls."""
-    import re
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           "examples/train.py", "--plan", str(TINY), "--steps", "4", "--seq", "32"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
-    assert len(losses) == 4 and losses[-1] < losses[0], out.stdout
+    stdout, losses = train_example("--plan", str(TINY), "--steps", "4", "--seq", "32")
+    assert len(losses) == 4 and losses[-1] < losses[0], stdout
 
 
 @pytest.mark.dist

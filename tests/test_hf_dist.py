@@ -29,7 +29,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from distributed import run  # noqa: E402
+from distributed import run, train_example  # noqa: E402
 from training import batches, train  # noqa: E402
 
 pytestmark = pytest.mark.dist
@@ -234,13 +234,5 @@ def test_tied_weights_stay_one_dtensor(results, case):
 def test_example_trains_a_hugging_face_model_under_torchrun():
     """examples/train.py on hf:llama-tiny with the shipped plan: the Hugging Face output object
     (not a tensor) gives the logits, `use_cache` is off, and the loss falls."""
-    import re
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           "examples/train.py", "--plan", "plans/llama.plan", "--model", "hf:llama-tiny", "--steps", "4"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
-    assert len(losses) == 4 and losses[-1] < losses[0], out.stdout
+    stdout, losses = train_example("--plan", "plans/llama.plan", "--model", "hf:llama-tiny", "--steps", "4", procs=WORLD)
+    assert len(losses) == 4 and losses[-1] < losses[0], stdout

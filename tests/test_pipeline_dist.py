@@ -15,7 +15,7 @@ from __future__ import annotations
 import pipeline_workers as workers
 import pytest
 import torch
-from distributed import run
+from distributed import run, train_example
 
 from planc.lower.schedules import SCHEDULES
 
@@ -146,17 +146,6 @@ def test_step_without_a_pipeline_is_the_same_loop(two):
 def test_example_trains_the_shipped_pipeline_plan_under_torchrun():
     """examples/train.py with plans/zoo-llama-pp.plan (4 stages, 1F1B, 8 microbatches, FSDP and
     checkpointing per stage) on 4 gloo ranks: `applied.step` in the loop, the loss falls."""
-    import pathlib
-    import re
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           "examples/train.py", "--plan", "plans/zoo-llama-pp.plan", "--model", "planc.zoo:llama_tiny",
-           "--steps", "4"]
-    out = subprocess.run(cmd, cwd=pathlib.Path(__file__).resolve().parent.parent, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stdout + out.stderr
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
-    assert len(losses) == 4 and losses[-1] < losses[0], out.stdout
-    assert "holds stage 0 of 4 (1F1B, 8 microbatches" in out.stdout and "'pipeline': 4" in out.stdout
+    stdout, losses = train_example("--plan", "plans/zoo-llama-pp.plan", "--model", "planc.zoo:llama_tiny", "--steps", "4")
+    assert len(losses) == 4 and losses[-1] < losses[0], stdout
+    assert "holds stage 0 of 4 (1F1B, 8 microbatches" in stdout and "'pipeline': 4" in stdout

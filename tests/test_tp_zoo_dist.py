@@ -34,7 +34,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from distributed import run
+from distributed import run, train_example
 from training import batches
 
 import planc
@@ -418,15 +418,8 @@ def test_reproducible_materialize_gives_the_eager_parameters_under_2d_sharding(r
 
 def test_example_trains_the_2d_plan_under_torchrun():
     """examples/train.py with the shipped 2-D plan: TP groups share a batch slice, loss parallel on."""
-    import re
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={DP * TP}",
-           "examples/train.py", "--plan", "plans/zoo-llama-tp.plan", "--model", "planc.zoo:llama_tiny", "--steps", "4"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "on mesh {'shard': 2, 'tensor': 2}" in out.stdout
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out.stdout)]
-    assert len(losses) == 4 and losses[-1] < losses[0], out.stdout
+    stdout, losses = train_example("--plan", "plans/zoo-llama-tp.plan", "--model", "planc.zoo:llama_tiny", "--steps", "4",
+                                   procs=DP * TP, timeout=600)
+    assert "on mesh {'shard': 2, 'tensor': 2}" in stdout
+    assert len(losses) == 4 and losses[-1] < losses[0], stdout
 
