@@ -6,6 +6,7 @@ past the timeout, come back as a `LaunchError` saying which rank and what.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -33,6 +34,12 @@ def _hangs(rank: int, world: int) -> None:
     dist.barrier()
 
 
+def _default_dtype_then_set(rank: int, world: int, env_name: str) -> tuple[str, str | None]:
+    before = str(torch.get_default_dtype())
+    torch.set_default_dtype(torch.float64)  # process state: must not reach the next launch's ranks
+    return before, os.environ.get(env_name)
+
+
 def test_results_per_rank_after_a_real_all_reduce():
     assert launch(_sum_ranks, 2, 10, timeout=120) == [10.0, 10.0]
 
@@ -49,3 +56,13 @@ def test_a_hang_is_killed_at_the_timeout():
     with pytest.raises(LaunchError) as info:
         launch(_hangs, 2, timeout=8)
     assert info.value.timed_out and time.monotonic() - start < 40
+
+
+def test_each_launch_gets_fresh_ranks_and_the_environment_as_of_the_launch(monkeypatch):
+    # the ranks fork from a server started at the first launch: they must still start as fresh processes
+    # (no state of an earlier launch's ranks) and see the parent's environment as it is now, as under `spawn`
+    name = "PLANC_TEST_LAUNCH_ENV"
+    monkeypatch.delenv(name, raising=False)
+    assert launch(_default_dtype_then_set, 2, name, timeout=120) == [("torch.float32", None)] * 2
+    monkeypatch.setenv(name, "set after the first launch")
+    assert launch(_default_dtype_then_set, 2, name, timeout=120) == [("torch.float32", "set after the first launch")] * 2
