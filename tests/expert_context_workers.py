@@ -8,7 +8,8 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from expert_workers import CLIP, _batches, _full, _gather_experts, _reference, round_trip
+import tp_rules
+from expert_workers import CLIP, _batches, _full, _reference, differences, round_trip, whole
 
 # Attention over the context axis (head-tail), the experts expert-parallel borrowing the context
 # ranks (efsdp = shard x context / expert), FSDP over shard x context flattened.
@@ -22,23 +23,7 @@ SEQ = 16  # cuts into 2 x context = 4 chunks
 
 # The same with attention tensor-parallel and sequence-parallel norms (plans/qwen3-moe-ep-tp.plan's
 # rules) on a tensor axis: the MoE layer runs on its tensor rank's part of its context shard.
-TENSOR_PLAN = PLAN.replace("context = 2,", "context = 2, tensor = 2,") + """parallel tok_embeddings rowwise {
-  input replicate
-  output shard(1)
-}
-parallel layers.*.{attention_norm,ffn_norm} sequence
-parallel layers.*.attention prepare_input {
-  input shard(1)
-  desired_input replicate
-}
-parallel layers.*.attention.{wq,wk,wv} colwise
-parallel layers.*.attention.wo rowwise { output shard(1) }
-parallel norm sequence
-parallel output colwise {
-  input shard(1)
-  loss_parallel
-}
-"""
+TENSOR_PLAN = PLAN.replace("context = 2,", "context = 2, tensor = 2,") + tp_rules.ATTENTION + tp_rules.head()
 
 
 def _tiny():
@@ -122,21 +107,13 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
         dist.all_reduce(total)
         loss_diff.append(abs(total.item() / world - ref_losses[step]))
         if step == 0:
-            for name, p in model.named_parameters():
-                g = _full(p.grad)
-                if ".experts." in name:
-                    g = _gather_experts(name, g, ep_mesh)
-                    ratio.append((g.norm() / ref_grads[name].norm()).item())
-                grad_diff[name] = (g - ref_grads[name]).abs().max().item()
+            grad_diff = differences(model, ref_grads, ep_mesh, grad=True)
+            ratio = [(whole(name, p.grad, ep_mesh).norm() / ref_grads[name].norm()).item()
+                     for name, p in model.named_parameters() if ".experts." in name]
         clip()
         opt.step()
     experts.ScaleGrad = scale_grad
-    param_diff = {}
-    for name, p in model.named_parameters():
-        t = _full(p.detach())
-        if ".experts." in name:
-            t = _gather_experts(name, t, ep_mesh)
-        param_diff[name] = (t - ref_params[name]).abs().max().item()
+    param_diff = differences(model, ref_params, ep_mesh)
     inputs = batches[-1].chunk(n)[r][:, :-1]
     with torch.no_grad():
         batch = shard_batch(inputs, inputs)

@@ -7,31 +7,13 @@ import copy
 
 import torch
 import torch.distributed as dist
-from expert_workers import CLIP, _batches, _full, _gather_experts, _reference
+import tp_rules
+from expert_workers import CLIP, _batches, _full, _reference, differences
 
 # Attention tensor-parallel with sequence-parallel norms (plans/zoo-llama-tp.plan's rules), the
 # experts expert-parallel: expert 2 borrows the tensor ranks (efsdp = shard x tensor / expert).
-SP_PLAN = """model planc.zoo:moe_llama_tiny
-mesh (shard = *, tensor = 2, expert = 2)
-unit layers.*
-parallel tok_embeddings rowwise {
-  input replicate
-  output shard(1)
-}
-parallel layers.*.{attention_norm,ffn_norm} sequence
-parallel layers.*.attention prepare_input {
-  input shard(1)
-  desired_input replicate
-}
-parallel layers.*.attention.{wq,wk,wv} colwise
-parallel layers.*.attention.wo rowwise { output shard(1) }
-parallel norm sequence
-parallel output colwise {
-  input shard(1)
-  loss_parallel
-}
-parallel layers.*.moe.experts expert
-"""
+SP_PLAN = ("model planc.zoo:moe_llama_tiny\nmesh (shard = *, tensor = 2, expert = 2)\nunit layers.*\n" + tp_rules.ATTENTION
+           + tp_rules.head() + "parallel layers.*.moe.experts expert\n")
 
 # The same without sequence parallelism: the residual stream replicated over the tensor group,
 # so the MoE layer cuts its tokens itself and all-gathers the outputs.
@@ -113,19 +95,10 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
         dist.all_reduce(total)
         loss_diff.append(abs(total.item() / world - ref_losses[step]))
         if step == 0:
-            for name, p in model.named_parameters():
-                g = _full(p.grad)
-                if ".experts." in name:
-                    g = _gather_experts(name, g, ep_mesh)
-                grad_diff[name] = (g - ref_grads[name]).abs().max().item()
+            grad_diff = differences(model, ref_grads, ep_mesh, grad=True)
         clip()
         opt.step()
-    param_diff = {}
-    for name, p in model.named_parameters():
-        t = _full(p.detach())
-        if ".experts." in name:
-            t = _gather_experts(name, t, ep_mesh)
-        param_diff[name] = (t - ref_params[name]).abs().max().item()
+    param_diff = differences(model, ref_params, ep_mesh)
     return {"loss": max(loss_diff), "grad": max(grad_diff.values()), "param": max(param_diff.values()),
             "grads": len(grad_diff), "rows": counts, "worst": max(param_diff, key=param_diff.get)}
 

@@ -59,6 +59,20 @@ def _gather_experts(name, local, mesh):
     return torch.cat(parts)
 
 
+def whole(name: str, t, ep_mesh):
+    """`t` (parameter `name` or its gradient) as one process holds it: a DTensor made full, an
+    expert's slice gathered over `ep_mesh` (the expert axis)."""
+    t = _full(t)
+    return _gather_experts(name, t, ep_mesh) if ep_mesh is not None and ".experts." in name else t
+
+
+def differences(model, reference: dict, ep_mesh, grad: bool = False) -> dict[str, float]:
+    """Each parameter's (with `grad` its gradient's) largest absolute difference, made whole
+    (`whole`), from `reference[name]`."""
+    return {name: (whole(name, p.grad if grad else p.detach(), ep_mesh) - reference[name]).abs().max().item()
+            for name, p in model.named_parameters()}
+
+
 def _emitted(model, plan: str):
     """The model sharded by the code `planc emit` prints for `plan`; (expert axis mesh, dp rank, dp size, clip)."""
     import planc
@@ -125,11 +139,7 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
         dist.all_reduce(total)
         loss_diff.append(abs(total.item() / world - ref_losses[step]))
         if step == 0:
-            for name, p in model.named_parameters():
-                g = _full(p.grad)
-                if ".experts." in name:
-                    g = _gather_experts(name, g, ep_mesh)
-                grad_diff[name] = (g - ref_grads[name]).abs().max().item()
+            grad_diff = differences(model, ref_grads, ep_mesh, grad=True)
             try:  # the fact: torch's clipping refuses parameters on two meshes
                 torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
                 facts["torch_clip"] = "ran"
@@ -139,12 +149,7 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
         if step == 0:
             facts["norm_diff"] = abs(norm.item() - ref_grads["norm"])
         opt.step()
-    param_diff = {}
-    for name, p in model.named_parameters():
-        t = _full(p.detach())
-        if ".experts." in name:
-            t = _gather_experts(name, t, ep_mesh)
-        param_diff[name] = (t - ref_params[name]).abs().max().item()
+    param_diff = differences(model, ref_params, ep_mesh)
     groups = {len(m._get_fsdp_state()._fsdp_param_groups) for m in model.layers}
     return {"loss": max(loss_diff), "grad": max(grad_diff.values()), "param": max(param_diff.values()),
             "counts": counts, "facts": facts, "groups": groups,
@@ -182,11 +187,7 @@ def _whole(model, applied) -> dict:
     ep_mesh = None
     if applied.expert_mesh is not None:
         ep_mesh = applied.expert_mesh[applied.compiled.job.view("expert").axes[-1].name]
-    out = {}
-    for name, p in model.named_parameters():
-        t = _full(p.detach())
-        out[name] = _gather_experts(name, t, ep_mesh) if ep_mesh is not None and ".experts." in name else t
-    return out
+    return {name: whole(name, p.detach(), ep_mesh) for name, p in model.named_parameters()}
 
 
 def dcp_round_trip(rank: int, world: int, folder: str) -> dict:
@@ -263,16 +264,10 @@ def hf_train_equal(rank: int, world: int) -> dict:
         dist.all_reduce(total)
         diffs["loss"] = max(diffs["loss"], abs(total.item() / world - ref_losses[step]))
         if step == 0:
-            for name, p in model.named_parameters():
-                g = _full(p.grad)
-                g = _gather_experts(name, g, ep_mesh) if ".experts." in name else g
-                diffs["grad"] = max(diffs["grad"], (g - ref_grads[name]).abs().max().item())
+            diffs["grad"] = max(differences(model, ref_grads, ep_mesh, grad=True).values())
         applied.clip_grad_norm_(CLIP)
         opt.step()
-    for name, p in model.named_parameters():
-        t = _full(p.detach())
-        t = _gather_experts(name, t, ep_mesh) if ".experts." in name else t
-        diffs["param"] = max(diffs["param"], (t - ref_params[name]).abs().max().item())
+    diffs["param"] = max(differences(model, ref_params, ep_mesh).values())
     return diffs
 
 

@@ -10,6 +10,7 @@ split, `PipelineStage`s and schedule without planc.
 from __future__ import annotations
 
 import torch
+import tp_rules
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -24,31 +25,8 @@ unit layers.*
 unit [norm, output]
 """
 
-TP_PLAN = """model planc.zoo:llama_tiny
-mesh (shard = *, tensor = 2)
-parallel tok_embeddings rowwise {
-  input replicate
-  output shard(1)
-}
-parallel layers.*.{attention_norm,ffn_norm} sequence
-parallel layers.*.attention prepare_input {
-  input shard(1)
-  desired_input replicate
-}
-parallel layers.*.attention.{wq,wk,wv} colwise
-parallel layers.*.attention.wo rowwise { output shard(1) }
-parallel layers.*.feed_forward prepare_input {
-  input shard(1)
-  desired_input replicate
-}
-parallel layers.*.feed_forward.{w1,w3} colwise
-parallel layers.*.feed_forward.w2 rowwise { output shard(1) }
-parallel norm sequence
-parallel output colwise {
-  input shard(1)
-  output replicate
-}
-"""
+TP_PLAN = ("model planc.zoo:llama_tiny\nmesh (shard = *, tensor = 2)\n" + tp_rules.ATTENTION + tp_rules.FEED_FORWARD
+           + tp_rules.head("output replicate"))
 
 ONE_STAGE = [("tok_embeddings", "layers.0"), ("layers.1", "norm", "output")]  # per rank: GPipe, 1F1B
 TWO_STAGES = [("tok_embeddings",), ("layers.0",), ("layers.1",), ("norm", "output")]  # the others
