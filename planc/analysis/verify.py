@@ -323,14 +323,15 @@ def _rank(rank: int, world: int, spec: dict) -> dict | None:
 
 
 def _whole_experts(applied):
-    """`full(name, tensor)` for `_train`: an expert-parallel parameter (each expert rank holds its
-    experts' slice) gathered over the expert axis into all experts; every other one `_full`."""
+    """`full(name, tensor)` for `_train` and the pipelined run (`verify_pipeline.rank`): an
+    expert-parallel parameter (each expert rank holds its experts' slice) gathered over the expert
+    axis into all experts; every other one `_full`. None when this rank holds no such parameter."""
     import torch.distributed as dist
 
     from planc.lower.program import DispatchExperts
 
-    ops = applied.compiled.job.program.of_type(DispatchExperts)
-    if not ops:
+    ops = [op for part in applied.compiled.job.parts for op in part.program.of_type(DispatchExperts)]
+    if not ops or applied.expert_mesh is None:  # under a pipeline: none of this rank's stages dispatches
         return None
     names = {p for op in ops for p in op.params}
     group = applied.expert_mesh[ops[0].axis].get_group()

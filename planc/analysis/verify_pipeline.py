@@ -118,7 +118,8 @@ def reference_steps(batch: torch.Tensor, dp: int, microbatches: int):
 
 def rank(rank: int, world: int, spec: dict) -> dict:
     """One rank of the pipelined run (on a `launch`ed gloo process): its losses, and on
-    data-parallel rank 0 its stages' gradients per step and parameters, whole."""
+    data-parallel rank 0 its stages' gradients per step and parameters, whole (experts gathered
+    over the stage's expert axis)."""
     import planc
     from planc.analysis import verify
     from planc.backends import pipelining
@@ -146,16 +147,17 @@ def rank(rank: int, world: int, spec: dict) -> dict:
     def loss_fn(output, target):
         return base(output, Example((target,))) * scale
 
+    full = verify._whole_experts(applied) or (lambda name, t: verify._full(t))
     opt = torch.optim.AdamW(list(applied.parameters()), lr=verify.LR, eps=verify.EPS)
     out: dict[str, Any] = {"losses": [], "grads": [], "params": {}, "dp_rank": dp_rank, "stages": applied.stage_ids}
     for batch in data:
         mine = batch[dp_rank * per:(dp_rank + 1) * per]
         loss = applied.step(mine, mine, loss_fn)
         out["losses"].append(None if loss is None else float(loss) / scale)
-        out["grads"].append({n: verify._full(p.grad) for n, p in applied.named_parameters() if p.grad is not None})
+        out["grads"].append({n: full(n, p.grad) for n, p in applied.named_parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad()
-    out["params"] = {n: verify._full(p) for n, p in applied.named_parameters()}
+    out["params"] = {n: full(n, p) for n, p in applied.named_parameters()}
     out["stage_of"] = {n: s for s, module in zip(applied.stage_ids, applied.stages) for n, _ in module.named_parameters()}
     if dp_rank:
         out["grads"], out["params"] = [], {}
