@@ -28,7 +28,7 @@ from __future__ import annotations
 import expert_memory_workers as workers
 import pytest
 import torch
-from distributed import run
+from distributed import lowest_phase, run
 
 import planc
 from planc import zoo
@@ -56,10 +56,6 @@ def estimate(name: str, monkeypatch) -> memory.Estimate:
     return memory.estimate(planc.compile(planc.loads(PLANS[name]), model, 2), 2, input_shape=workers.SHAPE)
 
 
-def _phase_max(timeline, phase: str) -> int:
-    return max(total for p, total in timeline if p == phase)
-
-
 def test_without_expert_axis_equals_the_tracker(real, monkeypatch):
     est = estimate("without expert", monkeypatch)
     for rank in real:
@@ -75,12 +71,12 @@ def test_expert_state_equals_the_tracker(real, monkeypatch):
         for key in STATE:
             assert est.peak.bytes[key] == measured["breakdown"][key], key
         optimizer = max(m.total for m in est.timeline if m.label.startswith("optimizer"))
-        assert optimizer == _phase_max(measured["timeline"], "optimizer")
+        assert optimizer == lowest_phase(measured, "optimizer")
         assert est.peak.total == measured["peak"], (est.peak.label, measured["moment"])
         merged = sum(est.peak.bytes.get(k, 0) for k in MERGED)
         assert merged == sum(measured["breakdown"].get(k, 0) for k in MERGED)
         forward = max(m.total for m in est.timeline if "forward" in m.label and "backward" not in m.label)
-        real_forward = _phase_max(measured["timeline"], "forward")
+        real_forward = lowest_phase(measured, "forward")
         assert forward == real_forward, (forward, real_forward)
         assert measured["peak"] < rank["without expert"]["peak"]
     # an expert rank gathers 2 of 4 experts: the unsharded layer is smaller than without the axis

@@ -32,7 +32,7 @@ import expert_memory_workers as workers
 import pytest
 import routing_workers
 import torch
-from distributed import run
+from distributed import lowest_phase, run
 
 import planc
 from planc import zoo
@@ -81,10 +81,6 @@ def test_the_real_routing_is_skewed(real):
     assert routing.imbalance(2) > 1.1
 
 
-def _phase_max(timeline, phase: str) -> int:
-    return max(total for p, total in timeline if p == phase)
-
-
 def test_each_rank_estimated_with_its_routing_equals_the_tracker(real):
     routing, ranks = real
     for rank, measured in enumerate(ranks):
@@ -92,16 +88,16 @@ def test_each_rank_estimated_with_its_routing_equals_the_tracker(real):
         assert f"expert rank {rank}" in est.source and routing.file in est.source
         assert est.peak.total == measured["peak"], (rank, est.peak.label, measured["moment"])
         backward = max(m.total for m in est.timeline if "backward" in m.label)
-        assert backward == _phase_max(measured["timeline"], "backward"), rank  # where the routing shows
+        assert backward == lowest_phase(measured, "backward"), rank  # where the routing shows
         optimizer = max(m.total for m in est.timeline if m.label.startswith("optimizer"))
-        assert optimizer == _phase_max(measured["timeline"], "optimizer")
+        assert optimizer == lowest_phase(measured, "optimizer")
         if "backward" in measured["moment"]:  # rank 0: the tracker's categories at a backward peak
             for key in STATE:
                 assert est.peak.bytes[key] == measured["breakdown"][key], (rank, key)
             merged = sum(est.peak.bytes.get(k, 0) for k in MERGED)
             assert merged == sum(measured["breakdown"].get(k, 0) for k in MERGED), rank
         forward = max(m.total for m in est.timeline if "forward" in m.label and "backward" not in m.label)
-        real_forward = _phase_max(measured["timeline"], "forward")
+        real_forward = lowest_phase(measured, "forward")
         assert real_forward <= forward <= (1 + FORWARD_OVER) * real_forward, (rank, forward, real_forward)
 
 
