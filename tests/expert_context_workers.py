@@ -117,8 +117,8 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
     inputs = batches[-1].chunk(n)[r][:, :-1]
     with torch.no_grad():
         batch = shard_batch(inputs, inputs)
-        whole = unshard(_full(model(batch.tokens, positions=batch.positions)))
-        output = (whole - ref(inputs)).abs().max().item()
+        gathered = unshard(_full(model(batch.tokens, positions=batch.positions)))
+        output = (gathered - ref(inputs)).abs().max().item()
     w1 = model.layers[0].moe.experts.w1
     return {"loss": max(loss_diff), "grad": max(grad_diff.values()), "param": max(param_diff.values()),
             "output": output, "grads": len(grad_diff), "counts": counts, "ratio": ratio,
