@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import tp_rules
-from expert_workers import CLIP, _batches, _full, _reference, differences, round_trip, whole
+from expert_workers import CLIP, _batches, _full, _reference, apply_plan, differences, round_trip, whole
 
 # Attention over the context axis (head-tail), the experts expert-parallel borrowing the context
 # ranks (efsdp = shard x context / expert), FSDP over shard x context flattened.
@@ -53,16 +53,7 @@ def _emitted(model, plan: str):
 
 
 def _applied(model, plan: str, meta: bool):
-    import planc
-
-    if meta:  # built on meta, sharded, then materialised: every expert initialised, each rank keeps its own
-        with torch.device("meta"):
-            model = _tiny()
-    applied = planc.apply(model, planc.loads(plan))
-    if meta:
-        torch.manual_seed(0)
-        planc.materialize(model, "cpu", reproducible=True)
-    ep_mesh = applied.expert_mesh[applied.compiled.job.view("expert").axes[-1].name]
+    model, applied, ep_mesh = apply_plan(model, plan, meta, _tiny)
     return model, (applied.shard_batch, applied.data_parallel_rank(), applied.unshard_sequence, ep_mesh,
                    lambda: applied.clip_grad_norm_(CLIP)), applied.loss_parallel
 

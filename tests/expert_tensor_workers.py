@@ -8,7 +8,7 @@ import copy
 import torch
 import torch.distributed as dist
 import tp_rules
-from expert_workers import CLIP, _batches, _full, _reference, differences
+from expert_workers import CLIP, _batches, _full, _reference, apply_plan, differences
 
 # Attention tensor-parallel with sequence-parallel norms (plans/zoo-llama-tp.plan's rules), the
 # experts expert-parallel: expert 2 borrows the tensor ranks (efsdp = shard x tensor / expert).
@@ -66,14 +66,7 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
         r, n = dp.get_local_rank(), dp.size()
         clip = lambda: experts.clip_grad_norm_(model.parameters(), CLIP, ep_mesh)  # noqa: E731
     else:
-        if meta:  # built on meta, sharded, then materialised: every expert initialised, each rank keeps its own
-            with torch.device("meta"):
-                model = _tiny()
-        applied = planc.apply(model, planc.loads(plan))
-        if meta:
-            torch.manual_seed(0)
-            planc.materialize(model, "cpu", reproducible=True)
-        ep_mesh = applied.expert_mesh[applied.compiled.job.view("expert").axes[-1].name]
+        model, applied, ep_mesh = apply_plan(model, plan, meta, _tiny)
         r, n = applied.data_parallel_rank()
         context = applied.loss_parallel
         clip = lambda: applied.clip_grad_norm_(CLIP)  # noqa: E731

@@ -59,6 +59,28 @@ def _gather_experts(name, local, mesh):
     return torch.cat(parts)
 
 
+def expert_axis(applied):
+    """The applied plan's expert-axis mesh (None without expert parallelism)."""
+    if applied.expert_mesh is None:
+        return None
+    return applied.expert_mesh[applied.compiled.job.view("expert").axes[-1].name]
+
+
+def apply_plan(model, plan: str, meta: bool, build):
+    """`plan` applied through `planc.apply`; with `meta` to a new `build()` made on the meta device and
+    then materialised (every expert initialised, each rank keeping its own). (model, applied, expert axis)."""
+    import planc
+
+    if meta:
+        with torch.device("meta"):
+            model = build()
+    applied = planc.apply(model, planc.loads(plan))
+    if meta:
+        torch.manual_seed(0)
+        planc.materialize(model, "cpu", reproducible=True)
+    return model, applied, expert_axis(applied)
+
+
 def whole(name: str, t, ep_mesh):
     """`t` (parameter `name` or its gradient) as one process holds it: a DTensor made full, an
     expert's slice gathered over `ep_mesh` (the expert axis)."""
@@ -104,7 +126,6 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
     parameters (max abs differences), and how many tokens each expert rank received; through
     `planc.apply` (on a model built on meta and materialised: `meta`), or through the code
     `planc emit` prints (`emitted`); the tiny routed MoE with `experts` experts."""
-    import planc
 
     torch.manual_seed(0)
     model = _tiny(experts)
@@ -114,15 +135,7 @@ def train_equal(rank: int, world: int, plan: str, steps: int = 3, lr: float = 1e
     if emitted:
         ep_mesh, r, n, clip = _emitted(model, plan)
     else:
-        if meta:  # built on meta, sharded, then materialised: every expert initialised, each rank keeps its own
-            with torch.device("meta"):
-                model = _tiny(experts)
-        applied = planc.apply(model, planc.loads(plan))
-        if meta:
-            torch.manual_seed(0)
-            planc.materialize(model, "cpu", reproducible=True)
-        ep_axis = applied.compiled.job.view("expert").axes[-1].name
-        ep_mesh = applied.expert_mesh[ep_axis]
+        model, applied, ep_mesh = apply_plan(model, plan, meta, lambda: _tiny(experts))
         r, n = applied.data_parallel_rank()
         clip = lambda: applied.clip_grad_norm_(CLIP)  # noqa: E731
     counts = []  # rows per global expert reaching layers.0's experts on this rank, per step
@@ -184,10 +197,7 @@ def _model_with(plan: str, seed: int):
 
 def _whole(model, applied) -> dict:
     """Every parameter whole (experts gathered over the expert axis when expert-parallel)."""
-    ep_mesh = None
-    if applied.expert_mesh is not None:
-        ep_mesh = applied.expert_mesh[applied.compiled.job.view("expert").axes[-1].name]
-    return {name: whole(name, p.detach(), ep_mesh) for name, p in model.named_parameters()}
+    return {name: whole(name, p.detach(), expert_axis(applied)) for name, p in model.named_parameters()}
 
 
 def dcp_round_trip(rank: int, world: int, folder: str) -> dict:
