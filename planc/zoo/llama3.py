@@ -174,11 +174,13 @@ class Llama(nn.Module):
         config: The :class:`LlamaConfig` the model was built from.
     """
 
+    block = TransformerBlock  # what `layers` holds (planc.zoo.moe_llama's subclass: a routed MoE block)
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(self.block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
 

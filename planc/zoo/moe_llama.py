@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from planc.zoo.llama3 import Attention, LlamaConfig, RMSNorm
+from planc.zoo.llama3 import Attention, Llama, LlamaConfig, RMSNorm
 from planc.zoo.routed import RoutedMoE
 
 
@@ -59,28 +59,12 @@ class MoELlamaBlock(nn.Module):
         return h + self.moe(self.ffn_norm(h))
 
 
-class MoELlama(nn.Module):
-    """Decoder of :class:`MoELlamaBlock` (see the module docstring for its tree); output not tied."""
+class MoELlama(Llama):
+    """The zoo Llama's decoder of :class:`MoELlamaBlock` (see the module docstring for its tree; its
+    forward takes ``positions=`` for context parallelism, where each rank's MoE layers route its own
+    tokens); output not tied."""
 
-    def __init__(self, config: MoELlamaConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(MoELlamaBlock(config) for _ in range(config.n_layers))
-        self.norm = RMSNorm(config.dim, eps=config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Maps token ids ([batch, seq], int64) to next-token logits ([batch, seq, vocab]).
-
-        ``positions`` ([seq]): the global positions of ``tokens`` when they are a shard of a
-        longer sequence (context parallelism: each rank's MoE layers route its own tokens); by
-        default ``arange(seq)``.
-        """
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h) if positions is None else layer(h, positions=positions)
-        return self.output(self.norm(h))
+    block = MoELlamaBlock
 
 
 # Qwen3-30B-A3B's routing and widths (Qwen's config.json: 48 layers of width 2048, 128 experts,
